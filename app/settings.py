@@ -1,0 +1,135 @@
+"""All configuration, read from environment variables (prefix ``STENCIL_``) with sane defaults.
+
+One module owns every knob so that processes started by the CLI, by docker-compose or by the
+tests agree on names and defaults. ``Settings.from_env()`` is cheap; call it at process start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"STENCIL_{name}", default)
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(_env(name, str(default)))
+
+
+def _env_float(name: str, default: float) -> float:
+    return float(_env(name, str(default)))
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    return _env(name, "1" if default else "0").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def default_home() -> Path:
+    """Where embedded state lives (local object store, saved embedded model)."""
+    return Path(_env("HOME", str(Path.cwd() / ".stencil")))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Process configuration. Every field maps to ``STENCIL_<FIELD_NAME_UPPER>``."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Celery broker/backend default to redis_url.
+    broker_url: str = ""
+    result_backend: str = ""
+    home: Path = field(default_factory=default_home)
+
+    # Object store: "local" (folder) or "s3".
+    store_backend: str = "local"
+    store_dir: Path = Path()
+    s3_endpoint_url: str = ""
+    s3_bucket: str = "stencil"
+    s3_region: str = "us-east-1"
+    s3_access_key: str = ""
+    s3_secret_key: str = ""
+
+    # Model: a diffusers StableDiffusionInpaintPipeline folder; empty = embedded default.
+    model_dir: str = ""
+    model_id: str = "tiny-sd-inpaint"
+    device: str = "cpu"
+    scheduler: str = "ddim"  # ddim | euler
+
+    # Engine.
+    worker_id: str = "0"
+    max_batch: int = 8
+    batching: str = "continuous"  # continuous | static
+    engine_idle_sleep: float = 0.005
+
+    # Input limits.
+    max_image_pixels: int = 4096 * 4096
+    max_upload_bytes: int = 32 * 1024 * 1024
+    max_steps: int = 200
+
+    # Jobs.
+    job_ttl_seconds: int = 7 * 24 * 3600
+    blob_ttl_seconds: int = 24 * 3600
+    intake_stream: str = "stencil:jobs"
+    intake_group: str = "dispatchers"
+    intake_claim_idle_ms: int = 60_000
+    intake_max_deliveries: int = 5
+
+    # Dispatcher: comma-separated GPU worker ids it routes to.
+    gpu_workers: str = "0"
+    routing_policy: str = "round_robin"
+
+    # Celery broker: must exceed the longest job (DESIGN.md section 4).
+    visibility_timeout: int = 3600
+    lease_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.store_dir == Path():
+            object.__setattr__(self, "store_dir", self.home / "store")
+
+    @property
+    def celery_broker(self) -> str:
+        return self.broker_url or self.redis_url
+
+    @property
+    def celery_backend(self) -> str:
+        return self.result_backend or self.redis_url
+
+    @property
+    def gpu_worker_ids(self) -> list[str]:
+        return [w.strip() for w in self.gpu_workers.split(",") if w.strip()]
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> "Settings":
+        """Build settings from ``STENCIL_*`` variables; keyword overrides win."""
+        values: dict[str, object] = {}
+        for f in dataclasses.fields(cls):
+            key = f"STENCIL_{f.name.upper()}"
+            if key not in os.environ:
+                continue
+            raw = os.environ[key]
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if isinstance(default, bool):
+                values[f.name] = raw.strip().lower() in {"1", "true", "yes", "on"}
+            elif isinstance(default, int):
+                values[f.name] = int(raw)
+            elif isinstance(default, float):
+                values[f.name] = float(raw)
+            elif f.name in {"home", "store_dir"}:
+                values[f.name] = Path(raw)
+            else:
+                values[f.name] = raw
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that reproduces these settings in a child process."""
+        env: dict[str, str] = {}
+        for f in dataclasses.fields(self):
+            env[f"STENCIL_{f.name.upper()}"] = str(getattr(self, f.name))
+        return env
+
+
+__all__ = ["Settings", "default_home"]
