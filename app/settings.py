@@ -16,18 +16,6 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(f"STENCIL_{name}", default)
 
 
-def _env_int(name: str, default: int) -> int:
-    return int(_env(name, str(default)))
-
-
-def _env_float(name: str, default: float) -> float:
-    return float(_env(name, str(default)))
-
-
-def _env_bool(name: str, default: bool) -> bool:
-    return _env(name, "1" if default else "0").strip().lower() in {"1", "true", "yes", "on"}
-
-
 def default_home() -> Path:
     """Where embedded state lives (local object store, saved embedded model)."""
     return Path(_env("HOME", str(Path.cwd() / ".stencil")))
@@ -68,6 +56,7 @@ class Settings:
     max_image_pixels: int = 4096 * 4096
     max_upload_bytes: int = 32 * 1024 * 1024
     max_steps: int = 200
+    max_side: int = 1024  # longer image side is scaled down to this before processing
 
     # Jobs.
     job_ttl_seconds: int = 7 * 24 * 3600

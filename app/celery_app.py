@@ -1,0 +1,51 @@
+"""The Celery application shared by the dispatcher (producer) and all workers.
+
+JSON only (no pickle), late acks with redelivery on worker loss, prefetch of one message per
+slot, and a broker visibility timeout longer than the longest job (DESIGN.md section 4).
+Queues: ``cpu`` for prepare/finalize, ``gpu.<id>`` for each GPU worker's denoise tasks.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from app.settings import Settings
+
+CPU_QUEUE = "cpu"
+
+
+def gpu_queue(worker_id: str) -> str:
+    return f"gpu.{worker_id}"
+
+
+def make_celery(settings: Settings | None = None) -> Celery:
+    settings = settings or Settings.from_env()
+    celery = Celery(
+        "stencil",
+        broker=settings.celery_broker,
+        backend=settings.celery_backend,
+        include=["workers.cpu_tasks", "workers.gpu_tasks"],
+    )
+    celery.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_acks_on_failure_or_timeout=True,
+        worker_prefetch_multiplier=1,
+        task_default_queue=CPU_QUEUE,
+        task_track_started=True,
+        task_send_sent_event=True,
+        worker_send_task_events=True,
+        result_expires=3600,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={"visibility_timeout": settings.visibility_timeout},
+        result_backend_transport_options={"visibility_timeout": settings.visibility_timeout},
+        worker_hijack_root_logger=False,
+    )
+    return celery
+
+
+app = make_celery()

@@ -1,0 +1,223 @@
+"""The ``stencil`` command: client operations and the commands that start each process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from app.settings import Settings
+
+log = logging.getLogger("stencil")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _client():  # type: ignore[no-untyped-def]
+    from app.client import StencilClient
+
+    return StencilClient()
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    client = _client()
+    template: object = Path(args.template) if Path(args.template).is_file() else args.template
+    handle = client.submit(template=template, mask=Path(args.mask), prompt=args.prompt,
+                           negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
+                           strength=args.strength, seed=args.seed, priority=args.priority,
+                           deadline=args.deadline, idempotency_key=args.idempotency_key)
+    sys.stdout.write(handle.id + "\n")
+    if args.wait:
+        return _wait(handle, args.timeout, args.out)
+    return 0
+
+
+def _wait(handle, timeout: float | None, out: str | None) -> int:  # type: ignore[no-untyped-def]
+    rec = handle.wait(timeout)
+    sys.stdout.write(json.dumps(rec.as_dict(), indent=2, sort_keys=True) + "\n")
+    if rec.status.value == "done" and out:
+        Path(out).write_bytes(handle.result_bytes())
+    return 0 if rec.status.value == "done" else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    rec = _client().job(args.job_id).record()
+    sys.stdout.write(json.dumps(rec.as_dict(), indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    return _wait(_client().job(args.job_id), args.timeout, args.out)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    ok = _client().job(args.job_id).cancel()
+    sys.stdout.write(("cancelled" if ok else "not cancelled (already finished)") + "\n")
+    return 0 if ok else 1
+
+
+def cmd_template_add(args: argparse.Namespace) -> int:
+    template_id = _client().add_template(Path(args.image), args.id)
+    sys.stdout.write(template_id + "\n")
+    return 0
+
+
+def cmd_model_save(args: argparse.Namespace) -> int:
+    from workers.models.tiny_sd import save_pipeline
+
+    save_pipeline(args.dir, seed=args.seed)
+    return 0
+
+
+def _worker_argv(queues: str, pool: str, concurrency: int, name: str, loglevel: str) -> list[str]:
+    return ["worker", "-Q", queues, "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "-E",
+            f"--loglevel={loglevel}", "--without-mingle", "--without-gossip"]
+
+
+def cmd_gpu_worker(args: argparse.Namespace) -> int:
+    os.environ["STENCIL_WORKER_ID"] = args.worker_id
+    os.environ["STENCIL_ROLE"] = "gpu"
+    if args.max_batch:
+        os.environ["STENCIL_MAX_BATCH"] = str(args.max_batch)
+    if args.batching:
+        os.environ["STENCIL_BATCHING"] = args.batching
+    settings = Settings.from_env()
+    # Threads, not prefork: CUDA does not survive fork. Enough threads for a full batch + a queue.
+    concurrency = args.concurrency or settings.max_batch * 2 + 2
+    from app.celery_app import app, gpu_queue
+
+    app.worker_main(_worker_argv(gpu_queue(args.worker_id), "threads", concurrency,
+                                 f"gpu{args.worker_id}", args.log_level))
+    return 0
+
+
+def cmd_cpu_worker(args: argparse.Namespace) -> int:
+    os.environ["STENCIL_ROLE"] = "cpu"
+    from app.celery_app import CPU_QUEUE, app
+
+    app.worker_main(_worker_argv(CPU_QUEUE, args.pool, args.concurrency, args.name, args.log_level))
+    return 0
+
+
+def cmd_dispatcher(args: argparse.Namespace) -> int:
+    from app.celery_app import app
+    from app.dispatcher import Dispatcher
+
+    import signal
+    import threading
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    Dispatcher(Settings.from_env(), app).run(stop)
+    return 0
+
+
+def cmd_flower(args: argparse.Namespace) -> int:
+    argv = [sys.executable, "-m", "celery", "-A", "app.celery_app:app", "flower", f"--port={args.port}",
+            f"--address={args.address}", "--persistent=True", f"--db={args.db}", "--max_tasks=10000"]
+    if args.basic_auth:
+        argv.append(f"--basic-auth={args.basic_auth}")
+    os.execv(sys.executable, argv)
+    return 0  # not reached
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from app.demo import run_demo
+
+    return run_demo(jobs=args.jobs, out_dir=Path(args.out), steps=args.steps)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stencil", description=__doc__)
+    p.add_argument("--log-level", default=os.environ.get("STENCIL_LOG_LEVEL", "INFO"))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("submit", help="submit an edit job")
+    s.add_argument("--template", required=True, help="image file to upload, or a stored template id")
+    s.add_argument("--mask", required=True, help="mask image file (white = edit)")
+    s.add_argument("--prompt", default="")
+    s.add_argument("--negative-prompt", default="")
+    s.add_argument("--steps", type=int, default=20)
+    s.add_argument("--guidance", type=float, default=7.5)
+    s.add_argument("--strength", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--priority", type=int, default=0)
+    s.add_argument("--deadline", type=float, default=None, help="absolute epoch seconds")
+    s.add_argument("--idempotency-key", default=None)
+    s.add_argument("--wait", action="store_true")
+    s.add_argument("--timeout", type=float, default=None)
+    s.add_argument("--out", default=None, help="with --wait: write the result PNG here")
+    s.set_defaults(func=cmd_submit)
+
+    s = sub.add_parser("status", help="print a job record")
+    s.add_argument("job_id")
+    s.set_defaults(func=cmd_status)
+
+    s = sub.add_parser("wait", help="wait for a job; optionally save its result")
+    s.add_argument("job_id")
+    s.add_argument("--timeout", type=float, default=None)
+    s.add_argument("--out", default=None)
+    s.set_defaults(func=cmd_wait)
+
+    s = sub.add_parser("cancel", help="cancel a queued or running job")
+    s.add_argument("job_id")
+    s.set_defaults(func=cmd_cancel)
+
+    t = sub.add_parser("template", help="manage stored templates").add_subparsers(dest="tcmd", required=True)
+    s = t.add_parser("add", help="store a template image")
+    s.add_argument("image")
+    s.add_argument("--id", default=None)
+    s.set_defaults(func=cmd_template_add)
+
+    m = sub.add_parser("model", help="model utilities").add_subparsers(dest="mcmd", required=True)
+    s = m.add_parser("save", help="write the embedded default model as a diffusers pipeline folder")
+    s.add_argument("dir")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=cmd_model_save)
+
+    s = sub.add_parser("gpu-worker", help="start a GPU worker (one engine) for queue gpu.<id>")
+    s.add_argument("--worker-id", default=os.environ.get("STENCIL_WORKER_ID", "0"))
+    s.add_argument("--max-batch", type=int, default=0)
+    s.add_argument("--batching", choices=["continuous", "static"], default=None)
+    s.add_argument("--concurrency", type=int, default=0)
+    s.set_defaults(func=cmd_gpu_worker)
+
+    s = sub.add_parser("cpu-worker", help="start a CPU worker (prepare/finalize tasks)")
+    s.add_argument("--concurrency", type=int, default=int(os.environ.get("STENCIL_CPU_CONCURRENCY", "1")))
+    s.add_argument("--pool", default=os.environ.get("STENCIL_CPU_POOL", "prefork"))
+    s.add_argument("--name", default="cpu")
+    s.set_defaults(func=cmd_cpu_worker)
+
+    s = sub.add_parser("dispatcher", help="start the dispatcher")
+    s.set_defaults(func=cmd_dispatcher)
+
+    s = sub.add_parser("flower", help="start Flower (Celery monitoring) for this app")
+    s.add_argument("--port", type=int, default=5555)
+    s.add_argument("--address", default="0.0.0.0")
+    s.add_argument("--basic-auth", default=os.environ.get("FLOWER_BASIC_AUTH", ""))
+    s.add_argument("--db", default=os.environ.get("FLOWER_DB", "flower.db"))
+    s.set_defaults(func=cmd_flower)
+
+    s = sub.add_parser("demo", help="run the embedded stack end to end and write results")
+    s.add_argument("--jobs", type=int, default=4)
+    s.add_argument("--out", default="demo-out")
+    s.add_argument("--steps", type=int, default=20)
+    s.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    args.log_level = args.log_level.upper()
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Python client: submit edit jobs and follow them.
+
+The client talks to the service's Redis (job records + intake stream) and reads results from the
+object store, so it needs the same ``STENCIL_*`` settings as the service (or explicit arguments).
+
+    client = StencilClient()
+    job = client.submit(template=Image.open("t.png"), mask=mask_array, prompt="a red scarf", seed=7)
+    job.wait(timeout=60)
+    job.result().save("out.png")
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis
+from PIL import Image
+
+from app.blobs import BlobStore
+from app.keys import template_key
+from app.masks import mask_from_array
+from app.jobs import JobParams, JobRecord, JobStatus, JobStore, new_job_id
+from app.settings import Settings
+from app.storage import ObjectStore, open_store
+
+log = logging.getLogger(__name__)
+
+ImageLike = bytes | Image.Image | np.ndarray | Path
+
+
+class JobFailed(RuntimeError):
+    """The job ended in failed, cancelled or expired; ``record`` holds the reason."""
+
+    def __init__(self, record: JobRecord) -> None:
+        super().__init__(f"job {record.id} {record.status.value}: {record.error or 'no reason given'}")
+        self.record = record
+
+
+def _image_bytes(value: ImageLike, *, mask: bool) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, Path):
+        return value.read_bytes()
+    if isinstance(value, np.ndarray):
+        if mask:
+            value = mask_from_array(value)
+        else:
+            value = Image.fromarray(np.asarray(value, dtype=np.uint8))
+    if isinstance(value, Image.Image):
+        buf = io.BytesIO()
+        value.save(buf, format="PNG")
+        return buf.getvalue()
+    raise TypeError(f"expected bytes, a PIL image, a numpy array or a Path, got {type(value).__name__}")
+
+
+class JobHandle:
+    """A submitted job. Cheap to create from an id (``client.job(id)``)."""
+
+    def __init__(self, client: "StencilClient", job_id: str, created: bool = True) -> None:
+        self.client = client
+        self.id = job_id
+        self.created = created
+
+    def __repr__(self) -> str:
+        return f"JobHandle({self.id})"
+
+    def record(self) -> JobRecord:
+        rec = self.client.jobs.get(self.id)
+        if rec is None:
+            raise KeyError(f"job {self.id} does not exist (or expired)")
+        return rec
+
+    def status(self) -> JobStatus:
+        return self.record().status
+
+    def progress(self) -> tuple[int, int]:
+        """(steps done, total steps)."""
+        return self.record().progress
+
+    def wait(self, timeout: float | None = None, poll: float = 0.05) -> JobRecord:
+        """Block until the job is terminal; returns its record. Raises TimeoutError."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            rec = self.record()
+            if rec.status.terminal:
+                return rec
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.id} still {rec.status.value} after {timeout}s")
+            time.sleep(poll)
+
+    def result_bytes(self) -> bytes:
+        rec = self.record()
+        if rec.status != JobStatus.DONE or not rec.result_key:
+            raise JobFailed(rec) if rec.status.terminal else RuntimeError(f"job {self.id} is {rec.status.value}")
+        return self.client.store.get(rec.result_key)
+
+    def result(self) -> Image.Image:
+        """The edited image (PIL). Raises ``JobFailed`` for failed/cancelled/expired jobs."""
+        return Image.open(io.BytesIO(self.result_bytes()))
+
+    def cancel(self) -> bool:
+        """Cancel a queued or running job; False if it had already ended."""
+        return self.client.jobs.cancel(self.id)
+
+
+class StencilClient:
+    def __init__(self, settings: Settings | None = None, *, redis_url: str | None = None,
+                 store: ObjectStore | None = None) -> None:
+        self.settings = settings or Settings.from_env()
+        self.redis = redis.Redis.from_url(redis_url or self.settings.redis_url)
+        self.jobs = JobStore(self.redis, ttl_seconds=self.settings.job_ttl_seconds,
+                             intake_stream=self.settings.intake_stream)
+        self.blobs = BlobStore(self.redis, self.settings.blob_ttl_seconds)
+        self.store = store or open_store(self.settings)
+
+    def add_template(self, image: ImageLike, template_id: str | None = None) -> str:
+        """Store a template image for reuse by many jobs; returns its id."""
+        template_id = template_id or new_job_id()
+        self.store.put(template_key(template_id), _image_bytes(image, mask=False))
+        return template_id
+
+    def submit(self, *, template: str | ImageLike, mask: ImageLike, prompt: str = "",
+               negative_prompt: str = "", steps: int = 20, guidance: float = 7.5, strength: float = 1.0,
+               seed: int = 0, priority: int = 0, deadline: float | None = None,
+               idempotency_key: str | None = None, width: int | None = None,
+               height: int | None = None) -> JobHandle:
+        """Submit an edit. ``template`` is a stored template id (str) or an image to upload.
+
+        ``deadline`` is absolute (epoch seconds). Parameters are validated by the service: bad
+        values give a ``failed`` job with a reason, not an exception here.
+        """
+        params = JobParams(prompt=prompt, negative_prompt=negative_prompt, steps=int(steps),
+                           guidance=float(guidance), strength=float(strength), seed=int(seed),
+                           priority=int(priority), deadline=deadline,
+                           template_id=template if isinstance(template, str) else "",
+                           width=width, height=height)
+        job_id = new_job_id()
+        if idempotency_key:
+            existing = self.redis.get("stencil:idem:" + idempotency_key)
+            if existing is not None:
+                return JobHandle(self, existing.decode(), created=False)
+        # Payloads first, then the record: the dispatcher never sees a job without its inputs.
+        if not isinstance(template, str):
+            self.blobs.put(job_id, "image", _image_bytes(template, mask=False))
+        self.blobs.put(job_id, "mask", _image_bytes(mask, mask=True))
+        job_id_final, created = self.jobs.create(params, idempotency_key=idempotency_key, job_id=job_id)
+        if not created:
+            self.blobs.delete_job(job_id)
+        return JobHandle(self, job_id_final, created)
+
+    def submit_many(self, requests: Iterable[Mapping[str, Any]]) -> list[JobHandle]:
+        """Submit several jobs (each mapping holds ``submit``'s keyword arguments)."""
+        return [self.submit(**dict(req)) for req in requests]
+
+    def job(self, job_id: str) -> JobHandle:
+        return JobHandle(self, job_id, created=False)
+
+    def wait_all(self, handles: Iterable[JobHandle], timeout: float | None = None) -> list[JobRecord]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out = []
+        for handle in handles:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            out.append(handle.wait(remaining))
+        return out

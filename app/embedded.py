@@ -1,0 +1,202 @@
+"""An embedded stack on one machine: its own redis-server on a free loopback port, the local
+object store, CPU and GPU Celery workers and the dispatcher, as child processes.
+
+Used by ``stencil demo`` and by the integration tests, so both exercise the same processes a
+deployment runs (the same ``stencil`` subcommands docker-compose starts).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """A private ``redis-server`` (no persistence) for one stack or test session."""
+
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server not found: install it (Debian: apt-get install -y redis-server)")
+        self.port = port or free_port()
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
+class EmbeddedStack:
+    """Processes of a one-machine Stencil; ``stop()`` (or the context manager) ends them all."""
+
+    settings: Settings
+    redis_server: RedisServer
+    workdir: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    owns_workdir: bool = False
+
+    @classmethod
+    def start(cls, workdir: Path | None = None, *, gpu_workers: int = 1, cpu_concurrency: int = 1,
+              dispatcher: bool = True, **overrides: object) -> "EmbeddedStack":
+        owns = workdir is None
+        workdir = Path(workdir or tempfile.mkdtemp(prefix="stencil-"))
+        workdir.mkdir(parents=True, exist_ok=True)
+        server = RedisServer(workdir / "redis")
+        ids = ",".join(str(i) for i in range(gpu_workers))
+        values: dict[str, object] = {"home": Path(os.environ.get("STENCIL_HOME", workdir / "home")),
+                                     "store_dir": workdir / "store", "gpu_workers": ids}
+        values.update(overrides)
+        values["redis_url"] = server.url
+        settings = Settings.from_env(**values)
+        stack = cls(settings=settings, redis_server=server, workdir=workdir, owns_workdir=owns)
+        try:
+            # Save the embedded model once, before several processes race to do it.
+            from workers.models.loader import ensure_model_dir
+
+            ensure_model_dir(settings)
+            stack.start_cpu_worker(concurrency=cpu_concurrency)
+            for worker_id in settings.gpu_worker_ids:
+                stack.start_gpu_worker(worker_id)
+            if dispatcher:
+                stack.start_dispatcher()
+            stack.wait_ready()
+        except BaseException:
+            stack.stop()
+            raise
+        return stack
+
+    def __enter__(self) -> "EmbeddedStack":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.settings.to_env())
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.update(extra)
+        return env
+
+    def _spawn(self, name: str, args: list[str], **extra_env: str) -> subprocess.Popen:
+        logdir = self.workdir / "logs"
+        logdir.mkdir(parents=True, exist_ok=True)
+        logfile = open(logdir / f"{name}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], env=self.env(**extra_env),
+                                stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
+        logfile.close()
+        self.procs[name] = proc
+        log.info("started %s (pid %d)", name, proc.pid)
+        return proc
+
+    def start_cpu_worker(self, concurrency: int = 1, name: str = "cpu") -> subprocess.Popen:
+        return self._spawn(name, ["cpu-worker", "--concurrency", str(concurrency), "--name", name])
+
+    def start_gpu_worker(self, worker_id: str, **extra_env: str) -> subprocess.Popen:
+        return self._spawn(f"gpu{worker_id}", ["gpu-worker", "--worker-id", worker_id], **extra_env)
+
+    def start_dispatcher(self) -> subprocess.Popen:
+        return self._spawn("dispatcher", ["dispatcher"])
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Kill a process (and its children, e.g. prefork pool processes)."""
+        proc = self.procs.pop(name)
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.settings.redis_url)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Until every GPU engine published its state and the dispatcher its heartbeat."""
+        r = self.redis()
+        deadline = time.monotonic() + timeout
+        need = [f"stencil:worker:{w}" for w in self.settings.gpu_worker_ids if f"gpu{w}" in self.procs]
+        if "dispatcher" in self.procs:
+            need.append("stencil:dispatcher:heartbeat")
+        while True:
+            missing = [k for k in need if not r.exists(k)]
+            dead = [n for n, p in self.procs.items() if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"processes exited during start-up: {dead}; see {self.workdir / 'logs'}")
+            if not missing and self._cpu_ready():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stack not ready after {timeout}s: waiting for {missing}")
+            time.sleep(0.2)
+
+    def _cpu_ready(self) -> bool:
+        from app.celery_app import make_celery
+
+        if not any(n.startswith("cpu") for n in self.procs):
+            return True
+        replies = make_celery(self.settings).control.ping(timeout=0.5) or []
+        return any(name.startswith("cpu") for reply in replies for name in reply)
+
+    def stop(self) -> None:
+        for name in list(self.procs):
+            proc = self.procs[name]
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for name, proc in list(self.procs.items()):
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        self.procs.clear()
+        self.redis_server.stop()
+        if self.owns_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)

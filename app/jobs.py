@@ -1,0 +1,272 @@
+"""Job records in Redis: the single source of truth for what is done.
+
+A job is a hash ``stencil:job:{id}``. Status changes go through one Lua script so that a job in a
+terminal state (done, failed, cancelled, expired) never moves again, whichever process (client,
+dispatcher, Celery task, engine) races to update it. Tasks consult the record to stay idempotent
+under at-least-once delivery.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+JOB_PREFIX = "stencil:job:"
+IDEMPOTENCY_PREFIX = "stencil:idem:"
+
+
+class JobStatus(str, enum.Enum):
+    QUEUED = "queued"
+    ROUTED = "routed"
+    PREPARING = "preparing"
+    WAITING = "waiting"
+    DENOISING = "denoising"
+    FINALIZING = "finalizing"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED})
+
+# Fields a client sets at submission (everything else is written by the service).
+PARAM_FIELDS = (
+    "template_id", "prompt", "negative_prompt", "steps", "guidance", "strength", "seed",
+    "priority", "deadline", "width", "height",
+)
+
+# KEYS[1] = job hash. ARGV: new status, now, ttl, expected current statuses (",a,b," or ""),
+# then field/value pairs. Returns 1 if applied, 0 if the job is terminal, missing or not in an
+# expected status.
+_TRANSITION_LUA = """
+local cur = redis.call('HGET', KEYS[1], 'status')
+if not cur then return 0 end
+if cur == 'done' or cur == 'failed' or cur == 'cancelled' or cur == 'expired' then return 0 end
+if ARGV[4] ~= '' and not string.find(ARGV[4], ',' .. cur .. ',', 1, true) then return 0 end
+local new = ARGV[1]
+redis.call('HSET', KEYS[1], 'status', new, 'ts_' .. new, ARGV[2])
+for i = 5, #ARGV, 2 do
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+if new == 'done' or new == 'failed' or new == 'cancelled' or new == 'expired' then
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
+end
+return 1
+"""
+
+
+@dataclass
+class JobParams:
+    """What the user asked for. Validated server-side (see ``validate``)."""
+
+    prompt: str = ""
+    negative_prompt: str = ""
+    steps: int = 20
+    guidance: float = 7.5
+    strength: float = 1.0
+    seed: int = 0
+    priority: int = 0
+    deadline: float | None = None  # absolute epoch seconds
+    template_id: str = ""  # stored template; empty = uploaded image blob
+    width: int | None = None
+    height: int | None = None
+
+    def to_fields(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for name in PARAM_FIELDS:
+            value = getattr(self, name)
+            out[name] = "" if value is None else str(value)
+        return out
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, str]) -> "JobParams":
+        def opt_int(v: str | None) -> int | None:
+            return int(v) if v not in (None, "") else None
+
+        deadline = fields.get("deadline") or ""
+        return cls(
+            prompt=fields.get("prompt", ""),
+            negative_prompt=fields.get("negative_prompt", ""),
+            steps=int(fields.get("steps") or 0),
+            guidance=float(fields.get("guidance") or 0.0),
+            strength=float(fields.get("strength") or 0.0),
+            seed=int(fields.get("seed") or 0),
+            priority=int(fields.get("priority") or 0),
+            deadline=float(deadline) if deadline else None,
+            template_id=fields.get("template_id", ""),
+            width=opt_int(fields.get("width")),
+            height=opt_int(fields.get("height")),
+        )
+
+    def validate(self, max_steps: int) -> str | None:
+        """The reason the parameters are unusable, or None."""
+        if self.steps <= 0:
+            return f"steps must be > 0 (got {self.steps})"
+        if self.steps > max_steps:
+            return f"steps must be <= {max_steps} (got {self.steps})"
+        if not 0.0 < self.strength <= 1.0:
+            return f"strength must be in (0, 1] (got {self.strength})"
+        if self.guidance < 0:
+            return f"guidance must be >= 0 (got {self.guidance})"
+        if not 0 <= self.seed < 2**63:
+            return f"seed must be in [0, 2**63) (got {self.seed})"
+        for name in ("width", "height"):
+            value = getattr(self, name)
+            if value is not None and (value <= 0 or value % 8):
+                return f"{name} must be a positive multiple of 8 (got {value})"
+        return None
+
+
+@dataclass
+class JobRecord:
+    """A decoded view of the job hash."""
+
+    id: str
+    status: JobStatus
+    params: JobParams
+    fields: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        return int(self.fields.get("progress_step") or 0), int(self.fields.get("progress_total") or 0)
+
+    @property
+    def error(self) -> str | None:
+        return self.fields.get("error") or None
+
+    @property
+    def result_key(self) -> str | None:
+        return self.fields.get("result_key") or None
+
+    @property
+    def worker(self) -> str | None:
+        return self.fields.get("worker") or None
+
+    def ts(self, status: JobStatus | str) -> float | None:
+        value = self.fields.get(f"ts_{JobStatus(status).value}")
+        return float(value) if value else None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.fields)
+        out["id"] = self.id
+        return out
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+class JobStore:
+    """Create, read and transition job records."""
+
+    def __init__(self, client: redis.Redis, *, ttl_seconds: int, intake_stream: str) -> None:
+        self.r = client
+        self.ttl = ttl_seconds
+        self.intake_stream = intake_stream
+        self._transition = self.r.register_script(_TRANSITION_LUA)
+
+    @staticmethod
+    def key(job_id: str) -> str:
+        return JOB_PREFIX + job_id
+
+    def create(self, params: JobParams, *, idempotency_key: str | None = None,
+               extra: dict[str, str] | None = None, job_id: str | None = None) -> tuple[str, bool]:
+        """Create a queued job and announce it on the intake stream.
+
+        Returns ``(job_id, created)``; with an idempotency key already used, the earlier job's id
+        and ``False``. The record is written before the stream entry, so the dispatcher always
+        finds it.
+        """
+        job_id = job_id or new_job_id()
+        if idempotency_key:
+            idem = IDEMPOTENCY_PREFIX + idempotency_key
+            if not self.r.set(idem, job_id, nx=True, ex=self.ttl):
+                existing = self.r.get(idem)
+                if existing is not None:
+                    return existing.decode() if isinstance(existing, bytes) else str(existing), False
+        now = time.time()
+        mapping = params.to_fields()
+        mapping.update(extra or {})
+        mapping.update({
+            "id": job_id,
+            "status": JobStatus.QUEUED.value,
+            "ts_queued": repr(now),
+            "idempotency_key": idempotency_key or "",
+            "progress_step": "0",
+            "progress_total": str(params.steps),
+        })
+        pipe = self.r.pipeline()
+        pipe.hset(self.key(job_id), mapping=mapping)
+        pipe.expire(self.key(job_id), self.ttl)
+        pipe.xadd(self.intake_stream, {"job_id": job_id})
+        pipe.execute()
+        return job_id, True
+
+    def get(self, job_id: str) -> JobRecord | None:
+        raw = self.r.hgetall(self.key(job_id))
+        if not raw:
+            return None
+        fields = {_s(k): _s(v) for k, v in raw.items()}
+        return JobRecord(id=job_id, status=JobStatus(fields["status"]),
+                         params=JobParams.from_fields(fields), fields=fields)
+
+    def status(self, job_id: str) -> JobStatus | None:
+        value = self.r.hget(self.key(job_id), "status")
+        return JobStatus(_s(value)) if value is not None else None
+
+    def statuses(self, job_ids: list[str]) -> dict[str, JobStatus | None]:
+        """Many statuses in one round trip (the engine checks its batch every step)."""
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(self.key(job_id), "status")
+        return {j: (JobStatus(_s(v)) if v is not None else None)
+                for j, v in zip(job_ids, pipe.execute())}
+
+    def transition(self, job_id: str, status: JobStatus, *, expect: tuple[JobStatus, ...] = (),
+                   **fields: object) -> bool:
+        """Move a non-terminal job to ``status`` (stamping ``ts_<status>``).
+
+        With ``expect``, only from one of those statuses (so a late writer cannot move a job
+        backwards). Returns False when nothing changed.
+        """
+        expected = "," + ",".join(s.value for s in expect) + "," if expect else ""
+        argv: list[str] = [status.value, repr(time.time()), str(self.ttl), expected]
+        for name, value in fields.items():
+            argv += [name, "" if value is None else str(value)]
+        return bool(self._transition(keys=[self.key(job_id)], args=argv))
+
+    def fail(self, job_id: str, reason: str) -> bool:
+        return self.transition(job_id, JobStatus.FAILED, error=reason)
+
+    def update(self, job_id: str, **fields: object) -> None:
+        """Write informational fields (no status change)."""
+        self.r.hset(self.key(job_id), mapping={k: "" if v is None else str(v) for k, v in fields.items()})
+
+    def set_progress_many(self, progress: dict[str, tuple[int, int]]) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for job_id, (step, total) in progress.items():
+            pipe.hset(self.key(job_id), mapping={"progress_step": step, "progress_total": total})
+        pipe.execute()
+
+    def cancel(self, job_id: str) -> bool:
+        """Request cancellation; a queued job stops at once, a denoising one at its next step."""
+        return self.transition(job_id, JobStatus.CANCELLED, error="cancelled by user")
+
+
+def _s(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True)

@@ -1,0 +1,77 @@
+"""Per-process singletons for Celery workers: settings, Redis, stores, models, the engine.
+
+Created lazily and once (under a lock) because Celery imports task modules in every process,
+including ones that never run a task of that kind.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from pathlib import Path
+
+import redis
+
+from app.blobs import BlobStore
+from app.jobs import JobStore
+from app.settings import Settings
+from app.storage import ObjectStore, open_store
+
+log = logging.getLogger(__name__)
+_lock = threading.RLock()
+
+
+@functools.cache
+def settings() -> Settings:
+    return Settings.from_env()
+
+
+@functools.cache
+def redis_client() -> redis.Redis:
+    return redis.Redis.from_url(settings().redis_url, health_check_interval=30)
+
+
+@functools.cache
+def jobs() -> JobStore:
+    s = settings()
+    return JobStore(redis_client(), ttl_seconds=s.job_ttl_seconds, intake_stream=s.intake_stream)
+
+
+@functools.cache
+def blobs() -> BlobStore:
+    return BlobStore(redis_client(), settings().blob_ttl_seconds)
+
+
+@functools.cache
+def object_store() -> ObjectStore:
+    return open_store(settings())
+
+
+@functools.cache
+def model_dir() -> Path:
+    from workers.models.loader import ensure_model_dir
+
+    with _lock:
+        return ensure_model_dir(settings())
+
+
+@functools.cache
+def scheduler_config() -> dict:
+    from workers.models.loader import scheduler_config as load
+
+    return load(model_dir())
+
+
+_cpu_pipeline = None
+
+
+def cpu_pipeline():  # type: ignore[no-untyped-def]
+    """VAE + text encoder + tokenizer (no UNet) for prepare/finalize."""
+    global _cpu_pipeline
+    with _lock:
+        if _cpu_pipeline is None:
+            from workers.models.loader import load_cpu_pipeline
+
+            _cpu_pipeline = load_cpu_pipeline(model_dir())
+        return _cpu_pipeline

@@ -1,0 +1,143 @@
+"""CPU Celery tasks: everything outside the denoising loop (disaggregated from the GPU engine).
+
+``prepare``: fetch and decode the template and mask (Pillow, with limits), resize, text and VAE
+encode, write the job's tensors (safetensors bytes) to Redis. ``finalize``: VAE decode, PNG
+encode, store the result in the object store, mark the job done.
+
+Both are idempotent under redelivery: the job record and the presence of their outputs decide
+what is already done. Bad input fails the job with a reason and stops the chain (``Ignore``);
+the worker keeps running.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+from celery.exceptions import Ignore
+from PIL import Image
+
+from app.celery_app import app
+from app.jobs import JobStatus
+from app.keys import result_key, template_key
+from app.storage import ObjectNotFound, StoreUnavailable
+from workers import context as ctx
+from workers.images import InvalidInput, decode_image, encode_png, target_size, to_mask, to_rgb
+from workers.tensors import pack, unpack
+
+log = logging.getLogger(__name__)
+
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError, StoreUnavailable)
+
+
+def _load_template(job_id: str, template_id: str) -> bytes:
+    s = ctx.settings()
+    if template_id:
+        try:
+            return ctx.object_store().get(template_key(template_id))
+        except (ObjectNotFound, ValueError) as exc:
+            raise InvalidInput(f"unknown template {template_id!r}") from exc
+    data = ctx.blobs().get(job_id, "image")
+    if data is None:
+        raise InvalidInput("the uploaded template image is missing (expired or never uploaded)")
+    if len(data) > s.max_upload_bytes:
+        raise InvalidInput(f"template image is {len(data)} bytes, over the limit of {s.max_upload_bytes}")
+    return data
+
+
+def _decode_inputs(job_id: str, template_id: str) -> tuple[Image.Image, Image.Image]:
+    s = ctx.settings()
+    image = to_rgb(decode_image(_load_template(job_id, template_id), what="template image",
+                                max_pixels=s.max_image_pixels, max_bytes=s.max_upload_bytes))
+    mask_bytes = ctx.blobs().get(job_id, "mask")
+    if mask_bytes is None:
+        raise InvalidInput("the mask is missing (expired or never uploaded)")
+    mask = to_mask(decode_image(mask_bytes, what="mask", max_pixels=s.max_image_pixels,
+                                max_bytes=s.max_upload_bytes))
+    if mask.size != image.size:
+        raise InvalidInput(f"mask size {mask.size[0]}x{mask.size[1]} does not match image size "
+                           f"{image.size[0]}x{image.size[1]}")
+    return image, mask
+
+
+@app.task(name="stencil.prepare", bind=True, autoretry_for=TRANSIENT, retry_backoff=True, max_retries=5)
+def prepare(self: Any, job_id: str) -> dict[str, Any]:
+    from workers.sd_inputs import prepare_job_tensors
+
+    jobs = ctx.jobs()
+    rec = jobs.get(job_id)
+    if rec is None or rec.status.terminal:
+        log.info("prepare %s: job is %s, nothing to do", job_id, rec.status.value if rec else "gone")
+        raise Ignore()
+    existing = ctx.blobs().get(job_id, "inputs")
+    if existing is not None:  # redelivered after a crash: reuse the prepared inputs
+        _, meta = unpack(existing)
+        return {"job_id": job_id, **{k: meta[k] for k in ("empty", "num_steps", "mask_ratio")}}
+    jobs.transition(job_id, JobStatus.PREPARING, expect=(JobStatus.QUEUED, JobStatus.ROUTED),
+                    prepare_worker=self.request.hostname or "")
+    try:
+        params = rec.params
+        image, mask = _decode_inputs(job_id, params.template_id)
+        pipe = ctx.cpu_pipeline()
+        if params.width and params.height:
+            width, height = params.width, params.height
+        else:
+            width, height = target_size(*image.size, pipe.vae_scale_factor, ctx.settings().max_side)
+        prepared = prepare_job_tensors(pipe, ctx.scheduler_config(), image, mask, params, height, width)
+    except InvalidInput as exc:
+        log.info("job %s: invalid input: %s", job_id, exc)
+        jobs.fail(job_id, str(exc))
+        raise Ignore() from exc
+    except TRANSIENT:
+        raise
+    except Exception as exc:
+        log.exception("job %s: prepare failed", job_id)
+        jobs.fail(job_id, f"prepare failed: {type(exc).__name__}: {exc}")
+        raise Ignore() from exc
+    empty = prepared.mask_ratio == 0.0
+    meta = dict(prepared.meta, empty=empty, mask_ratio=prepared.mask_ratio)
+    tensors = dict(prepared.tensors)
+    if empty:
+        tensors["processed_image"] = prepared.processed_image
+    ctx.blobs().put(job_id, "inputs", pack(tensors, meta))
+    jobs.transition(job_id, JobStatus.WAITING, mask_ratio=f"{prepared.mask_ratio:.6f}",
+                    width=width, height=height, progress_total=meta["num_steps"])
+    return {"job_id": job_id, "empty": empty, "num_steps": meta["num_steps"],
+            "mask_ratio": prepared.mask_ratio}
+
+
+@app.task(name="stencil.finalize", bind=True, autoretry_for=TRANSIENT, retry_backoff=True, max_retries=5)
+def finalize(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
+    from workers.sd_inputs import decode_latents, image_from_processed
+
+    job_id = prep["job_id"]
+    jobs = ctx.jobs()
+    rec = jobs.get(job_id)
+    if rec is None or rec.status.terminal:
+        log.info("finalize %s: job is %s, nothing to do", job_id, rec.status.value if rec else "gone")
+        return {"job_id": job_id, "status": rec.status.value if rec else "gone"}
+    jobs.transition(job_id, JobStatus.FINALIZING, finalize_worker=self.request.hostname or "")
+    try:
+        pipe = ctx.cpu_pipeline()
+        if prep.get("empty"):
+            tensors, _ = unpack(ctx.blobs().get(job_id, "inputs") or b"")
+            image = image_from_processed(pipe, tensors["processed_image"])
+        else:
+            blob = ctx.blobs().get(job_id, "latents")
+            if blob is None:
+                raise RuntimeError("denoised latents are missing")
+            tensors, _ = unpack(blob)
+            image = decode_latents(pipe, tensors["latents"])
+        key = result_key(job_id)
+        ctx.object_store().put(key, encode_png(image))
+    except TRANSIENT:
+        raise
+    except Exception as exc:
+        log.exception("job %s: finalize failed", job_id)
+        jobs.fail(job_id, f"finalize failed: {type(exc).__name__}: {exc}")
+        raise Ignore() from exc
+    if jobs.transition(job_id, JobStatus.DONE, result_key=key, ts_end=repr(time.time())):
+        ctx.blobs().delete_job(job_id)
+    return {"job_id": job_id, "status": "done", "result_key": key}

@@ -1,0 +1,198 @@
+"""The engine: one long-lived thread that owns the device and runs step-level batches.
+
+Every iteration: take new jobs from the inbox, drop cancelled ones, let the scheduler admit
+waiting jobs, run ONE denoising step for the whole batch, retire finished jobs (resolving their
+futures) and report progress. Callers (Celery ``denoise`` tasks on other threads) only ever touch
+the thread-safe inbox and their job's future; all model state stays on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from workers.engine.job import EngineJob, JobCancelled
+from workers.engine.scheduler import BatchScheduler
+
+log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    def init_state(self, tensors: dict[str, Any], meta: dict[str, Any]) -> Any: ...
+    def step(self, batch: list[EngineJob]) -> None: ...
+    def result(self, job: EngineJob) -> Any: ...
+
+
+class EngineHooks:
+    """Side effects of the loop (Redis in production, nothing in unit tests)."""
+
+    def cancelled(self, job_ids: list[str]) -> set[str]:
+        """Which of these jobs must leave the engine (cancelled/expired/failed elsewhere)."""
+        return set()
+
+    def on_admit(self, jobs: list[EngineJob]) -> None: ...
+
+    def on_step(self, batch: list[EngineJob], step_seconds: float, waiting: list[EngineJob]) -> None: ...
+
+    def on_idle(self, waiting: list[EngineJob]) -> None: ...
+
+
+@dataclass
+class StepRecord:
+    """One executed step, for tests and metrics: which jobs shared it."""
+
+    index: int
+    job_ids: tuple[str, ...]
+    seconds: float
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    busy_seconds: float = 0.0
+    history: list[StepRecord] = field(default_factory=list)
+    history_limit: int = 10_000
+
+    def record(self, rec: StepRecord) -> None:
+        self.steps += 1
+        self.busy_seconds += rec.seconds
+        self.history.append(rec)
+        if len(self.history) > self.history_limit:
+            del self.history[: len(self.history) - self.history_limit]
+
+
+class Engine:
+    def __init__(self, runner: Runner, scheduler: BatchScheduler, hooks: EngineHooks | None = None,
+                 *, idle_wait: float = 0.05, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.hooks = hooks or EngineHooks()
+        self.idle_wait = idle_wait
+        self.clock = clock
+        self.stats = EngineStats()
+        self._inbox: queue.Queue[EngineJob] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- called from other threads -------------------------------------------------------
+    def submit(self, job_id: str, tensors: dict[str, Any], meta: dict[str, Any], *,
+               total_steps: int, priority: int = 0, deadline: float | None = None,
+               mask_ratio: float = 1.0) -> EngineJob:
+        """Queue a job; its ``future`` resolves to the runner's result or raises."""
+        job = EngineJob(job_id=job_id, total_steps=total_steps, priority=priority,
+                        deadline=deadline, mask_ratio=mask_ratio)
+        job.state = (tensors, meta)  # turned into runner state on the engine thread
+        self._inbox.put(job)
+        return job
+
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="stencil-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        for job in self.scheduler.jobs():
+            if not job.future.done():
+                job.future.set_exception(JobCancelled("engine stopped"))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- engine thread ------------------------------------------------------------------
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            job = self._inbox.get(timeout=self.idle_wait) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._accept(job)
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _accept(self, job: EngineJob) -> None:
+        tensors, meta = job.state
+        try:
+            job.state = self.runner.init_state(tensors, meta)
+        except Exception as exc:  # bad tensors fail this job only
+            log.warning("job %s rejected by the runner: %s", job.job_id, exc)
+            job.future.set_exception(exc)
+            return
+        self.scheduler.add(job)
+
+    def _drop_cancelled(self) -> None:
+        jobs = self.scheduler.jobs()
+        if not jobs:
+            return
+        try:
+            gone = self.hooks.cancelled([j.job_id for j in jobs])
+        except Exception:
+            log.exception("cancellation check failed; continuing")
+            return
+        for job_id in gone:
+            job = self.scheduler.remove(job_id)
+            if job is not None and not job.future.done():
+                log.info("job %s left the engine (cancelled) after %d steps", job_id, job.steps_done)
+                job.future.set_exception(JobCancelled(job_id))
+
+    def _run_step(self, batch: list[EngineJob]) -> list[EngineJob]:
+        """Run one step; on error, isolate the failing job(s) so the others go on."""
+        try:
+            self.runner.step(batch)
+            return batch
+        except Exception as exc:
+            if len(batch) == 1:
+                job = batch[0]
+                log.warning("job %s failed in the engine: %s", job.job_id, exc)
+                self.scheduler.remove(job.job_id)
+                job.future.set_exception(exc)
+                return []
+            log.warning("batched step failed (%s); retrying job by job", exc)
+        survivors = []
+        for job in batch:
+            survivors += self._run_step([job])
+        return survivors
+
+    def step_once(self) -> bool:
+        """One loop iteration; returns False when there was nothing to run."""
+        self._drop_cancelled()
+        batch, admitted = self.scheduler.schedule()
+        if admitted:
+            self.hooks.on_admit(admitted)
+        if not batch:
+            return False
+        start = self.clock()
+        ran = self._run_step(batch)
+        seconds = self.clock() - start
+        self.stats.record(StepRecord(self.stats.steps, tuple(j.job_id for j in ran), seconds))
+        finished = self.scheduler.complete_step(ran)
+        try:
+            self.hooks.on_step(ran, seconds, list(self.scheduler.waiting))
+        except Exception:
+            log.exception("on_step hook failed; continuing")
+        for job in finished:
+            job.future.set_result(self.runner.result(job))
+        return True
+
+    def _loop(self) -> None:
+        log.info("engine started: max_batch=%d mode=%s", self.scheduler.max_batch, self.scheduler.mode)
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.scheduler.jobs())
+            try:
+                if not self.step_once():
+                    self.hooks.on_idle(list(self.scheduler.waiting))
+            except Exception:  # the loop must survive anything a job does
+                log.exception("engine iteration failed")
+                time.sleep(self.idle_wait)
+        log.info("engine stopped")

@@ -1,0 +1,374 @@
+"""Per-step load/compute plan: which transformer blocks use the activation cache.
+
+The problem (the paper's "bubble-free" Algorithm 1, generalised). A denoising step runs its
+blocks in order on one compute stream. Block ``i`` either
+
+- computes fully (``full_s``), needing nothing from the cache, or
+- computes only the masked tokens (``cached_s``, usually much less), but only after its cached
+  activations (``load_bytes``) have reached the device.
+
+Loads run on one copy stream, in block order, overlapped with compute; the copy stream may have
+been free for ``lead_s`` seconds before the step starts (prefetch lead), so loads start at
+``-lead_s`` and compute at 0. Where the data lives decides the load time: already on the device
+(``RESIDENT``: free, no copy-stream use), host RAM (PCIe bandwidth), the object store (S3
+bandwidth + request latency), or nowhere (``UNAVAILABLE``: must compute fully).
+
+Loading every block (plain pipelining) stalls compute whenever loads fall behind; computing
+every block fully wastes the cache. The best choice is neither and depends on the whole prefix:
+a load taken early delays every later load. ``plan_optimal`` solves it exactly with a DP over
+blocks whose state is the pair (copy stream free at, compute done at). Both coordinates only
+ever hurt later blocks when larger (every later time is a max/sum of them), so a state dominated
+in both by another can be dropped: the kept set is the exact Pareto frontier, and the result
+equals exhaustive search (see ``plan_brute_force`` and the tests). Among equally fast plans the
+one that frees the copy stream earliest wins, since that is the next step's prefetch lead.
+
+Everything here is pure (no clocks, no I/O): the engine measures times, this module decides.
+Known simplification: device memory for in-flight loaded blocks is assumed sufficient.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+# -- inputs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tier:
+    """Where a block's cached activations live now, and what moving them to the device costs."""
+
+    name: str
+    bandwidth_bytes_per_s: float
+    latency_s: float = 0.0
+
+    @property
+    def available(self) -> bool:
+        return self.bandwidth_bytes_per_s > 0
+
+    @property
+    def resident(self) -> bool:
+        return math.isinf(self.bandwidth_bytes_per_s) and self.latency_s == 0
+
+    def load_time(self, nbytes: int) -> float:
+        """Seconds the copy stream is busy for ``nbytes`` (0 when already resident)."""
+        if not self.available:
+            raise ValueError(f"tier {self.name!r} cannot serve loads")
+        if self.resident:
+            return 0.0
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+RESIDENT = Tier("resident", math.inf)
+UNAVAILABLE = Tier("unavailable", 0.0)
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """Measured (or predicted) costs of one block for this step's batch."""
+
+    name: str
+    cached_s: float
+    full_s: float
+    load_bytes: int
+    tier: Tier
+
+    def __post_init__(self) -> None:
+        for label, value in (("cached_s", self.cached_s), ("full_s", self.full_s)):
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{self.name}: {label} must be finite and >= 0, got {value}")
+        if self.load_bytes < 0:
+            raise ValueError(f"{self.name}: load_bytes must be >= 0")
+        if self.tier.latency_s < 0 or math.isnan(self.tier.bandwidth_bytes_per_s):
+            raise ValueError(f"{self.name}: invalid tier {self.tier}")
+
+    @property
+    def available(self) -> bool:
+        return self.tier.available
+
+    @property
+    def load_s(self) -> float:
+        """Copy-stream time; 0 means the block never waits on the copy stream."""
+        return self.tier.load_time(self.load_bytes) if self.available else math.inf
+
+
+# -- outputs -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockTiming:
+    """One block in the predicted timeline (seconds from compute start; loads may be < 0)."""
+
+    name: str
+    use_cache: bool
+    load_start_s: float | None
+    load_done_s: float | None
+    compute_start_s: float
+    compute_done_s: float
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A decision per block plus the timeline it predicts."""
+
+    strategy: str
+    use_cache: tuple[bool, ...]
+    predicted_s: float
+    timeline: tuple[BlockTiming, ...]
+    exact: bool = True
+
+    @property
+    def stall_s(self) -> float:
+        """Compute idle time waiting for loads: the "bubbles" the plan could not avoid."""
+        idle, prev_done = 0.0, 0.0
+        for t in self.timeline:
+            idle += max(0.0, t.compute_start_s - prev_done)
+            prev_done = t.compute_done_s
+        return idle
+
+    @property
+    def copy_free_s(self) -> float:
+        """When the copy stream goes idle (relative to compute start): next step's lead."""
+        done = [t.load_done_s for t in self.timeline if t.load_done_s is not None]
+        return max(done) if done else -math.inf
+
+    @property
+    def cached_blocks(self) -> int:
+        return sum(self.use_cache)
+
+
+# -- the execution model -----------------------------------------------------------------------
+
+
+def simulate(
+    blocks: Sequence[BlockCost], use_cache: Sequence[bool], lead_s: float = 0.0
+) -> tuple[BlockTiming, ...]:
+    """Timeline of a decision vector under the model in the module docstring.
+
+    Every planner is scored by this one function, so the DP and brute force cannot disagree
+    about the model, only about the search.
+    """
+    if len(use_cache) != len(blocks):
+        raise ValueError("one decision per block")
+    copy_free = -lead_s
+    compute_done = 0.0
+    timeline = []
+    for block, cached in zip(blocks, use_cache):
+        load_start = load_done = None
+        if cached:
+            if not block.available:
+                raise ValueError(f"{block.name}: cache unavailable, must compute full")
+            start = compute_done
+            if block.load_s > 0:
+                load_start = copy_free
+                copy_free = copy_free + block.load_s
+                load_done = copy_free
+                start = max(compute_done, load_done)
+            compute_done = start + block.cached_s
+        else:
+            start = compute_done
+            compute_done = start + block.full_s
+        timeline.append(
+            BlockTiming(block.name, bool(cached), load_start, load_done, start, compute_done)
+        )
+    return tuple(timeline)
+
+
+def step_time(blocks: Sequence[BlockCost], use_cache: Sequence[bool], lead_s: float = 0.0) -> float:
+    """Makespan of a decision vector (compute of the last block done)."""
+    timeline = simulate(blocks, use_cache, lead_s)
+    return timeline[-1].compute_done_s if timeline else 0.0
+
+
+def _plan(strategy: str, blocks: Sequence[BlockCost], use_cache: Sequence[bool], lead_s: float,
+          exact: bool = True) -> StepPlan:
+    timeline = simulate(blocks, use_cache, lead_s)
+    predicted = timeline[-1].compute_done_s if timeline else 0.0
+    return StepPlan(strategy, tuple(bool(u) for u in use_cache), predicted, timeline, exact)
+
+
+# -- the optimal plan --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _State:
+    copy_free: float
+    compute_done: float
+    parent: "_State | None"
+    cached: bool
+
+
+def _pareto(states: list[_State]) -> list[_State]:
+    """Drop states another state beats (or ties) in both copy_free and compute_done."""
+    states.sort(key=lambda s: (s.copy_free, s.compute_done))
+    kept: list[_State] = []
+    best_compute = math.inf
+    for s in states:
+        if s.compute_done < best_compute:
+            kept.append(s)
+            best_compute = s.compute_done
+    return kept
+
+
+def _thin(states: list[_State], limit: int) -> list[_State]:
+    """Keep ``limit`` states spread along the frontier (both ends included). Every kept state is
+    a real schedule, so the result stays a valid plan, just possibly not the optimum."""
+    step = (len(states) - 1) / (limit - 1)
+    return [states[round(i * step)] for i in range(limit)]
+
+
+def plan_optimal(
+    blocks: Sequence[BlockCost], lead_s: float = 0.0, max_states: int = 50_000
+) -> StepPlan:
+    """Minimum-makespan decisions (exact unless the frontier exceeds ``max_states``)."""
+    if lead_s < 0 or max_states < 2:
+        raise ValueError("lead_s must be >= 0 and max_states >= 2")
+    frontier = [_State(-lead_s, 0.0, None, False)]
+    exact = True
+    for block in blocks:
+        nxt: list[_State] = []
+        load_s = block.load_s if block.available else math.inf
+        for s in frontier:
+            nxt.append(_State(s.copy_free, s.compute_done + block.full_s, s, False))
+            if not block.available:
+                continue
+            if load_s > 0:
+                copy_free = s.copy_free + load_s
+                done = max(s.compute_done, copy_free) + block.cached_s
+            else:
+                copy_free, done = s.copy_free, s.compute_done + block.cached_s
+            nxt.append(_State(copy_free, done, s, True))
+        frontier = _pareto(nxt)
+        if len(frontier) > max_states:
+            frontier = _thin(frontier, max_states)
+            exact = False
+    best = min(frontier, key=lambda s: (s.compute_done, s.copy_free))
+    decisions: list[bool] = []
+    node: _State | None = best
+    while node is not None and node.parent is not None:
+        decisions.append(node.cached)
+        node = node.parent
+    decisions.reverse()
+    return _plan("optimal", blocks, decisions, lead_s, exact)
+
+
+# -- baselines ---------------------------------------------------------------------------------
+
+
+def plan_all_full(blocks: Sequence[BlockCost], lead_s: float = 0.0) -> StepPlan:
+    """No cache at all: the plain model's step time."""
+    return _plan("all_full", blocks, [False] * len(blocks), lead_s)
+
+
+def plan_pipelined(blocks: Sequence[BlockCost], lead_s: float = 0.0) -> StepPlan:
+    """Every available block cached, each waiting only for its own load (double buffering)."""
+    return _plan("pipelined", blocks, [b.available for b in blocks], lead_s)
+
+
+def plan_naive(blocks: Sequence[BlockCost], lead_s: float = 0.0) -> StepPlan:
+    """Load every available cache first, then compute: no overlap of loads with compute."""
+    copy_free = -lead_s
+    loads: list[tuple[float | None, float | None]] = []
+    for b in blocks:
+        if b.available and b.load_s > 0:
+            loads.append((copy_free, copy_free + b.load_s))
+            copy_free += b.load_s
+        else:
+            loads.append((None, None))
+    t = max(0.0, copy_free)
+    timeline = []
+    for b, (ls, ld) in zip(blocks, loads):
+        cost = b.cached_s if b.available else b.full_s
+        timeline.append(BlockTiming(b.name, b.available, ls, ld, t, t + cost))
+        t += cost
+    use = tuple(b.available for b in blocks)
+    return StepPlan("naive", use, timeline[-1].compute_done_s if timeline else 0.0, tuple(timeline))
+
+
+def plan_ideal(blocks: Sequence[BlockCost], lead_s: float = 0.0) -> StepPlan:
+    """Lower bound: every available cache already on the device (loads cost nothing)."""
+    use = [b.available and b.cached_s <= b.full_s for b in blocks]
+    resident = [
+        BlockCost(b.name, b.cached_s, b.full_s, b.load_bytes, RESIDENT) if b.available else b
+        for b in blocks
+    ]
+    return _plan("ideal", resident, use, lead_s)
+
+
+def plan_greedy(blocks: Sequence[BlockCost], lead_s: float = 0.0) -> StepPlan:
+    """Bubble-free heuristic in the spirit of the paper: walking the blocks in order, use the
+    cache only if that finishes this block no later than computing it fully. Locally sensible,
+    but blind to how an early load delays later, more valuable loads."""
+    copy_free, compute_done = -lead_s, 0.0
+    use: list[bool] = []
+    for b in blocks:
+        full_done = compute_done + b.full_s
+        if b.available:
+            load_s = b.load_s
+            cf = copy_free + load_s if load_s > 0 else copy_free
+            start = max(compute_done, cf) if load_s > 0 else compute_done
+            if start + b.cached_s <= full_done:
+                use.append(True)
+                copy_free, compute_done = cf, start + b.cached_s
+                continue
+        use.append(False)
+        compute_done = full_done
+    return _plan("greedy", blocks, use, lead_s)
+
+
+def plan_brute_force(blocks: Sequence[BlockCost], lead_s: float = 0.0, limit: int = 20) -> StepPlan:
+    """Exhaustive search over every decision vector: the DP's reference (small inputs only)."""
+    free = [i for i, b in enumerate(blocks) if b.available]
+    if len(free) > limit:
+        raise ValueError(f"{len(free)} free decisions: 2**{len(free)} schedules is too many")
+    best: tuple[float, float, list[bool]] | None = None
+    for bits in itertools.product((False, True), repeat=len(free)):
+        use = [False] * len(blocks)
+        for i, bit in zip(free, bits):
+            use[i] = bit
+        timeline = simulate(blocks, use, lead_s)
+        makespan = timeline[-1].compute_done_s if timeline else 0.0
+        copy_free = max((t.load_done_s for t in timeline if t.load_done_s is not None),
+                        default=-lead_s)
+        if best is None or (makespan, copy_free) < best[:2]:
+            best = (makespan, copy_free, use)
+    assert best is not None
+    return _plan("brute_force", blocks, best[2], lead_s)
+
+
+PLANNERS: dict[str, Callable[[Sequence[BlockCost], float], StepPlan]] = {
+    "optimal": plan_optimal,
+    "greedy": plan_greedy,
+    "pipelined": plan_pipelined,
+    "naive": plan_naive,
+    "all_full": plan_all_full,
+    "ideal": plan_ideal,
+}
+
+
+def compare(blocks: Sequence[BlockCost], lead_s: float = 0.0) -> dict[str, StepPlan]:
+    """Every planner on the same input, for benchmarks and logs."""
+    return {name: fn(blocks, lead_s) for name, fn in PLANNERS.items()}
+
+
+__all__ = [
+    "BlockCost",
+    "BlockTiming",
+    "PLANNERS",
+    "RESIDENT",
+    "StepPlan",
+    "Tier",
+    "UNAVAILABLE",
+    "compare",
+    "plan_all_full",
+    "plan_brute_force",
+    "plan_greedy",
+    "plan_ideal",
+    "plan_naive",
+    "plan_optimal",
+    "plan_pipelined",
+    "simulate",
+    "step_time",
+]

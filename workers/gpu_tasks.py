@@ -1,0 +1,170 @@
+"""GPU worker: the ``denoise`` Celery task and the one engine thread it feeds.
+
+The worker runs Celery with ``-P threads`` (CUDA does not survive fork) and enough threads for a
+full batch plus a queue: each ``denoise`` task hands its job to the engine and blocks on the job's
+future, so in-flight jobs, retries and queue lengths show in Flower. A per-job lease in Redis,
+renewed by the engine every step, keeps a redelivered copy of a task from running a job that a
+live worker is still denoising; after a worker dies the lease expires and the copy takes over.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from celery.exceptions import Ignore
+from celery.signals import worker_ready, worker_shutdown
+
+from app.celery_app import app
+from app.jobs import JobStatus
+from workers import context as ctx
+from workers.engine.engine import Engine, EngineHooks
+from workers.engine.job import EngineJob, JobCancelled
+from workers.tensors import pack, unpack
+
+log = logging.getLogger(__name__)
+
+LEASE_PREFIX = "stencil:lease:"
+WORKER_STATE_PREFIX = "stencil:worker:"
+
+_engine: Engine | None = None
+_engine_lock = threading.Lock()
+
+
+def holder_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class Lease:
+    """A Redis lease on denoising one job (SET NX PX, renewed by the engine)."""
+
+    def __init__(self, job_id: str, ttl_seconds: float) -> None:
+        self.key = LEASE_PREFIX + job_id
+        self.ttl_ms = int(ttl_seconds * 1000)
+        self.holder = holder_id()
+
+    def acquire(self) -> bool:
+        return bool(ctx.redis_client().set(self.key, self.holder, nx=True, px=self.ttl_ms))
+
+    def release(self) -> None:
+        r = ctx.redis_client()
+        if (r.get(self.key) or b"").decode() == self.holder:
+            r.delete(self.key)
+
+
+class RedisEngineHooks(EngineHooks):
+    """Publishes progress, renews leases, reads cancellations, publishes worker state."""
+
+    def __init__(self, worker_id: str, lease_seconds: float) -> None:
+        self.worker_id = worker_id
+        self.lease_ms = int(lease_seconds * 1000)
+        self.last_step_seconds = 0.0
+        self._last_idle_publish = 0.0
+
+    def cancelled(self, job_ids: list[str]) -> set[str]:
+        statuses = ctx.jobs().statuses(job_ids)
+        return {j for j, s in statuses.items() if s is None or s.terminal}
+
+    def on_admit(self, jobs: list[EngineJob]) -> None:
+        for job in jobs:
+            ctx.jobs().transition(job.job_id, JobStatus.DENOISING,
+                                  expect=(JobStatus.WAITING, JobStatus.ROUTED, JobStatus.PREPARING),
+                                  worker=f"gpu.{self.worker_id}")
+
+    def on_step(self, batch: list[EngineJob], step_seconds: float, waiting: list[EngineJob]) -> None:
+        self.last_step_seconds = step_seconds
+        r = ctx.redis_client()
+        pipe = r.pipeline(transaction=False)
+        for job in batch:
+            pipe.hset(ctx.jobs().key(job.job_id),
+                      mapping={"progress_step": job.steps_done, "progress_total": job.total_steps})
+        for job in batch + waiting:
+            pipe.pexpire(LEASE_PREFIX + job.job_id, self.lease_ms)
+        pipe.hset(WORKER_STATE_PREFIX + self.worker_id, mapping=self._state(batch, waiting))
+        pipe.execute()
+
+    def on_idle(self, waiting: list[EngineJob]) -> None:
+        now = time.monotonic()
+        if now - self._last_idle_publish > 1.0:
+            self._last_idle_publish = now
+            ctx.redis_client().hset(WORKER_STATE_PREFIX + self.worker_id, mapping=self._state([], waiting))
+
+    def _state(self, batch: list[EngineJob], waiting: list[EngineJob]) -> dict[str, str]:
+        def view(jobs: list[EngineJob]) -> str:
+            return json.dumps([{"job_id": j.job_id, "mask_ratio": j.mask_ratio,
+                                "remaining": j.total_steps - j.steps_done} for j in jobs])
+
+        return {"running": view(batch), "waiting": view(waiting), "updated": repr(time.time()),
+                "last_step_seconds": repr(self.last_step_seconds), "holder": holder_id()}
+
+
+def get_engine() -> Engine:
+    """The process's engine, created on first use (model load happens here, once)."""
+    global _engine
+    with _engine_lock:
+        if _engine is None:
+            from workers.engine.scheduler import BatchScheduler
+            from workers.engine.sd_runner import SDRunner
+            from workers.models.loader import load_unet
+
+            s = ctx.settings()
+            runner = SDRunner(load_unet(ctx.model_dir(), s.device), ctx.scheduler_config(), s.device)
+            _engine = Engine(runner, BatchScheduler(s.max_batch, s.batching),
+                             RedisEngineHooks(s.worker_id, s.lease_seconds),
+                             idle_wait=s.engine_idle_sleep).start()
+        return _engine
+
+
+@worker_ready.connect
+def _warm_engine(sender: Any = None, **_: Any) -> None:
+    queues = {q.name for q in getattr(sender.app.amqp, "queues", {}).values()} if sender else set()
+    if any(q.startswith("gpu.") for q in queues) or os.environ.get("STENCIL_ROLE") == "gpu":
+        get_engine()
+
+
+@worker_shutdown.connect
+def _stop_engine(**_: Any) -> None:
+    if _engine is not None:
+        _engine.stop()
+
+
+@app.task(name="stencil.denoise", bind=True)
+def denoise(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
+    job_id = prep["job_id"]
+    jobs = ctx.jobs()
+    rec = jobs.get(job_id)
+    if rec is None or rec.status.terminal:
+        raise Ignore()
+    if prep.get("empty") or ctx.blobs().exists(job_id, "latents"):
+        return prep  # nothing to denoise, or already denoised before a redelivery
+    lease = Lease(job_id, ctx.settings().lease_seconds)
+    if not lease.acquire():
+        log.info("job %s is being denoised by a live worker; dropping this duplicate", job_id)
+        raise Ignore()
+    try:
+        blob = ctx.blobs().get(job_id, "inputs")
+        if blob is None:
+            jobs.fail(job_id, "prepared inputs are missing (expired?)")
+            raise Ignore()
+        tensors, meta = unpack(blob)
+        job = get_engine().submit(job_id, tensors, meta, total_steps=int(meta["num_steps"]),
+                                  priority=rec.params.priority, deadline=rec.params.deadline,
+                                  mask_ratio=float(meta.get("mask_ratio", 1.0)))
+        try:
+            latents = job.future.result()
+        except JobCancelled as exc:
+            raise Ignore() from exc
+        except Exception as exc:
+            log.warning("job %s failed while denoising: %s", job_id, exc)
+            jobs.fail(job_id, f"denoising failed: {type(exc).__name__}: {exc}")
+            raise Ignore() from exc
+        ctx.blobs().put(job_id, "latents", pack({"latents": latents}))
+        jobs.update(job_id, ts_denoised=repr(time.time()))
+        return prep
+    finally:
+        lease.release()

@@ -1,0 +1,82 @@
+"""Loading models from diffusers folders; the embedded default is saved to one on first use.
+
+Every process loads with ``from_pretrained`` from a local folder, so the embedded default and a
+real checkpoint take the same code path, and all processes of a stack share identical weights.
+CPU workers load only what they run (VAE, text encoder, tokenizer); GPU workers only the
+denoiser and the scheduler config.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import torch
+from diffusers import StableDiffusionInpaintPipeline, UNet2DConditionModel
+from diffusers.schedulers.scheduling_utils import SchedulerMixin
+
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def ensure_model_dir(settings: Settings) -> Path:
+    """The model folder to load: the configured one, or the embedded default (saved once)."""
+    if settings.model_dir:
+        path = Path(settings.model_dir)
+        if not (path / "model_index.json").is_file():
+            raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
+        return path
+    path = settings.home / "models" / settings.model_id
+    if (path / "model_index.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "model_index.json").is_file():
+            from workers.models.tiny_sd import save_pipeline
+
+            tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-model-"))
+            try:
+                save_pipeline(tmp)
+                if path.exists():
+                    shutil.rmtree(path)
+                os.replace(tmp, path)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            log.info("embedded model %s written to %s", settings.model_id, path)
+    return path
+
+
+def load_cpu_pipeline(model_dir: Path) -> StableDiffusionInpaintPipeline:
+    """The pipeline without its denoiser: CPU tasks encode text and images and decode latents."""
+    pipe = StableDiffusionInpaintPipeline.from_pretrained(
+        model_dir, unet=None, safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False, torch_dtype=torch.float32,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def load_unet(model_dir: Path, device: str) -> UNet2DConditionModel:
+    unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet", torch_dtype=torch.float32)
+    return unet.to(device).eval()
+
+
+def scheduler_config(model_dir: Path) -> dict[str, Any]:
+    cls = diffusers.DDIMScheduler  # any SchedulerMixin can read a scheduler config
+    return dict(cls.load_config(model_dir, subfolder="scheduler"))
+
+
+def make_scheduler(config: dict[str, Any]) -> SchedulerMixin:
+    """A fresh scheduler instance (one per job: schedulers keep per-run state)."""
+    cls = getattr(diffusers, config["_class_name"])
+    return cls.from_config(config)

@@ -1,0 +1,97 @@
+"""Everything an SD inpainting job needs before denoising, computed exactly as the stock pipeline.
+
+``prepare_job_tensors`` mirrors steps 3-8 of ``StableDiffusionInpaintPipeline.__call__`` by calling
+the pipeline's own methods (encode_prompt, prepare_latents, prepare_mask_latents, the image and
+mask processors) in the same order with the same ``torch.Generator("cpu").manual_seed(seed)``, so
+that a job denoised by the engine reproduces the stock pipeline. The generator's state after these
+draws travels with the job, so stochastic schedulers continue the same random stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from diffusers import StableDiffusionInpaintPipeline
+from PIL import Image
+
+from app.jobs import JobParams
+from workers.models.loader import make_scheduler
+
+
+@dataclass
+class PreparedJob:
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, object]
+    mask_ratio: float
+    processed_image: torch.Tensor  # [-1, 1], 1x3xHxW; returned as is for an empty mask
+
+
+@torch.no_grad()
+def prepare_job_tensors(pipe: StableDiffusionInpaintPipeline, scheduler_config: dict,
+                        image: Image.Image, mask: Image.Image, params: JobParams,
+                        height: int, width: int) -> PreparedJob:
+    device = torch.device("cpu")
+    generator = torch.Generator("cpu").manual_seed(params.seed)
+    do_cfg = params.guidance > 1.0
+
+    prompt_embeds, negative_embeds = pipe.encode_prompt(
+        params.prompt, device, 1, do_cfg, params.negative_prompt or None)
+    if do_cfg:
+        prompt_embeds = torch.cat([negative_embeds, prompt_embeds])
+
+    scheduler = make_scheduler(scheduler_config)
+    scheduler.set_timesteps(params.steps, device=device)
+    init_timestep = min(int(params.steps * params.strength), params.steps)
+    t_start = max(params.steps - init_timestep, 0)
+    timesteps = scheduler.timesteps[t_start * scheduler.order:]
+    if hasattr(scheduler, "set_begin_index"):
+        scheduler.set_begin_index(t_start * scheduler.order)
+    if len(timesteps) < 1:
+        raise ValueError(f"strength {params.strength} with {params.steps} steps leaves no denoising step")
+    latent_timestep = timesteps[:1].repeat(1)
+    is_strength_max = params.strength == 1.0
+
+    init_image = pipe.image_processor.preprocess(image, height=height, width=width).to(torch.float32)
+    # prepare_latents reads pipe.scheduler (init_noise_sigma, add_noise): give it this job's.
+    pipe.scheduler = scheduler
+    latents, _noise = pipe.prepare_latents(
+        1, pipe.vae.config.latent_channels, height, width, prompt_embeds.dtype, device, generator,
+        None, image=init_image, timestep=latent_timestep, is_strength_max=is_strength_max,
+        return_noise=True, return_image_latents=False)
+
+    mask_condition = pipe.mask_processor.preprocess(mask, height=height, width=width)
+    masked_image = init_image * (mask_condition < 0.5)
+    mask_latents, masked_image_latents = pipe.prepare_mask_latents(
+        mask_condition, masked_image, 1, height, width, prompt_embeds.dtype, device, generator, do_cfg)
+
+    tensors = {
+        "latents": latents,
+        "mask": mask_latents,
+        "masked_image_latents": masked_image_latents,
+        "prompt_embeds": prompt_embeds,
+        "generator_state": generator.get_state(),
+        "pixel_mask": (mask_condition[0, 0] >= 0.5).to(torch.uint8),
+    }
+    meta = {
+        "t_start": t_start,
+        "num_steps": len(timesteps),
+        "do_cfg": do_cfg,
+        "guidance": params.guidance,
+        "height": height,
+        "width": width,
+    }
+    ratio = float((mask_condition >= 0.5).float().mean())
+    return PreparedJob(tensors=tensors, meta=meta, mask_ratio=ratio, processed_image=init_image)
+
+
+@torch.no_grad()
+def decode_latents(pipe: StableDiffusionInpaintPipeline, latents: torch.Tensor) -> Image.Image:
+    """VAE decode + postprocess, as the stock pipeline's tail (no safety checker)."""
+    image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+    return pipe.image_processor.postprocess(image, output_type="pil", do_denormalize=[True])[0]
+
+
+def image_from_processed(pipe: StableDiffusionInpaintPipeline, processed: torch.Tensor) -> Image.Image:
+    """The processed template as a PIL image (the result of an empty-mask edit)."""
+    return pipe.image_processor.postprocess(processed, output_type="pil", do_denormalize=[True])[0]
