@@ -63,13 +63,11 @@ class Dispatcher:
             self.jobs.transition(job_id, JobStatus.EXPIRED, error="deadline passed before routing")
             return "expired"
         worker = self.router.choose(rec)
-        from workers.cpu_tasks import finalize, prepare
-        from workers.gpu_tasks import denoise
-
+        # Signatures by task name on this dispatcher's app: no worker code (or torch) is imported.
         signature = chain(
-            prepare.si(job_id).set(queue=CPU_QUEUE),
-            denoise.s().set(queue=gpu_queue(worker)),
-            finalize.s().set(queue=CPU_QUEUE),
+            self.celery.signature("stencil.prepare", args=(job_id,), immutable=True, queue=CPU_QUEUE),
+            self.celery.signature("stencil.denoise", queue=gpu_queue(worker)),
+            self.celery.signature("stencil.finalize", queue=CPU_QUEUE),
         )
         signature.apply_async()
         self.jobs.transition(job_id, JobStatus.ROUTED, expect=(JobStatus.QUEUED,), worker=gpu_queue(worker))

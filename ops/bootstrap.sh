@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh clone: redis-server (OS package) if missing, a virtual
+# environment at .venv/ with the CPU build of torch==2.13.0 and this package (editable).
+# Re-running is cheap: the Python install is skipped while pyproject.toml is unchanged.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "[bootstrap] installing redis-server (Debian package)" >&2
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[bootstrap] creating .venv" >&2
+  "$PY" -m venv .venv
+fi
+
+STAMP=.venv/.stencil-installed
+WANT="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+  echo "[bootstrap] installing Python dependencies" >&2
+  .venv/bin/python -m pip install -q --upgrade pip
+  # CPU build of torch first, so nothing below pulls a CUDA build. Elsewhere than this
+  # machine, point STENCIL_TORCH_INDEX_URL at PyTorch's CPU wheel index.
+  .venv/bin/python -m pip install -q "torch==2.13.0" ${STENCIL_TORCH_INDEX_URL:+--index-url "$STENCIL_TORCH_INDEX_URL"}
+  .venv/bin/python -m pip install -q -e ".[test]"
+  echo "$WANT" > "$STAMP"
+fi

@@ -1,0 +1,62 @@
+"""Shared fixtures: a private redis-server and an embedded Stencil stack (real processes)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from app.embedded import EmbeddedStack, RedisServer  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def redis_client(redis_server: RedisServer):  # type: ignore[no-untyped-def]
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    return client
+
+
+@pytest.fixture(scope="session")
+def model_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One saved embedded model for every stack of the session."""
+    home = tmp_path_factory.mktemp("home")
+    from app.settings import Settings
+    from workers.models.loader import ensure_model_dir
+
+    ensure_model_dir(Settings.from_env(home=home))
+    return home
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, model_home: Path) -> Iterator[EmbeddedStack]:
+    """The shared embedded stack: 1 CPU worker, 1 GPU worker (max batch 4), the dispatcher."""
+    workdir = tmp_path_factory.mktemp("stack")
+    with EmbeddedStack.start(workdir, home=model_home, max_batch=4, max_image_pixels=200_000) as s:
+        yield s
+    logs = workdir / "logs"
+    if logs.is_dir():
+        for f in logs.iterdir():
+            log.debug("%s:\n%s", f.name, f.read_text()[-2000:])
+
+
+@pytest.fixture()
+def client(stack: EmbeddedStack):  # type: ignore[no-untyped-def]
+    from app.client import StencilClient
+
+    return StencilClient(stack.settings)

@@ -1,0 +1,120 @@
+"""Job records and the dispatcher's routing decisions, against a real redis-server."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from app.jobs import JobParams, JobStatus, JobStore
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture()
+def store(redis_client) -> JobStore:  # type: ignore[no-untyped-def]
+    return JobStore(redis_client, ttl_seconds=60, intake_stream="stencil:jobs")
+
+
+def test_create_announces_on_stream_and_reads_back(store: JobStore) -> None:
+    job_id, created = store.create(JobParams(prompt="p", steps=7, seed=3, deadline=123.5))
+    assert created
+    rec = store.get(job_id)
+    assert rec is not None and rec.status == JobStatus.QUEUED
+    assert rec.params.steps == 7 and rec.params.seed == 3 and rec.params.deadline == 123.5
+    assert rec.progress == (0, 7)
+    entries = store.r.xrange("stencil:jobs")
+    assert [e[1][b"job_id"].decode() for e in entries] == [job_id]
+
+
+def test_idempotency_key(store: JobStore) -> None:
+    a, created_a = store.create(JobParams(), idempotency_key="k1")
+    b, created_b = store.create(JobParams(), idempotency_key="k1")
+    c, _ = store.create(JobParams(), idempotency_key="k2")
+    assert a == b and created_a and not created_b and c != a
+    assert store.r.xlen("stencil:jobs") == 2
+
+
+def test_terminal_status_never_changes_and_gets_a_ttl(store: JobStore) -> None:
+    job_id, _ = store.create(JobParams())
+    assert store.r.ttl(store.key(job_id)) > 0
+    store.r.persist(store.key(job_id))
+    assert store.transition(job_id, JobStatus.DENOISING)
+    assert store.fail(job_id, "boom")
+    assert 0 < store.r.ttl(store.key(job_id)) <= 60
+    assert not store.transition(job_id, JobStatus.DONE)
+    assert not store.cancel(job_id)
+    rec = store.get(job_id)
+    assert rec.status == JobStatus.FAILED and rec.error == "boom"
+    assert rec.ts(JobStatus.FAILED) <= time.time()
+
+
+def test_expect_guards_against_moving_backwards(store: JobStore) -> None:
+    job_id, _ = store.create(JobParams())
+    assert store.transition(job_id, JobStatus.PREPARING)
+    assert not store.transition(job_id, JobStatus.ROUTED, expect=(JobStatus.QUEUED,))
+    assert store.status(job_id) == JobStatus.PREPARING
+
+
+@pytest.mark.parametrize("params, reason", [
+    (JobParams(steps=0), "steps must be > 0"),
+    (JobParams(steps=500), "steps must be <="),
+    (JobParams(strength=0.0), "strength"),
+    (JobParams(guidance=-1), "guidance"),
+    (JobParams(width=100, height=64), "multiple of 8"),
+])
+def test_param_validation(params: JobParams, reason: str) -> None:
+    assert reason in (params.validate(max_steps=200) or "")
+
+
+def test_dispatcher_routes_round_robin_and_skips_cancelled(redis_server, store: JobStore) -> None:  # type: ignore[no-untyped-def]
+    from app.celery_app import make_celery
+    from app.dispatcher import Dispatcher
+    from app.settings import Settings
+
+    settings = Settings.from_env(redis_url=redis_server.url, gpu_workers="0,1")
+    dispatcher = Dispatcher(settings, make_celery(settings), consumer="t")
+    ids = [store.create(JobParams(steps=5))[0] for _ in range(3)]
+    cancelled, _ = store.create(JobParams(steps=5))
+    store.cancel(cancelled)
+    invalid, _ = store.create(JobParams(steps=-1))
+    expired, _ = store.create(JobParams(steps=5, deadline=time.time() - 1))
+    outcomes = [dispatcher.route(j) for j in ids + [cancelled, invalid, expired, "nope"]]
+    assert outcomes[:3] == ["routed to gpu.0", "routed to gpu.1", "routed to gpu.0"]
+    assert outcomes[3] == "skipped (cancelled)"
+    assert outcomes[4] == "invalid" and store.status(invalid) == JobStatus.FAILED
+    assert outcomes[5] == "expired" and store.status(expired) == JobStatus.EXPIRED
+    assert outcomes[6] == "missing"
+    assert [store.get(j).worker for j in ids] == ["gpu.0", "gpu.1", "gpu.0"]
+    # Routed again (a redelivered stream entry): nothing is sent twice.
+    assert dispatcher.route(ids[0]) == "skipped (routed)"
+    # The chains really are in the broker: prepare messages on the cpu queue.
+    assert store.r.llen("cpu") == 3
+
+
+def test_dispatcher_restart_rereads_unacknowledged_entries(redis_server, store: JobStore) -> None:  # type: ignore[no-untyped-def]
+    import threading
+
+    from app.celery_app import make_celery
+    from app.dispatcher import Dispatcher
+    from app.settings import Settings
+
+    settings = Settings.from_env(redis_url=redis_server.url, gpu_workers="0")
+    dispatcher = Dispatcher(settings, make_celery(settings), consumer="d1")
+    dispatcher.ensure_group()
+    job_id, _ = store.create(JobParams(steps=5))
+    # A dispatcher read the entry and died before routing/acknowledging it.
+    store.r.xreadgroup(settings.intake_group, "d1", {settings.intake_stream: ">"}, count=10)
+    assert store.status(job_id) == JobStatus.QUEUED
+    stop = threading.Event()
+    thread = threading.Thread(target=dispatcher.run, args=(stop, 100))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while store.status(job_id) != JobStatus.ROUTED and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        thread.join(5)
+    assert store.status(job_id) == JobStatus.ROUTED
+    assert store.r.xpending(settings.intake_stream, settings.intake_group)["pending"] == 0
