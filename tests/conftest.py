@@ -44,10 +44,23 @@ def model_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory, model_home: Path) -> Iterator[EmbeddedStack]:
-    """The shared embedded stack: 1 CPU worker, 1 GPU worker (max batch 4), the dispatcher."""
+def saved_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded default written by ``stencil model save`` (a standard diffusers folder)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("model") / "tiny-sd"
+    subprocess.run([sys.executable, "-m", "app.cli", "model", "save", str(out)], check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, model_home: Path, saved_model: Path) -> Iterator[EmbeddedStack]:
+    """The shared embedded stack: 1 CPU worker, 1 GPU worker (max batch 4), the dispatcher,
+    all loading the model folder that ``stencil model save`` wrote."""
     workdir = tmp_path_factory.mktemp("stack")
-    with EmbeddedStack.start(workdir, home=model_home, max_batch=4, max_image_pixels=200_000) as s:
+    with EmbeddedStack.start(workdir, home=model_home, model_dir=str(saved_model), max_batch=4,
+                             max_image_pixels=200_000) as s:
         yield s
     logs = workdir / "logs"
     if logs.is_dir():
