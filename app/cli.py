@@ -68,6 +68,13 @@ def cmd_template_add(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_template_warm(args: argparse.Namespace) -> int:
+    handle = _client().warm_template(args.template_id, steps=args.steps, guidance=args.guidance,
+                                     strength=args.strength, prompt=args.prompt, seed=args.seed)
+    sys.stdout.write(handle.id + "\n")
+    return _wait(handle, args.timeout, None) if args.wait else 0
+
+
 def cmd_model_save(args: argparse.Namespace) -> int:
     from workers.models.tiny_sd import save_pipeline
 
@@ -174,6 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("image")
     s.add_argument("--id", default=None)
     s.set_defaults(func=cmd_template_add)
+
+    s = t.add_parser("warm", help="record a template's activations (full inference) for mask-aware edits")
+    s.add_argument("template_id")
+    s.add_argument("--steps", type=int, default=20)
+    s.add_argument("--guidance", type=float, default=7.5)
+    s.add_argument("--strength", type=float, default=1.0)
+    s.add_argument("--prompt", default="")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--wait", action="store_true")
+    s.add_argument("--timeout", type=float, default=None)
+    s.set_defaults(func=cmd_template_warm)
 
     m = sub.add_parser("model", help="model utilities").add_subparsers(dest="mcmd", required=True)
     s = m.add_parser("save", help="write the embedded default model as a diffusers pipeline folder")

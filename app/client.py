@@ -154,6 +154,24 @@ class StencilClient:
             self.blobs.delete_job(job_id)
         return JobHandle(self, job_id_final, created)
 
+    def warm_template(self, template_id: str, *, steps: int = 20, guidance: float = 7.5, strength: float = 1.0,
+                      prompt: str = "", seed: int = 0, mask: ImageLike | None = None,
+                      width: int | None = None, height: int | None = None, priority: int = 0) -> JobHandle:
+        """Run a template's warm-up: a full inference that records its activations.
+
+        Edits of the template with the same steps, strength, guidance layout (CFG or not) and size
+        then compute only their masked tokens. ``mask`` (default: none, the whole template is
+        context) exists for experiments: a warm-up with an edit's own mask, prompt and seed
+        reproduces that edit's full-compute result exactly under mask-aware inference.
+        """
+        params = JobParams(kind="warm", template_id=template_id, prompt=prompt, steps=int(steps),
+                           guidance=float(guidance), strength=float(strength), seed=int(seed),
+                           priority=priority, width=width, height=height)
+        job_id = new_job_id()
+        if mask is not None:
+            self.blobs.put(job_id, "mask", _image_bytes(mask, mask=True))
+        return JobHandle(self, self.jobs.create(params, job_id=job_id)[0])
+
     def submit_many(self, requests: Iterable[Mapping[str, Any]]) -> list[JobHandle]:
         """Submit several jobs (each mapping holds ``submit``'s keyword arguments)."""
         return [self.submit(**dict(req)) for req in requests]

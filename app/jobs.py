@@ -42,7 +42,7 @@ TERMINAL = frozenset({JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED, Job
 
 # Fields a client sets at submission (everything else is written by the service).
 PARAM_FIELDS = (
-    "template_id", "prompt", "negative_prompt", "steps", "guidance", "strength", "seed",
+    "kind", "template_id", "prompt", "negative_prompt", "steps", "guidance", "strength", "seed",
     "priority", "deadline", "width", "height",
 )
 
@@ -81,6 +81,7 @@ class JobParams:
     template_id: str = ""  # stored template; empty = uploaded image blob
     width: int | None = None
     height: int | None = None
+    kind: str = "edit"  # edit | warm (a template warm-up that records activations)
 
     def to_fields(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -107,10 +108,15 @@ class JobParams:
             template_id=fields.get("template_id", ""),
             width=opt_int(fields.get("width")),
             height=opt_int(fields.get("height")),
+            kind=fields.get("kind") or "edit",
         )
 
     def validate(self, max_steps: int) -> str | None:
         """The reason the parameters are unusable, or None."""
+        if self.kind not in ("edit", "warm"):
+            return f"kind must be edit or warm (got {self.kind!r})"
+        if self.kind == "warm" and not self.template_id:
+            return "a warm-up needs a stored template id"
         if self.steps <= 0:
             return f"steps must be > 0 (got {self.steps})"
         if self.steps > max_steps:

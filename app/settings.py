@@ -52,6 +52,16 @@ class Settings:
     batching: str = "continuous"  # continuous | static
     engine_idle_sleep: float = 0.005
 
+    # Mask-aware inference and the template activation cache.
+    mask_aware: bool = True
+    maskaware_kv_source: str = "cache"  # cache (K/V + block outputs) | recompute (outputs only)
+    mask_dilation: int = 0  # dilate token masks by this many tokens (fewer seams, more compute)
+    host_cache_bytes: int = 2 * 1024**3  # host-RAM tier budget per GPU worker
+    prefetch_steps: int = 4  # steps of a job's template cache fetched ahead
+    auto_warm: bool = True  # an edit of a template without cache triggers its warm-up
+    warm_prompt: str = ""
+    warm_seed: int = 0
+
     # Input limits.
     max_image_pixels: int = 4096 * 4096
     max_upload_bytes: int = 32 * 1024 * 1024

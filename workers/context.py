@@ -63,6 +63,20 @@ def scheduler_config() -> dict:
     return load(model_dir())
 
 
+@functools.cache
+def model_id() -> str:
+    from workers.models.loader import model_identity
+
+    return model_identity(model_dir())
+
+
+@functools.cache
+def activations():  # type: ignore[no-untyped-def]
+    from workers.maskaware.activation_store import ActivationStore
+
+    return ActivationStore(object_store())
+
+
 _cpu_pipeline = None
 
 

@@ -20,7 +20,7 @@ from celery.exceptions import Ignore
 from PIL import Image
 
 from app.celery_app import app
-from app.jobs import JobStatus
+from app.jobs import JobParams, JobStatus
 from app.keys import result_key, template_key
 from app.storage import ObjectNotFound, StoreUnavailable
 from workers import context as ctx
@@ -47,11 +47,13 @@ def _load_template(job_id: str, template_id: str) -> bytes:
     return data
 
 
-def _decode_inputs(job_id: str, template_id: str) -> tuple[Image.Image, Image.Image]:
+def _decode_inputs(job_id: str, template_id: str, *, warm: bool) -> tuple[Image.Image, Image.Image]:
     s = ctx.settings()
     image = to_rgb(decode_image(_load_template(job_id, template_id), what="template image",
                                 max_pixels=s.max_image_pixels, max_bytes=s.max_upload_bytes))
     mask_bytes = ctx.blobs().get(job_id, "mask")
+    if mask_bytes is None and warm:
+        return image, Image.new("L", image.size, 0)  # a warm-up sees the whole template
     if mask_bytes is None:
         raise InvalidInput("the mask is missing (expired or never uploaded)")
     mask = to_mask(decode_image(mask_bytes, what="mask", max_pixels=s.max_image_pixels,
@@ -79,7 +81,8 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
                     prepare_worker=self.request.hostname or "")
     try:
         params = rec.params
-        image, mask = _decode_inputs(job_id, params.template_id)
+        warm = params.kind == "warm"
+        image, mask = _decode_inputs(job_id, params.template_id, warm=warm)
         pipe = ctx.cpu_pipeline()
         if params.width and params.height:
             width, height = params.width, params.height
@@ -96,16 +99,73 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
         log.exception("job %s: prepare failed", job_id)
         jobs.fail(job_id, f"prepare failed: {type(exc).__name__}: {exc}")
         raise Ignore() from exc
-    empty = prepared.mask_ratio == 0.0
+    empty = prepared.mask_ratio == 0.0 and params.kind == "edit"
     meta = dict(prepared.meta, empty=empty, mask_ratio=prepared.mask_ratio)
+    cache_fields = _cache_plan(job_id, params, meta, prepared.mask_ratio) if not empty else {}
     tensors = dict(prepared.tensors)
     if empty:
         tensors["processed_image"] = prepared.processed_image
     ctx.blobs().put(job_id, "inputs", pack(tensors, meta))
     jobs.transition(job_id, JobStatus.WAITING, mask_ratio=f"{prepared.mask_ratio:.6f}",
-                    width=width, height=height, progress_total=meta["num_steps"])
+                    width=width, height=height, progress_total=meta["num_steps"], **cache_fields)
     return {"job_id": job_id, "empty": empty, "num_steps": meta["num_steps"],
             "mask_ratio": prepared.mask_ratio}
+
+
+def template_cache_key(params: JobParams, meta: dict[str, Any]):  # type: ignore[no-untyped-def]
+    """The key a template's activations are stored under (DESIGN.md: cache validity)."""
+    from workers.maskaware.activation_store import TemplateCacheKey
+
+    s = ctx.settings()
+    return TemplateCacheKey(
+        model_id=ctx.model_id(), template_id=params.template_id, height=int(meta["height"]),
+        width=int(meta["width"]), scheduler=str(ctx.scheduler_config()["_class_name"]), steps=params.steps,
+        strength=float(params.strength), guidance="cfg2" if meta["do_cfg"] else "single",
+        layout="kv+y" if s.maskaware_kv_source == "cache" else "y")
+
+
+def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], ratio: float) -> dict[str, str]:
+    """Decide full / record / masked compute for the job; sets ``meta`` and returns record fields.
+
+    An edit of a stored template uses the template's cache when one is committed under the exact
+    key; without one it runs full compute (never fails for that reason) and, if configured,
+    triggers the template's warm-up so that later edits find it.
+    """
+    s = ctx.settings()
+    if not params.template_id or not s.mask_aware:
+        meta["cache_mode"] = "full"
+        return {"cache_mode": "full"}
+    key = template_cache_key(params, meta)
+    meta["cache_key"] = key.to_dict()
+    if params.kind == "warm":
+        meta["cache_mode"] = "record"
+        return {"cache_mode": "record", "cache_digest": key.digest()}
+    if ratio >= 1.0:
+        meta["cache_mode"] = "full"
+        return {"cache_mode": "full", "cache_note": "full mask"}
+    try:
+        has = ctx.activations().has(key)
+    except TRANSIENT as exc:
+        log.warning("job %s: activation store unreachable (%s); full compute", job_id, exc)
+        has = False
+    if has:
+        meta["cache_mode"] = "masked"
+        return {"cache_mode": "masked", "cache_digest": key.digest()}
+    meta["cache_mode"] = "full"
+    if s.auto_warm:
+        _trigger_warm(params, meta, key.digest())
+    return {"cache_mode": "full", "cache_note": "template not warmed"}
+
+
+def _trigger_warm(params: JobParams, meta: dict[str, Any], digest: str) -> None:
+    s = ctx.settings()
+    if not ctx.redis_client().set(f"stencil:warming:{digest}", "1", nx=True, ex=3600):
+        return  # a warm-up for this key is already under way (or recently was)
+    warm = JobParams(kind="warm", template_id=params.template_id, prompt=s.warm_prompt, seed=s.warm_seed,
+                     steps=params.steps, strength=params.strength, guidance=params.guidance, priority=-10,
+                     width=int(meta["width"]), height=int(meta["height"]))
+    warm_id, _ = ctx.jobs().create(warm)
+    log.info("template %s has no cache for this key: warm-up job %s submitted", params.template_id, warm_id)
 
 
 @app.task(name="stencil.finalize", bind=True, autoretry_for=TRANSIENT, retry_backoff=True, max_retries=5)

@@ -110,10 +110,19 @@ def get_engine() -> Engine:
         if _engine is None:
             from workers.engine.scheduler import BatchScheduler
             from workers.engine.sd_runner import SDRunner
+            from workers.engine.template_cache import CacheRecorder, StepCacheProvider
+            from workers.maskaware.unet import MaskAwareUNet
             from workers.models.loader import load_unet
 
             s = ctx.settings()
-            runner = SDRunner(load_unet(ctx.model_dir(), s.device), ctx.scheduler_config(), s.device)
+            unet = load_unet(ctx.model_dir(), s.device)
+            extra: dict[str, Any] = {}
+            if s.mask_aware:
+                extra = {"maskaware": MaskAwareUNet(unet, kv_source=s.maskaware_kv_source),  # type: ignore[arg-type]
+                         "caches": StepCacheProvider(ctx.activations(), s.host_cache_bytes),
+                         "recorder": CacheRecorder(ctx.activations()),
+                         "dilation": s.mask_dilation, "prefetch_steps": s.prefetch_steps}
+            runner = SDRunner(unet, ctx.scheduler_config(), s.device, **extra)
             _engine = Engine(runner, BatchScheduler(s.max_batch, s.batching),
                              RedisEngineHooks(s.worker_id, s.lease_seconds),
                              idle_wait=s.engine_idle_sleep).start()
@@ -156,15 +165,18 @@ def denoise(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
                                   priority=rec.params.priority, deadline=rec.params.deadline,
                                   mask_ratio=float(meta.get("mask_ratio", 1.0)))
         try:
-            latents = job.future.result()
+            out = job.future.result()
+            if out["commit"] is not None:  # a warm-up is done when its cache is committed
+                out["commit"].result(timeout=600)
         except JobCancelled as exc:
             raise Ignore() from exc
         except Exception as exc:
             log.warning("job %s failed while denoising: %s", job_id, exc)
             jobs.fail(job_id, f"denoising failed: {type(exc).__name__}: {exc}")
             raise Ignore() from exc
-        ctx.blobs().put(job_id, "latents", pack({"latents": latents}))
-        jobs.update(job_id, ts_denoised=repr(time.time()))
+        ctx.blobs().put(job_id, "latents", pack({"latents": out["latents"]}))
+        jobs.update(job_id, ts_denoised=repr(time.time()), cache_mode=out["mode"],
+                    masked_steps=out["masked_steps"], fallback_steps=out["fallback_steps"])
         return prep
     finally:
         lease.release()

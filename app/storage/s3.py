@@ -36,7 +36,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
-_NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
+# A bare "404" (no S3 error body) is trusted only for HEAD, where S3 never sends a body; on GET
+# it means something other than S3 answered (a proxy, a wrong endpoint), i.e. unavailable.
+_NOT_FOUND_CODES = {"NoSuchKey", "NotFound"}
 _DELETE_BATCH = 1000  # S3's limit per DeleteObjects request
 
 

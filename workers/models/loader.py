@@ -56,6 +56,21 @@ def ensure_model_dir(settings: Settings) -> Path:
     return path
 
 
+def model_identity(model_dir: Path) -> str:
+    """A stable id of the denoiser's weights, for template cache keys (caches never cross models)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    unet_dir = Path(model_dir) / "unet"
+    h.update((unet_dir / "config.json").read_bytes())
+    for weights in sorted(unet_dir.glob("*.safetensors")):
+        stat = weights.stat()
+        h.update(f"{weights.name}:{stat.st_size}".encode())
+        with open(weights, "rb") as fh:
+            h.update(fh.read(1 << 20))
+    return f"{Path(model_dir).name}-{h.hexdigest()[:16]}"
+
+
 def load_cpu_pipeline(model_dir: Path) -> StableDiffusionInpaintPipeline:
     """The pipeline without its denoiser: CPU tasks encode text and images and decode latents."""
     pipe = StableDiffusionInpaintPipeline.from_pretrained(

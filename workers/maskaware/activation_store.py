@@ -1,0 +1,169 @@
+"""Template activation caches in the object store: one safetensors object per (template, step).
+
+Layout under ``activations/<digest>/``: ``step_0000.safetensors`` ... and ``manifest.json``. The
+manifest is written *last* by ``commit``: readers require it, so a partly written cache is never
+visible, and ``delete`` removes it first for the same reason. Step objects carry the key in their
+safetensors metadata and the manifest carries the full key, so a cache recorded under another key
+(digest collision, copied or stale objects) is refused rather than silently used. Tensors are read
+with ``safetensors.torch.load`` from bytes; nothing is ever unpickled.
+
+This tier is deliberately small; a host-RAM LRU and S3 go below/above it without changing it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+import time
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from app.storage.base import ObjectNotFound, ObjectStore
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class CacheNotFound(KeyError):
+    """No committed cache (or no such step) for this key."""
+
+
+class CacheKeyMismatch(ValueError):
+    """Stored objects were recorded under a different key than the one asked for."""
+
+
+@dataclass(frozen=True)
+class TemplateCacheKey:
+    """Everything a cache's validity depends on (DESIGN.md section 2, "Cache validity")."""
+
+    model_id: str
+    template_id: str
+    height: int
+    width: int
+    scheduler: str
+    steps: int
+    strength: float
+    guidance: str  # "cfg2" (uncond, cond rows) | "single"
+    layout: str = "kv+y"  # MaskAwareUNet.cache_layout: "kv+y" or "y"
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> "TemplateCacheKey":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})  # type: ignore[arg-type]
+
+    def canonical(self) -> str:
+        """Stable text form: sorted keys, floats in repr form (0.8 -> "0.8")."""
+        d = self.to_dict()
+        d["strength"] = repr(float(self.strength))
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.canonical().encode()).hexdigest()[:32]
+
+
+def _st_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors blob (8-byte LE header length + JSON header)."""
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + n]).get("__metadata__", {}) or {}
+
+
+class ActivationStore:
+    """Writes, commits, reads, lists and deletes template caches in an ``ObjectStore``."""
+
+    def __init__(self, store: ObjectStore, prefix: str = "activations") -> None:
+        self.store = store
+        self.prefix = prefix.rstrip("/")
+
+    def _dir(self, key: TemplateCacheKey) -> str:
+        return f"{self.prefix}/{key.digest()}/"
+
+    def step_object(self, key: TemplateCacheKey, step: int) -> str:
+        return f"{self._dir(key)}step_{step:04d}.safetensors"
+
+    def manifest_object(self, key: TemplateCacheKey) -> str:
+        return self._dir(key) + MANIFEST
+
+    def put_step(self, key: TemplateCacheKey, step: int, tensors: dict[str, torch.Tensor]) -> int:
+        """Store one step's tensors (invisible to readers until ``commit``); returns bytes."""
+        if not 0 <= step < key.steps:
+            raise ValueError(f"step {step} outside 0..{key.steps - 1}")
+        meta = {"key": key.canonical(), "step": str(step), "format": str(FORMAT_VERSION)}
+        data = st_save({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, metadata=meta)
+        self.store.put(self.step_object(key, step), data)
+        return len(data)
+
+    def commit(self, key: TemplateCacheKey) -> dict[str, object]:
+        """Publish the cache: write the manifest over the step objects present."""
+        steps: dict[str, dict[str, object]] = {}
+        d = self._dir(key)
+        for obj in self.store.list(d):
+            name = obj[len(d):]
+            if name.startswith("step_") and name.endswith(".safetensors"):
+                steps[str(int(name[5:-12]))] = {"object": obj, "bytes": self.store.size(obj)}
+        if not steps:
+            raise CacheNotFound(f"no step objects written for {key}")
+        manifest = {
+            "format": FORMAT_VERSION,
+            "key": key.to_dict(),
+            "digest": key.digest(),
+            "steps": steps,
+            "nbytes": sum(int(s["bytes"]) for s in steps.values()),
+            "created": time.time(),
+        }
+        self.store.put(self.manifest_object(key), json.dumps(manifest, sort_keys=True).encode())
+        log.info("committed activation cache %s (%d steps, %d bytes)", key.digest(), len(steps),
+                 manifest["nbytes"])
+        return manifest
+
+    def manifest(self, key: TemplateCacheKey) -> dict[str, object]:
+        """The committed manifest; refuses one recorded under another key."""
+        try:
+            manifest = json.loads(self.store.get(self.manifest_object(key)))
+        except ObjectNotFound as exc:
+            raise CacheNotFound(f"no committed cache for {key}") from exc
+        stored = TemplateCacheKey.from_dict(manifest["key"])
+        if stored != key:
+            raise CacheKeyMismatch(f"cache at {key.digest()} was recorded for {stored}, not {key}")
+        return manifest
+
+    def has(self, key: TemplateCacheKey) -> bool:
+        try:
+            self.manifest(key)
+        except (CacheNotFound, CacheKeyMismatch):
+            return False
+        return True
+
+    def read_step(self, key: TemplateCacheKey, step: int) -> dict[str, torch.Tensor]:
+        """One committed step's tensors (CPU); checks the key in the manifest and the object."""
+        entry = self.manifest(key)["steps"].get(str(step))  # type: ignore[union-attr]
+        if entry is None:
+            raise CacheNotFound(f"step {step} not in cache {key.digest()}")
+        data = self.store.get(str(entry["object"]))
+        meta = _st_metadata(data)
+        if meta.get("key") != key.canonical() or meta.get("step") != str(step):
+            raise CacheKeyMismatch(f"{entry['object']} holds {meta.get('key')} step {meta.get('step')}")
+        return st_load(data)
+
+    def list_templates(self) -> list[TemplateCacheKey]:
+        """Keys of every committed cache under the prefix."""
+        keys = []
+        for obj in self.store.list(self.prefix + "/"):
+            if obj.endswith("/" + MANIFEST):
+                keys.append(TemplateCacheKey.from_dict(json.loads(self.store.get(obj))["key"]))
+        return keys
+
+    def delete(self, key: TemplateCacheKey) -> int:
+        """Remove a template's cache (manifest first, so readers never see a half-deleted one)."""
+        had_manifest = self.store.exists(self.manifest_object(key))
+        self.store.delete(self.manifest_object(key))
+        return self.store.delete_prefix(self._dir(key)) + int(had_manifest)

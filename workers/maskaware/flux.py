@@ -1,0 +1,624 @@
+"""Mask-aware computation for diffusers' ``FluxTransformer2DModel`` (Flux / Flux Fill), batched.
+
+Why: an inpainting edit changes a small part of the image, yet a Flux step costs the same for
+every token. Here only the edited (masked) image tokens and the text tokens run the token-wise
+work -- norms, adaptive-norm modulation, Q/K/V/out projections, MLPs, the final norm and
+projection; unmasked tokens enter attention only as keys/values, read from a per-template cache
+recorded by a normal run (DESIGN 2).
+
+API::
+
+    ctrl = MaskAwareFlux(transformer, kv_format="raw")  # installs hooks; no effect outside a batch
+    ctrl.block_names -> list[str]                 # "transformer_blocks.3", "single_transformer_blocks.7"
+    m = ctrl.token_mask(pixel_mask, dilation=0)   # bool [N] packed-token mask (see flux_tokens)
+    groups = [RowGroup(1, "record"),              # consecutive rows, in batch order
+              RowGroup(1, "masked", token_mask=m, cache=step_cache),
+              RowGroup(1, "full")]
+    with ctrl.batch(groups) as ctx:               # exactly ONE transformer call = one denoising step
+        out = transformer(hidden_states=x, encoder_hidden_states=e, pooled_projections=p,
+                          timestep=t_rows, img_ids=img_ids, txt_ids=txt_ids, guidance=g_rows).sample
+    ctx.recorded[0] -> dict[str, Tensor]          # this step's cache for group 0 (record groups, else None)
+    ctrl.cache_nbytes(image_tokens, rows=1, steps=1, dtype=None) -> int
+    ctrl.remove()                                 # uninstall: the model is stock again
+
+- ``RowGroup(rows, mode, token_mask=None, cache=None)``: ``mode`` is ``"full"`` (normal compute),
+  ``"record"`` (normal compute + capture) or ``"masked"``. A Flux job is one row (no CFG batch).
+- Step cache (``ctx.recorded[g]``, and what a masked group passes back as ``cache`` for the step it
+  is at): tensors ``[rows, N, C]`` (a masked group may pass ``[1, N, C]`` for all its rows):
+  ``"<block>.k"`` (``kv_format="raw"``: K after ``to_k``, before qk-norm and RoPE, as DESIGN 2
+  asks) or ``"<block>.k_roped"`` (``kv_format="roped"``: after qk-norm and RoPE), ``"<block>.v"``
+  (after ``to_v``), for every block, C = inner_dim; plus ``"output"`` (C = out_channels): the model
+  output at the image tokens. A masked row's unmasked tokens get the cached output, so its
+  unmasked latents follow the template's trajectory; without ``"output"`` they get 0 and the
+  final inpaint blend must restore them.
+- Size per template: ``steps * rows * (blocks * 2 * N * inner_dim + N * out_channels) * itemsize``
+  (``flux_cache_nbytes``); e.g. Flux.1 (57 blocks, inner 3072) at 1024x1024 (N=4096), 28 steps,
+  bf16: 28 * 57 * 2 * 4096 * 3072 * 2 B = 80 GB -- why the store tiers it and prefetches per block.
+
+Semantics
+- Every row has its own timestep and guidance (pass ``[B]`` tensors), mask, step cache and
+  template. Rows of one call share N and the text length T (the stock forward takes one dense
+  ``[B, N, C]`` input and one ``img_ids``).
+- Token-wise layers run once over the ragged pack of all rows' selected image tokens (text as a
+  dense ``[rows, T, D]`` block; single blocks pack text and image together); adaptive-norm
+  modulation is gathered through a token-to-row index. Attention runs per row (SDPA): queries =
+  its text + selected image tokens, keys/values = its text + all N image tokens, the unmasked ones
+  from the cache copied into a per-call buffer with the fresh ones scattered in -- cached tensors
+  are only read. Raw cached K get qk-norm + RoPE at their own positions; query RoPE is gathered at
+  the selected tokens' original positions.
+- Ratio 1 (or a full/record group) is full compute; ratio 0 skips the row (its text tokens only
+  matter through masked image tokens) and returns the cached output.
+- Masked-token outputs equal full compute (to float rounding) when the cache was recorded from the
+  same inputs; with a real template's cache they are the paper's approximation.
+- Not supported inside a batch (raises): ControlNet residuals, ``joint_attention_kwargs``
+  (IP-Adapter), rows of different resolution or text length in one call.
+
+Design notes
+- Attention processors cannot restrict the norms and MLPs (they live outside the processor), so
+  ``diffusers.hooks`` ``ModelHook``s replace the forward of each block and of ``x_embedder``,
+  ``context_embedder``, ``norm_out``, ``proj_out``; a hook on the model builds the per-call plan.
+  Between blocks the stock loop carries zero-stride placeholders; the packed state lives in the
+  plan. No model file is forked: the block math calls the blocks' own submodules in stock order.
+- Per-job state is the explicit per-call plan, not hook state keyed by a global cache context (the
+  pitfall of naive batching, DESIGN 7).
+- ``kv_format="roped"`` caches K after qk-norm + RoPE (same bytes; the cache is keyed by model
+  and resolution anyway) and saves two passes over every unmasked key per block and job;
+  docs/bench/maskaware_flux.md measures both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from diffusers import FluxTransformer2DModel
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+
+from workers.maskaware.flux_tokens import pixel_to_token_mask
+
+log = logging.getLogger(__name__)
+
+HOOK_NAME = "stencil_maskaware_flux"
+OUTPUT_KEY = "output"
+Mode = Literal["full", "record", "masked"]
+KVFormat = Literal["raw", "roped"]
+K_SUFFIX: dict[str, str] = {"raw": "k", "roped": "k_roped"}
+StepCache = Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Consecutive batch rows belonging to one job (Flux: one row, no CFG batch)."""
+
+    rows: int = 1
+    mode: Mode = "full"
+    token_mask: torch.Tensor | None = None
+    cache: StepCache | None = None
+
+
+@dataclass
+class BatchContext:
+    """What one batched transformer call produced besides its output."""
+
+    groups: tuple[RowGroup, ...]
+    recorded: list[dict[str, torch.Tensor] | None] = field(default_factory=list)
+    image_tokens_computed: int = 0
+    image_tokens_total: int = 0
+    calls: int = 0
+
+
+def block_names(model: FluxTransformer2DModel) -> list[str]:
+    """Blocks by module path, in execution order."""
+    return ([f"transformer_blocks.{i}" for i in range(len(model.transformer_blocks))]
+            + [f"single_transformer_blocks.{i}" for i in range(len(model.single_transformer_blocks))])
+
+
+def flux_cache_nbytes(model: FluxTransformer2DModel, image_tokens: int, steps: int,
+                      dtype: torch.dtype = torch.float32, include_output: bool = True) -> int:
+    """Bytes of one template's cache: steps x blocks x 2 (K, V) x N x inner_dim x itemsize (+ output)."""
+    n_blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
+    per_step = n_blocks * 2 * image_tokens * model.inner_dim
+    if include_output:
+        per_step += image_tokens * model.out_channels
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return steps * per_step * itemsize
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-call plan: which tokens each row computes, and the packed state flowing through the blocks.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Row:
+    row: int                      # batch row
+    group: int
+    sel: torch.Tensor | None      # sorted positions of computed image tokens; None = all N
+    m: int                        # number of computed image tokens
+    cache: StepCache | None
+    record: bool
+    crow: int = 0                 # row index inside its group (cache tensors are [rows or 1, N, C])
+    off: int = 0                  # offset of this row's tokens in the packed image state
+    active: int = -1              # index among rows that compute anything
+
+
+class _Plan:
+    """Indices and state for one batched forward; built by the model hook, consumed by the others."""
+
+    def __init__(self, ctx: BatchContext, batch: int, n_tokens: int, device: torch.device,
+                 names: list[str], kv_format: KVFormat) -> None:
+        self.ctx, self.B, self.N, self.device, self.names = ctx, batch, n_tokens, device, names
+        self.kv_format = kv_format
+        self.k_key = K_SUFFIX[kv_format]
+        self.rows: list[_Row] = []
+        self.img: torch.Tensor | None = None          # [M, D] packed image tokens
+        self.txt: torch.Tensor | None = None          # [Ba, T, D] text tokens of active rows
+        self.T = 0
+        self._rope_src: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_img: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._moved: dict[int, torch.Tensor] = {}
+        self._rec: list[dict[str, list[torch.Tensor]] | None] = [
+            {} if g.mode == "record" else None for g in ctx.groups]
+        self._build()
+
+    def _build(self) -> None:
+        r = 0
+        for gi, g in enumerate(self.ctx.groups):
+            sel, cache = None, None
+            if g.mode == "masked":
+                mask = g.token_mask.to(self.device).flatten().bool()
+                if mask.numel() != self.N:
+                    raise ValueError(f"group {gi}: token mask has {mask.numel()} tokens, model input has {self.N}")
+                if not bool(mask.all()):
+                    sel = torch.nonzero(mask).flatten()
+                    cache = g.cache
+                    if sel.numel() > 0:
+                        self._check_cache(gi, g.rows, cache)
+            for crow in range(g.rows):
+                m = self.N if sel is None else int(sel.numel())
+                self.rows.append(_Row(r, gi, sel, m, cache, g.mode == "record", crow))
+                r += 1
+        off, a = 0, 0
+        for row in self.rows:
+            row.off = off
+            off += row.m
+            if row.m > 0:
+                row.active = a
+                a += 1
+        self.active = [row for row in self.rows if row.m > 0]
+        self.M = off
+        self.all_active = len(self.active) == self.B
+        self.active_idx = torch.tensor([row.row for row in self.active], dtype=torch.long, device=self.device)
+        pos = [torch.arange(self.N, device=self.device) if row.sel is None else row.sel for row in self.active]
+        if pos:
+            self.img_pos = torch.cat(pos)
+            self.img_flat = torch.cat([p + row.row * self.N for p, row in zip(pos, self.active)])
+            self.img_arow = torch.cat([torch.full((row.m,), row.active, dtype=torch.long, device=self.device)
+                                       for row in self.active])
+        else:
+            empty = torch.zeros(0, dtype=torch.long, device=self.device)
+            self.img_pos, self.img_flat, self.img_arow = empty, empty, empty
+        self.identity = self.all_active and all(row.sel is None for row in self.rows)
+        self.ctx.image_tokens_computed = self.M
+        self.ctx.image_tokens_total = self.B * self.N
+
+    def _check_cache(self, gi: int, rows: int, cache: StepCache | None) -> None:
+        if cache is None:
+            raise ValueError(f"group {gi}: a partial mask needs the template's step cache")
+        for name in self.names:
+            for suffix in (self.k_key, "v"):
+                key = f"{name}.{suffix}"
+                if key not in cache:
+                    raise KeyError(f"group {gi}: step cache lacks {key} (controller kv_format={self.kv_format!r})")
+                t = cache[key]
+                if t.ndim != 3 or t.shape[0] not in (1, rows) or t.shape[1] != self.N:
+                    raise ValueError(f"group {gi}: cache {key} has shape {tuple(t.shape)}, "
+                                     f"want [{rows} or 1, N={self.N}, D]")
+
+    # --- helpers used by the block math ----------------------------------------------------
+
+    def cached(self, row: _Row, key: str, like: torch.Tensor) -> torch.Tensor:
+        """The row's [N, C] slice of a cache tensor on the compute device/dtype; a tensor shared by
+        several rows or jobs is converted once per call (dedupe), never copied per row."""
+        t = row.cache[key]
+        if t.device != like.device or t.dtype != like.dtype:
+            if id(t) not in self._moved:
+                self._moved[id(t)] = t.to(device=like.device, dtype=like.dtype)
+            t = self._moved[id(t)]
+        return t[row.crow if t.shape[0] > 1 else 0]
+
+    def image_rope(self, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE cos/sin gathered at every packed image token's ORIGINAL position (text comes first)."""
+        if self._rope_src is not rope:
+            pos = (torch.cat([torch.arange(r.m) for r in self.active]) + self.T).to(rope[0].device)
+            self._rope_img, self._rope_src = (rope[0][pos], rope[1][pos]), rope
+        return self._rope_img
+
+    def kv_buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-call [T+N, H, hd] key/value buffers, reused by every row and block (SDPA copies out)."""
+        if self._bufs is None or self._bufs[0].shape[1:] != like.shape[1:] or self._bufs[0].dtype != like.dtype:
+            shape = (self.T + self.N, *like.shape[1:])
+            self._bufs = (like.new_empty(shape), like.new_empty(shape))
+        return self._bufs
+
+    def record(self, name: str, suffix: str, t: torch.Tensor) -> None:
+        """Keep an image-token tensor of record rows (each a full, ordered segment of the pack)."""
+        for row in self.active:
+            if row.record:
+                seg = t[row.off:row.off + row.m].detach().flatten(1)
+                self._rec[row.group].setdefault(f"{name}.{suffix}", []).append(seg)
+
+    def recorded(self) -> list[dict[str, torch.Tensor] | None]:
+        """Per group: name -> [rows, N, C] (fresh tensors, owned by the caller)."""
+        return [None if rec is None else {k: torch.stack(v) for k, v in rec.items()} for rec in self._rec]
+
+    def rows_modulation(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.all_active else t[self.active_idx]
+
+
+# ---------------------------------------------------------------------------------------------
+# Block math on the packed state (same submodules and op order as the stock forwards).
+# ---------------------------------------------------------------------------------------------
+
+
+def _qkv(attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if getattr(attn, "fused_projections", False):
+        return attn.to_qkv(x).chunk(3, dim=-1)
+    return attn.to_q(x), attn.to_k(x), attn.to_v(x)
+
+
+def _added_qkv(attn: Any, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if getattr(attn, "fused_projections", False) and hasattr(attn, "to_added_qkv"):
+        return attn.to_added_qkv(c).chunk(3, dim=-1)
+    return attn.add_q_proj(c), attn.add_k_proj(c), attn.add_v_proj(c)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' Flux RoPE on x [..., S, H, hd] with per-token cos/sin [S, hd]."""
+    lead = x.shape[:-3]
+    out = apply_rotary_emb(x.reshape(-1, *x.shape[-3:]), (cos, sin), sequence_dim=1)
+    return out.reshape(*lead, *x.shape[-3:])
+
+
+def _rope_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    """``_rope`` written straight into ``out`` (same float ops as ``apply_rotary_emb``, one pass fewer)."""
+    if x.dtype != torch.float32:
+        out.copy_(_rope(x, cos, sin))
+        return
+    c, s = cos[:, None, :], sin[:, None, :]
+    xr, xi = x.unflatten(-1, (-1, 2)).unbind(-1)
+    rot = torch.stack([-xi, xr], dim=-1).flatten(-2)
+    torch.mul(x, c, out=out)
+    out.add_(rot * s)
+
+
+def _fill_image_kv(plan: _Plan, row: _Row, attn: Any, name: str, rope: tuple[torch.Tensor, torch.Tensor],
+                   key: torch.Tensor, value: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Image part of a row's keys/values: fresh tokens scattered over the template's cached ones.
+
+    ``k`` is normed + RoPE'd, ``v`` raw, both [m, H, hd]. Raw cached K get qk-norm and RoPE here
+    (token-wise, so norming/roping before or after the scatter is the same). The cache is only
+    read: everything is written into the per-call buffers.
+    """
+    T = plan.T
+    img_k, img_v = key[T:], value[T:]
+    if row.sel is None:
+        img_k.copy_(k)
+        img_v.copy_(v)
+        return
+    hd = attn.head_dim
+    ck = plan.cached(row, f"{name}.{plan.k_key}", k).unflatten(-1, (-1, hd))
+    if plan.kv_format == "raw":
+        _rope_into(attn.norm_k(ck), rope[0][T:], rope[1][T:], img_k)
+    else:
+        img_k.copy_(ck)
+    img_v.copy_(plan.cached(row, f"{name}.v", v).unflatten(-1, (-1, hd)))
+    img_k.index_copy_(0, row.sel, k)
+    img_v.index_copy_(0, row.sel, v)
+
+
+def _attend(plan: _Plan, attn: Any, name: str, rope: tuple[torch.Tensor, torch.Tensor],
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            tq: torch.Tensor, tk: torch.Tensor, tv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Joint attention, SDPA per row. q, k: [M, H, hd] normed image tokens, v: [M, H, hd];
+    tq, tk: [Ba, T, H, hd] normed text, tv: [Ba, T, H, hd]. Returns (image [M, D], text [Ba, T, D])."""
+    T = plan.T
+    cos_i, sin_i = plan.image_rope(rope)
+    q, k = _rope(q, cos_i, sin_i), _rope(k, cos_i, sin_i)
+    tq, tk = _rope(tq, rope[0][:T], rope[1][:T]), _rope(tk, rope[0][:T], rope[1][:T])
+    if plan.kv_format == "roped":
+        plan.record(name, K_SUFFIX["roped"], k)
+    backend = getattr(attn.processor, "_attention_backend", None)
+    img_out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    txt_out = tq.new_empty(tq.shape[0], T, tq.shape[2] * tq.shape[3])
+    key, value = plan.kv_buffers(k)
+    for row in plan.active:
+        seg, a = slice(row.off, row.off + row.m), row.active
+        key[:T] = tk[a]
+        value[:T] = tv[a]
+        _fill_image_kv(plan, row, attn, name, rope, key, value, k[seg], v[seg])
+        query = torch.cat([tq[a], q[seg]])
+        out = dispatch_attention_fn(query[None], key[None], value[None], backend=backend)
+        out = out.flatten(2, 3)[0].to(query.dtype)
+        txt_out[a] = out[:T]
+        img_out[seg] = out[T:]
+    return img_out, txt_out
+
+
+def double_block_forward(block: FluxTransformerBlock, name: str, plan: _Plan, temb: torch.Tensor,
+                         rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """``FluxTransformerBlock.forward`` on the packed state (updates ``plan.img`` / ``plan.txt``)."""
+    x, c, idx = plan.img, plan.txt, plan.img_arow
+    temb = plan.rows_modulation(temb)
+    emb = block.norm1.linear(block.norm1.silu(temb))
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+    xn = block.norm1.norm(x) * (1 + scale_msa[idx]) + shift_msa[idx]
+    cn, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(c, emb=temb)
+
+    attn = block.attn
+    hd = attn.head_dim
+    q, k, v = _qkv(attn, xn)
+    if plan.kv_format == "raw":
+        plan.record(name, "k", k)
+    plan.record(name, "v", v)
+    tq, tk, tv = _added_qkv(attn, cn)
+    img_attn, txt_attn = _attend(
+        plan, attn, name, rope,
+        attn.norm_q(q.unflatten(-1, (-1, hd))), attn.norm_k(k.unflatten(-1, (-1, hd))), v.unflatten(-1, (-1, hd)),
+        attn.norm_added_q(tq.unflatten(-1, (-1, hd))), attn.norm_added_k(tk.unflatten(-1, (-1, hd))),
+        tv.unflatten(-1, (-1, hd)))
+
+    attn_out = attn.to_out[1](attn.to_out[0](img_attn))
+    ctx_out = attn.to_add_out(txt_attn)
+    x = x + gate_msa[idx] * attn_out
+    xn = block.norm2(x) * (1 + scale_mlp[idx]) + shift_mlp[idx]
+    x = x + gate_mlp[idx] * block.ff(xn)
+
+    c = c + c_gate_msa.unsqueeze(1) * ctx_out
+    cn = block.norm2_context(c) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
+    c = c + c_gate_mlp.unsqueeze(1) * block.ff_context(cn)
+    if c.dtype == torch.float16:
+        c = c.clip(-65504, 65504)
+    plan.img, plan.txt = x, c
+
+
+def single_block_forward(block: FluxSingleTransformerBlock, name: str, plan: _Plan, temb: torch.Tensor,
+                         rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """``FluxSingleTransformerBlock.forward`` on the packed state: text and image tokens share weights,
+    so they run as one token pack (text rows first, then the ragged image tokens)."""
+    c, x = plan.txt, plan.img
+    ba, T, D = c.shape
+    nt = ba * T
+    tok = torch.cat([c.reshape(nt, D), x])
+    tidx = torch.cat([torch.arange(ba, device=x.device).repeat_interleave(T), plan.img_arow])
+    temb = plan.rows_modulation(temb)
+    emb = block.norm.linear(block.norm.silu(temb))
+    shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
+    h = block.norm.norm(tok) * (1 + scale_msa[tidx]) + shift_msa[tidx]
+    mlp = block.act_mlp(block.proj_mlp(h))
+
+    attn = block.attn
+    hd = attn.head_dim
+    q, k, v = _qkv(attn, h)
+    if plan.kv_format == "raw":
+        plan.record(name, "k", k[nt:])
+    plan.record(name, "v", v[nt:])
+    q = attn.norm_q(q.unflatten(-1, (-1, hd)))
+    k = attn.norm_k(k.unflatten(-1, (-1, hd)))
+    v = v.unflatten(-1, (-1, hd))
+    img_attn, txt_attn = _attend(plan, attn, name, rope, q[nt:], k[nt:], v[nt:],
+                                 q[:nt].reshape(ba, T, -1, hd), k[:nt].reshape(ba, T, -1, hd),
+                                 v[:nt].reshape(ba, T, -1, hd))
+
+    attn_out = torch.cat([txt_attn.reshape(nt, -1), img_attn])
+    tok = tok + gate_msa[tidx] * block.proj_out(torch.cat([attn_out, mlp], dim=1))
+    if tok.dtype == torch.float16:
+        tok = tok.clip(-65504, 65504)
+    plan.txt, plan.img = tok[:nt].view(ba, T, D), tok[nt:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Hooks
+# ---------------------------------------------------------------------------------------------
+
+
+class _Hook(ModelHook):
+    """Base: defer to the stock forward unless a batch plan is active."""
+
+    def __init__(self, ctrl: MaskAwareFlux) -> None:
+        super().__init__()
+        self.ctrl = ctrl
+
+
+class _ModelHook(_Hook):
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        ctx = self.ctrl._ctx
+        if ctx is None:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        bound = self.ctrl._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        p = bound.arguments
+        for key in ("controlnet_block_samples", "controlnet_single_block_samples"):
+            if p.get(key) is not None:
+                raise NotImplementedError(f"mask-aware Flux does not support {key}")
+        if p.get("joint_attention_kwargs"):
+            raise NotImplementedError("mask-aware Flux does not support joint_attention_kwargs (IP-Adapter, LoRA scale)")
+        if ctx.calls:
+            raise RuntimeError("one transformer call per batch context (a batch is one denoising step)")
+        hs = p["hidden_states"]
+        rows = sum(g.rows for g in ctx.groups)
+        if hs.shape[0] != rows:
+            raise ValueError(f"batch has {hs.shape[0]} rows, the row groups declare {rows}")
+        ctx.calls += 1
+        self.ctrl._plan = _Plan(ctx, hs.shape[0], hs.shape[1], hs.device, self.ctrl.names, self.ctrl.kv_format)
+        try:
+            out = self.fn_ref.original_forward(*args, **kwargs)
+            ctx.recorded = self.ctrl._plan.recorded()
+        finally:
+            self.ctrl._plan = None
+        return out
+
+
+class _XEmbedHook(_Hook):
+    def new_forward(self, module: torch.nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
+        plan = self.ctrl._plan
+        if plan is None:
+            return self.fn_ref.original_forward(hidden_states)
+        B, N, C = hidden_states.shape
+        flat = hidden_states.reshape(B * N, C)
+        plan.img = self.fn_ref.original_forward(flat if plan.identity else flat[plan.img_flat])
+        return plan.img.new_zeros(()).expand(B, N, module.out_features)
+
+
+class _ContextEmbedHook(_Hook):
+    def new_forward(self, module: torch.nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
+        plan = self.ctrl._plan
+        if plan is None:
+            return self.fn_ref.original_forward(hidden_states)
+        B, T, _ = hidden_states.shape
+        plan.T = T
+        plan.txt = self.fn_ref.original_forward(hidden_states if plan.all_active else hidden_states[plan.active_idx])
+        return plan.txt.new_zeros(()).expand(B, T, module.out_features)
+
+
+class _BlockHook(_Hook):
+    def __init__(self, ctrl: MaskAwareFlux, name: str, double: bool) -> None:
+        super().__init__(ctrl)
+        self.name, self.double = name, double
+
+    def new_forward(self, module: torch.nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                    temb: torch.Tensor, image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    joint_attention_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = self.ctrl._plan
+        if plan is None:
+            return self.fn_ref.original_forward(hidden_states, encoder_hidden_states, temb,
+                                                image_rotary_emb, joint_attention_kwargs)
+        if plan.active:
+            fn = double_block_forward if self.double else single_block_forward
+            fn(module, self.name, plan, temb, image_rotary_emb)
+        return encoder_hidden_states, hidden_states
+
+
+class _NormOutHook(_Hook):
+    def new_forward(self, module: torch.nn.Module, x: torch.Tensor, conditioning_embedding: torch.Tensor) -> torch.Tensor:
+        plan = self.ctrl._plan
+        if plan is None:
+            return self.fn_ref.original_forward(x, conditioning_embedding)
+        if plan.active:
+            cond = plan.rows_modulation(conditioning_embedding)
+            emb = module.linear(module.silu(cond).to(plan.img.dtype))
+            scale, shift = torch.chunk(emb, 2, dim=1)
+            idx = plan.img_arow
+            plan.img = module.norm(plan.img) * (1 + scale)[idx] + shift[idx]
+        return x
+
+
+class _ProjOutHook(_Hook):
+    def new_forward(self, module: torch.nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
+        plan = self.ctrl._plan
+        if plan is None:
+            return self.fn_ref.original_forward(hidden_states)
+        y = self.fn_ref.original_forward(plan.img)                   # [M, out]
+        if plan.identity:
+            out = y.view(plan.B, plan.N, -1)
+        else:
+            out = y.new_zeros(plan.B, plan.N, module.out_features)
+            for row in plan.rows:
+                if row.sel is not None and row.cache is not None and OUTPUT_KEY in row.cache:
+                    out[row.row] = plan.cached(row, OUTPUT_KEY, y)  # copied into a fresh buffer
+            out.view(plan.B * plan.N, -1).index_copy_(0, plan.img_flat, y)
+        for row in plan.rows:
+            if row.record:
+                plan._rec[row.group].setdefault(OUTPUT_KEY, []).append(out[row.row].detach())
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Controller
+# ---------------------------------------------------------------------------------------------
+
+
+class MaskAwareFlux:
+    """Installs the mask-aware hooks on a ``FluxTransformer2DModel``; see the module docstring."""
+
+    def __init__(self, transformer: FluxTransformer2DModel, kv_format: KVFormat = "raw") -> None:
+        if kv_format not in K_SUFFIX:
+            raise ValueError(f"kv_format must be one of {sorted(K_SUFFIX)}")
+        self.model = transformer
+        self.kv_format = kv_format
+        self.names = block_names(transformer)
+        self._ctx: BatchContext | None = None
+        self._plan: _Plan | None = None
+        self._signature = inspect.signature(type(transformer).forward)
+        self._signature = self._signature.replace(parameters=list(self._signature.parameters.values())[1:])
+        self._modules: list[torch.nn.Module] = []
+        for blk in transformer.transformer_blocks:
+            if getattr(blk.norm1, "emb", None) is not None:
+                raise NotImplementedError("AdaLayerNormZero with its own embedding is not a Flux block")
+        self._install()
+
+    @property
+    def block_names(self) -> list[str]:
+        return list(self.names)
+
+    def token_mask(self, pixel_mask: torch.Tensor, dilation: int = 0) -> torch.Tensor:
+        """Pixel mask at the job's H x W -> bool [N] packed-token mask (OR-pooled, optional dilation)."""
+        return pixel_to_token_mask(pixel_mask, dilate=dilation)
+
+    def cache_nbytes(self, image_tokens: int, rows: int = 1, steps: int = 1,
+                     dtype: torch.dtype | None = None) -> int:
+        """Bytes of ``steps`` step caches for ``rows`` rows at ``image_tokens`` tokens."""
+        dtype = dtype or self.model.dtype
+        return rows * flux_cache_nbytes(self.model, image_tokens, steps, dtype)
+
+    def _register(self, module: torch.nn.Module, hook: ModelHook) -> None:
+        HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, HOOK_NAME)
+        self._modules.append(module)
+
+    def _install(self) -> None:
+        m = self.model
+        self._register(m.x_embedder, _XEmbedHook(self))
+        self._register(m.context_embedder, _ContextEmbedHook(self))
+        for i, blk in enumerate(m.transformer_blocks):
+            self._register(blk, _BlockHook(self, f"transformer_blocks.{i}", double=True))
+        for i, blk in enumerate(m.single_transformer_blocks):
+            self._register(blk, _BlockHook(self, f"single_transformer_blocks.{i}", double=False))
+        self._register(m.norm_out, _NormOutHook(self))
+        self._register(m.proj_out, _ProjOutHook(self))
+        self._register(m, _ModelHook(self))
+        HookRegistry.check_if_exists_or_initialize(m).invalidate_child_registries_cache()
+        log.debug("mask-aware Flux hooks installed on %d blocks", len(self.names))
+
+    def remove(self) -> None:
+        """Uninstall every hook this controller added (the model is stock again)."""
+        for module in reversed(self._modules):
+            module._diffusers_hook.remove_hook(HOOK_NAME, recurse=False)
+        self._modules.clear()
+        HookRegistry.check_if_exists_or_initialize(self.model).invalidate_child_registries_cache()
+
+    @contextlib.contextmanager
+    def batch(self, groups: Sequence[RowGroup]) -> Iterator[BatchContext]:
+        """Make the next transformer call a mixed record/masked/full batch described by ``groups``."""
+        if self._ctx is not None:
+            raise RuntimeError("a mask-aware batch is already active on this transformer")
+        for gi, g in enumerate(groups):
+            if g.mode not in ("full", "record", "masked"):
+                raise ValueError(f"group {gi}: unknown mode {g.mode!r}")
+            if g.rows < 1:
+                raise ValueError(f"group {gi}: rows must be >= 1")
+            if g.mode == "masked" and g.token_mask is None:
+                raise ValueError(f"group {gi}: masked groups need a token_mask")
+        self._ctx = BatchContext(groups=tuple(groups), recorded=[None] * len(groups))
+        try:
+            yield self._ctx
+        finally:
+            self._ctx = None

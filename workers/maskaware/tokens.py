@@ -1,0 +1,169 @@
+"""Token masks: which tokens of each UNet level a job must recompute.
+
+A pixel mask (H x W, bool or 0/1) becomes a latent-size mask by OR-reduction over each latent
+cell (``adaptive_max_pool2d``: any masked pixel marks its cell), then one mask per UNet level by
+2x2 OR-pooling with ``ceil_mode`` -- the same size rule as diffusers' stride-2 ``Downsample2D``
+(``ceil(h / 2)``), so odd latent sizes line up with the real feature maps. A token is masked if any
+of its children is, so coarse levels have a larger masked fraction than the pixel mask. Optional
+dilation by ``k`` tokens is applied per level (a "token" is that level's cell) because seams
+appear at each level's own boundary between fresh and cached tokens.
+
+Token order is row-major ``(y, x)``, as ``Transformer2DModel`` flattens ``permute(0, 2, 3, 1)``.
+Nothing here knows a model: shapes come from the latent size and the number of UNet levels.
+
+Also here: ``blob_mask`` / ``rect_mask``, synthetic *realistic-shaped* masks of an exact ratio for
+tests and benchmarks (never raster prefixes; see DESIGN.md section 3, pitfall 8).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+def _as_bool_2d(mask: torch.Tensor) -> torch.Tensor:
+    """Accept HxW (or 1xHxW / 1x1xHxW) bool/0-1/float masks; return HxW bool."""
+    m = mask.detach()
+    while m.ndim > 2 and m.shape[0] == 1:
+        m = m[0]
+    if m.ndim != 2:
+        raise ValueError(f"mask must be HxW, got shape {tuple(mask.shape)}")
+    return m > 0.5 if m.is_floating_point() else m.bool()
+
+
+def latent_mask(pixel_mask: torch.Tensor, latent_hw: tuple[int, int]) -> torch.Tensor:
+    """OR-reduce a pixel mask to ``latent_hw``: a latent cell is masked if any pixel in it is."""
+    m = _as_bool_2d(pixel_mask)
+    if tuple(m.shape) == tuple(latent_hw):
+        return m.clone()
+    pooled = F.adaptive_max_pool2d(m.float()[None, None], latent_hw)
+    return pooled[0, 0] > 0.5
+
+
+def pool_levels(latent: torch.Tensor, num_levels: int) -> list[torch.Tensor]:
+    """Level 0 = the latent mask; each next level = 2x2 OR-pool (ceil, like stride-2 convs)."""
+    if num_levels < 1:
+        raise ValueError("num_levels must be >= 1")
+    levels = [_as_bool_2d(latent)]
+    for _ in range(num_levels - 1):
+        prev = levels[-1].float()[None, None]
+        levels.append(F.max_pool2d(prev, kernel_size=2, stride=2, ceil_mode=True)[0, 0] > 0.5)
+    return levels
+
+
+def dilate(mask: torch.Tensor, k: int) -> torch.Tensor:
+    """Grow a 2-D bool mask by ``k`` tokens in every direction (square structuring element)."""
+    if k <= 0:
+        return mask
+    m = F.max_pool2d(mask.float()[None, None], kernel_size=2 * k + 1, stride=1, padding=k)
+    return m[0, 0] > 0.5
+
+
+def mask_ratio(mask: torch.Tensor) -> float:
+    """Masked fraction of a mask (0 for an empty tensor)."""
+    return float(mask.float().mean()) if mask.numel() else 0.0
+
+
+@dataclass
+class TokenMasks:
+    """Per-level token masks of one job (level 0 = latent resolution).
+
+    ``indices(n)`` finds the level by token count ``n`` (levels strictly shrink, so the count is
+    unique except for degenerate 1x1 tails, whose masks are then identical).
+    """
+
+    levels: list[torch.Tensor]
+    _idx: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        return tuple(self.levels[0].shape)  # type: ignore[return-value]
+
+    def level_for_tokens(self, n: int) -> int:
+        for i, lvl in enumerate(self.levels):
+            if lvl.numel() == n:
+                return i
+        sizes = [tuple(lvl.shape) for lvl in self.levels]
+        raise ValueError(f"no token-mask level has {n} tokens (levels {sizes}); "
+                         "the mask was built for another latent size or model depth")
+
+    def flat(self, n: int) -> torch.Tensor:
+        """Row-major bool vector for the level with ``n`` tokens."""
+        return self.levels[self.level_for_tokens(n)].reshape(-1)
+
+    def indices(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Sorted int64 indices of masked tokens at the level with ``n`` tokens (memoized)."""
+        key = (n, str(device))
+        if key not in self._idx:
+            self._idx[key] = self.flat(n).nonzero().reshape(-1).to(device)
+        return self._idx[key]
+
+    def count(self, n: int) -> int:
+        return int(self.flat(n).sum())
+
+    def ratios(self) -> list[float]:
+        return [mask_ratio(lvl) for lvl in self.levels]
+
+    def as_tensors(self) -> dict[str, torch.Tensor]:
+        """For shipping from the prepare stage (safetensors-friendly, uint8)."""
+        return {f"level_{i}": lvl.to(torch.uint8).contiguous() for i, lvl in enumerate(self.levels)}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "TokenMasks":
+        n = len(tensors)
+        return cls([tensors[f"level_{i}"].bool() for i in range(n)])
+
+
+def build_token_masks(mask: torch.Tensor, latent_hw: tuple[int, int], num_levels: int,
+                      dilation: int = 0) -> TokenMasks:
+    """Pixel (or latent) mask -> latent mask -> OR-pooled levels -> per-level dilation."""
+    levels = pool_levels(latent_mask(mask, latent_hw), num_levels)
+    return TokenMasks([dilate(lvl, dilation) for lvl in levels])
+
+
+# --- synthetic masks of realistic shape (tests, benchmarks) ------------------------------------
+
+def _threshold_to_ratio(field_: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Top-``ratio`` share of a score field (exact count, ties broken by index)."""
+    n = field_.numel()
+    k = int(round(ratio * n))
+    out = torch.zeros(n, dtype=torch.bool)
+    if k > 0:
+        out[torch.topk(field_.reshape(-1), k).indices] = True
+    return out.reshape(field_.shape)
+
+
+def blob_mask(height: int, width: int, ratio: float, seed: int = 0, bumps: int = 4) -> torch.Tensor:
+    """An irregular blob (a few overlapping Gaussian bumps + smooth noise) of the given ratio."""
+    g = torch.Generator().manual_seed(seed)
+    ys = torch.arange(height, dtype=torch.float32)[:, None]
+    xs = torch.arange(width, dtype=torch.float32)[None, :]
+    cy, cx = torch.rand(2, generator=g) * 0.5 + 0.25
+    score = torch.zeros(height, width)
+    scale = math.sqrt(max(ratio, 1e-4)) * 0.35
+    for _ in range(bumps):
+        dy, dx = (torch.rand(2, generator=g) - 0.5) * scale
+        sy, sx = (torch.rand(2, generator=g) * 0.6 + 0.4) * scale
+        by, bx = (cy + dy) * height, (cx + dx) * width
+        score += torch.exp(-(((ys - by) / (sy * height + 1)) ** 2 + ((xs - bx) / (sx * width + 1)) ** 2))
+    noise = torch.rand(1, 1, max(2, height // 8), max(2, width // 8), generator=g)
+    score += 0.15 * F.interpolate(noise, size=(height, width), mode="bilinear", align_corners=False)[0, 0]
+    return _threshold_to_ratio(score, ratio)
+
+
+def rect_mask(height: int, width: int, ratio: float, seed: int = 0) -> torch.Tensor:
+    """An axis-aligned rectangle (random aspect and position) covering about ``ratio``."""
+    g = torch.Generator().manual_seed(seed)
+    area = ratio * height * width
+    aspect = float(torch.rand(1, generator=g)) * 1.5 + 0.5
+    h = min(height, max(1, round(math.sqrt(area * aspect))))
+    w = min(width, max(1, round(area / h)))
+    y0 = int(torch.randint(0, height - h + 1, (1,), generator=g))
+    x0 = int(torch.randint(0, width - w + 1, (1,), generator=g))
+    m = torch.zeros(height, width, dtype=torch.bool)
+    if ratio > 0:
+        m[y0:y0 + h, x0:x0 + w] = True
+    return m

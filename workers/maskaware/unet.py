@@ -1,0 +1,497 @@
+"""Mask-aware computation for SD-family ``UNet2DConditionModel`` (SD1.x/2.x, SDXL-style).
+
+One ``MaskAwareUNet`` installs a diffusers ``ModelHook`` on every ``BasicTransformerBlock`` (and,
+when K/V are cached, a capture hook on each block's ``attn1.to_k`` / ``attn1.to_v``). No model file
+is forked; ResNets, convs, GroupNorm, ``proj_in``/``proj_out`` run unchanged on the full map.
+
+API::
+
+    ctrl = MaskAwareUNet(unet, kv_source="cache")      # installs hooks once; ctrl.remove() undoes
+    ctrl.block_names -> list[str]                      # module paths, unique on SDXL-style nets
+    tm = ctrl.token_masks(pixel_or_latent_mask, latent_hw, dilation=0) -> TokenMasks
+    groups = [RowGroup(2, "record"),                   # rows are consecutive, in batch order
+              RowGroup(2, "masked", token_mask=tm, cache=step_cache),
+              RowGroup(1, "full")]
+    with ctrl.batch(groups) as ctx:                    # exactly one UNet call per context
+        eps = unet(sample, t_per_row, encoder_hidden_states).sample
+    ctx.recorded[0] -> dict[str, Tensor]               # this step's cache for group 0 ([rows, N, C])
+    ctrl.cache_nbytes(latent_height, latent_width, rows, steps=1, dtype=None) -> int
+
+Without an active ``batch`` context the hooks pass straight through to the original forward.
+
+Per group of rows (one job: 1 row, or 2 adjacent rows ``(uncond, cond)`` with CFG):
+- ``full``: normal compute. ``record``: normal compute, and capture what ``masked`` needs.
+- ``masked``: only the group's masked tokens enter every token-wise layer of each block (norm1,
+  Q/K/V, attention output, norm2, cross-attention, norm3, feed-forward); masked tokens of all masked
+  groups are packed into one ``[P, C]`` tensor for those layers (ragged batch), and attention runs
+  per group with SDPA (queries: its masked tokens; keys: all N tokens of its own rows). Unmasked
+  tokens take their values from the group's read-only cache: the cached tensor is copied and the
+  fresh rows are scattered into the copy. A group whose level mask is full is routed through the
+  original forward (ratio 1 == full compute, bit for bit); an empty level mask computes nothing.
+
+Cache layout (the design choice; DESIGN.md section 6 measured both):
+- ``kv_source="cache"`` (default, layout ``"kv+y"``): per block, self-attention K and V of all
+  tokens (outputs of ``to_k``/``to_v``), plus the block output Y for the *last* block of each
+  ``Transformer2DModel`` (the only block output a full-map op, ``proj_out``, reads). Inner blocks
+  never need unmasked tokens' hidden states, because their K/V come from the cache.
+- ``kv_source="recompute"`` (layout ``"y"``): per block only Y; a masked block runs norm1 +
+  ``to_k``/``to_v`` on all tokens of its rows (inputs: fresh ``proj_in`` output, or the previous
+  block's output completed from its cached Y) and everything else on masked tokens only.
+  Roughly half the bytes, about 10-25% more block time at small ratios (see
+  docs/bench/maskaware_unet.md).
+
+Cache size per template (bytes), ``dtype`` bytes ``s``, ``rows`` = 2 with CFG:
+    steps * rows * s * sum_over_blocks( n_tensors(block) * N_level(block) * C(block) )
+with ``n_tensors`` = 2 + [block is last in its transformer] for ``"kv+y"`` and 1 for ``"y"``;
+``N_level`` = tokens at the block's level (latent halved with ceil per down level), ``C`` = width.
+Tensor names: ``"<block path>.k"``, ``"<block path>.v"``, ``"<block path>.y"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.models.attention import BasicTransformerBlock
+from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
+from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+from workers.maskaware.tokens import TokenMasks, build_token_masks
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["full", "record", "masked"]
+KVSource = Literal["cache", "recompute"]
+_BLOCK_HOOK = "stencil_maskaware_block"
+_CAPTURE_HOOK = "stencil_maskaware_capture"
+_SUPPORTED_PROCESSORS = (AttnProcessor2_0, AttnProcessor)
+
+
+@dataclass
+class RowGroup:
+    """Consecutive batch rows of one job, and how to compute them this step."""
+
+    rows: int
+    mode: Mode = "full"
+    token_mask: TokenMasks | None = None
+    cache: Mapping[str, torch.Tensor] | None = None  # read-only, this group's current step
+
+
+@dataclass
+class _BlockInfo:
+    name: str
+    module: BasicTransformerBlock
+    level: int
+    needs_y: bool  # a full-map consumer reads this block's unmasked outputs
+    signature: inspect.Signature
+
+
+@dataclass
+class _MaskedGroup:
+    g: int
+    start: int
+    rows: int
+    idx: torch.Tensor
+    m: int
+
+
+@dataclass
+class _Plan:
+    """How one block call at a given token count splits the batch."""
+
+    full_rows: torch.Tensor | None  # None: every row takes the original forward
+    record: list[tuple[int, int, int]]  # (group, position in the full sub-batch, rows)
+    masked: list[_MaskedGroup]
+    empty: list[tuple[int, int, int]]  # (group, start, rows) with no masked token at this level
+
+
+@dataclass
+class BatchContext:
+    """State of one UNet call: the row groups, per-level plans and what record groups captured."""
+
+    groups: list[RowGroup]
+    starts: list[int]
+    total_rows: int
+    recorded: list[dict[str, torch.Tensor] | None]
+    _plans: dict[tuple[int, str], _Plan] = field(default_factory=dict)
+
+    def plan(self, n: int, device: torch.device) -> _Plan:
+        key = (n, str(device))
+        if key not in self._plans:
+            self._plans[key] = self._make_plan(n, device)
+        return self._plans[key]
+
+    def _make_plan(self, n: int, device: torch.device) -> _Plan:
+        full: list[int] = []
+        record: list[tuple[int, int, int]] = []
+        masked: list[_MaskedGroup] = []
+        empty: list[tuple[int, int, int]] = []
+        for g, (grp, s) in enumerate(zip(self.groups, self.starts)):
+            if grp.mode == "masked":
+                assert grp.token_mask is not None
+                m = grp.token_mask.count(n)
+                if m == 0:
+                    empty.append((g, s, grp.rows))
+                    continue
+                if m < n:
+                    masked.append(_MaskedGroup(g, s, grp.rows, grp.token_mask.indices(n, device), m))
+                    continue
+            if grp.mode == "record":
+                record.append((g, len(full), grp.rows))
+            full.extend(range(s, s + grp.rows))
+        all_full = len(full) == self.total_rows
+        rows = None if all_full else torch.tensor(full, dtype=torch.long, device=device)
+        return _Plan(rows, record, masked, empty)
+
+
+class _BlockHook(ModelHook):
+    """Routes a ``BasicTransformerBlock`` call through the controller (house style: FBC hooks)."""
+
+    def __init__(self, ctrl: "MaskAwareUNet", info: _BlockInfo) -> None:
+        super().__init__()
+        self.ctrl = ctrl
+        self.info = info
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.ctrl._block_forward(self.info, self.fn_ref.original_forward, args, kwargs)
+
+
+class _CaptureHook(ModelHook):
+    """Keeps the output of ``attn1.to_k``/``to_v`` while the controller records a block."""
+
+    def __init__(self, ctrl: "MaskAwareUNet", slot: str) -> None:
+        super().__init__()
+        self.ctrl = ctrl
+        self.slot = slot
+
+    def post_forward(self, module: torch.nn.Module, output: torch.Tensor) -> torch.Tensor:
+        if self.ctrl._capture is not None:
+            self.ctrl._capture[self.slot] = output
+        return output
+
+
+def _check_attention(name: str, attn: Attention, cross: bool) -> None:
+    """Masked path re-implements AttnProcessor2_0's math: refuse anything it would not match."""
+    problems = []
+    if type(attn.processor) not in _SUPPORTED_PROCESSORS:  # subclasses may change the math
+        problems.append(f"processor {type(attn.processor).__name__}")
+    for attr in ("spatial_norm", "group_norm", "norm_q", "norm_k"):
+        if getattr(attn, attr, None) is not None:
+            problems.append(attr)
+    if cross and attn.norm_cross is not None:
+        problems.append("norm_cross")
+    if attn.residual_connection or getattr(attn, "fused_projections", False):
+        problems.append("residual_connection/fused_projections")
+    head_dim = attn.to_k.out_features // attn.heads
+    if not math.isclose(attn.scale, head_dim**-0.5):
+        problems.append("non-default scale")
+    if problems:
+        raise ValueError(f"{name}: unsupported attention config for mask-aware compute: {problems}")
+
+
+def _check_block(name: str, blk: BasicTransformerBlock) -> None:
+    if blk.norm_type != "layer_norm" or blk.pos_embed is not None or blk.only_cross_attention \
+            or blk.double_self_attention or hasattr(blk, "fuser"):
+        raise ValueError(f"{name}: only plain layer_norm SD/SDXL transformer blocks are supported")
+    _check_attention(f"{name}.attn1", blk.attn1, cross=False)
+    if blk.attn2 is not None:
+        _check_attention(f"{name}.attn2", blk.attn2, cross=True)
+
+
+def _unet_level(name: str, n_down: int, n_up: int) -> int:
+    """Resolution level of a block from its module path (0 = latent size)."""
+    parts = name.split(".")
+    if parts[0] == "down_blocks":
+        return int(parts[1])
+    if parts[0] == "up_blocks":
+        return n_up - 1 - int(parts[1])
+    if parts[0] == "mid_block":
+        return n_down - 1
+    raise ValueError(f"cannot place block {name} on a UNet level")
+
+
+def _level_hw(latent_hw: tuple[int, int], level: int) -> tuple[int, int]:
+    h, w = latent_hw
+    for _ in range(level):
+        h, w = (h + 1) // 2, (w + 1) // 2
+    return h, w
+
+
+def _slice_rows(obj: Any, rows: torch.Tensor, batch: int) -> Any:
+    """Take batch rows of every per-row tensor in a (nested) argument."""
+    if isinstance(obj, torch.Tensor) and obj.ndim > 0 and obj.shape[0] == batch:
+        return obj.index_select(0, rows)
+    if isinstance(obj, dict):
+        return {k: _slice_rows(v, rows, batch) for k, v in obj.items()}
+    return obj
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, heads: int) -> torch.Tensor:
+    """Attention of one group: q [rows*M, Ci], k/v [rows, L, Ci] -> [rows*M, Ci]."""
+    ci = k.shape[-1]
+    hd = ci // heads
+    qh = q.view(rows, -1, heads, hd).transpose(1, 2)
+    kh = k.view(rows, -1, heads, hd).transpose(1, 2)
+    vh = v.view(rows, -1, heads, hd).transpose(1, 2)
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=None, dropout_p=0.0, is_causal=False)
+    return o.transpose(1, 2).reshape(-1, ci).to(q.dtype)
+
+
+def _scatter_copy(base: torch.Tensor, fresh: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """A copy of the cached ``base`` [rows, N, C] with ``fresh`` [rows, M, C] at token ``idx``."""
+    out = base.to(device=fresh.device, dtype=fresh.dtype, copy=True)
+    out.index_copy_(1, idx, fresh)
+    return out
+
+
+class MaskAwareUNet:
+    """Installs mask-aware hooks on a ``UNet2DConditionModel``; see the module docstring."""
+
+    def __init__(self, unet: torch.nn.Module, kv_source: KVSource = "cache") -> None:
+        if kv_source not in ("cache", "recompute"):
+            raise ValueError(f"kv_source must be 'cache' or 'recompute', got {kv_source!r}")
+        self.unet = unet
+        self.kv_source: KVSource = kv_source
+        self._ctx: BatchContext | None = None
+        self._capture: dict[str, torch.Tensor] | None = None
+        cfg = unet.config
+        self.num_levels = len(cfg.down_block_types)
+        n_up = len(cfg.up_block_types)
+        last_in_transformer: set[int] = set()
+        for mod in unet.modules():
+            if isinstance(mod, Transformer2DModel) and len(mod.transformer_blocks):
+                last_in_transformer.add(id(mod.transformer_blocks[-1]))
+        self._blocks: list[_BlockInfo] = []
+        for name, mod in unet.named_modules():
+            if not isinstance(mod, BasicTransformerBlock):
+                continue
+            _check_block(name, mod)
+            needs_y = kv_source == "recompute" or id(mod) in last_in_transformer
+            info = _BlockInfo(name, mod, _unet_level(name, self.num_levels, n_up), needs_y,
+                              inspect.signature(mod.forward))
+            self._blocks.append(info)
+        if not self._blocks:
+            raise ValueError("model has no BasicTransformerBlock: nothing to make mask-aware")
+        for info in self._blocks:
+            HookRegistry.check_if_exists_or_initialize(info.module).register_hook(
+                _BlockHook(self, info), _BLOCK_HOOK)
+            if kv_source == "cache":
+                for slot in ("k", "v"):
+                    lin = getattr(info.module.attn1, f"to_{slot}")
+                    HookRegistry.check_if_exists_or_initialize(lin).register_hook(
+                        _CaptureHook(self, slot), _CAPTURE_HOOK)
+        log.info("mask-aware hooks on %d transformer blocks (kv_source=%s)", len(self._blocks), kv_source)
+
+    # --- public API ---------------------------------------------------------------------------
+
+    @property
+    def block_names(self) -> list[str]:
+        return [b.name for b in self._blocks]
+
+    @property
+    def cache_layout(self) -> str:
+        """Goes into the template cache key: caches of the two layouts are not interchangeable."""
+        return "kv+y" if self.kv_source == "cache" else "y"
+
+    def tensor_names(self) -> list[str]:
+        """Names a recorded step holds, in block order."""
+        names = []
+        for b in self._blocks:
+            if self.kv_source == "cache":
+                names += [f"{b.name}.k", f"{b.name}.v"]
+            if b.needs_y:
+                names.append(f"{b.name}.y")
+        return names
+
+    def token_masks(self, mask: torch.Tensor, latent_hw: tuple[int, int], dilation: int = 0) -> TokenMasks:
+        """Per-level token masks for this UNet's depth (pixel or latent-size input mask)."""
+        return build_token_masks(mask, latent_hw, self.num_levels, dilation)
+
+    def cache_nbytes(self, latent_height: int, latent_width: int, rows: int, steps: int = 1,
+                     dtype: torch.dtype | None = None) -> int:
+        """Bytes of a template cache: ``steps`` steps of ``rows`` rows (formula in module doc)."""
+        if dtype is None:
+            dtype = next(self.unet.parameters()).dtype
+        elem = torch.empty((), dtype=dtype).element_size()
+        per_row = 0
+        for b in self._blocks:
+            h, w = _level_hw((latent_height, latent_width), b.level)
+            c = b.module.attn1.to_k.out_features
+            n_t = (2 if self.kv_source == "cache" else 0) + (1 if b.needs_y else 0)
+            per_row += n_t * h * w * c
+        return steps * rows * elem * per_row
+
+    @contextlib.contextmanager
+    def batch(self, groups: list[RowGroup]) -> Iterator[BatchContext]:
+        """Activate a row-group layout for one UNet call."""
+        if self._ctx is not None:
+            raise RuntimeError("a mask-aware batch is already active")
+        self._validate(groups)
+        starts, s = [], 0
+        for grp in groups:
+            starts.append(s)
+            s += grp.rows
+        recorded = [{} if g.mode == "record" else None for g in groups]
+        self._ctx = BatchContext(groups, starts, s, recorded)
+        try:
+            yield self._ctx
+        finally:
+            self._ctx = None
+            self._capture = None
+
+    def remove(self) -> None:
+        """Uninstall every hook this controller added."""
+        for info in self._blocks:
+            info.module._diffusers_hook.remove_hook(_BLOCK_HOOK, recurse=False)
+            if self.kv_source == "cache":
+                for slot in ("k", "v"):
+                    getattr(info.module.attn1, f"to_{slot}")._diffusers_hook.remove_hook(
+                        _CAPTURE_HOOK, recurse=False)
+        self._blocks = []
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _validate(self, groups: list[RowGroup]) -> None:
+        for info in self._blocks:  # processors may have been swapped since install
+            _check_block(info.name, info.module)
+        for i, g in enumerate(groups):
+            if g.rows < 1 or g.mode not in ("full", "record", "masked"):
+                raise ValueError(f"group {i}: bad rows/mode {g.rows}/{g.mode}")
+            if g.mode == "masked" and (g.token_mask is None or g.cache is None):
+                raise ValueError(f"group {i}: masked mode needs token_mask and cache")
+
+    def _block_forward(self, info: _BlockInfo, original: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        ctx = self._ctx
+        if ctx is None:
+            return original(*args, **kwargs)
+        arguments = info.signature.bind(*args, **kwargs).arguments
+        h = arguments["hidden_states"]
+        b, n, _ = h.shape
+        if b != ctx.total_rows:
+            raise ValueError(f"{info.name}: batch has {b} rows, row groups declare {ctx.total_rows}")
+        plan = ctx.plan(n, h.device)
+        if not plan.masked and not plan.empty:
+            return self._full_forward(info, original, arguments, plan, ctx)
+        out = torch.empty_like(h)
+        if plan.full_rows is not None and plan.full_rows.numel():
+            sub = {k: _slice_rows(v, plan.full_rows, b) for k, v in arguments.items()}
+            out.index_copy_(0, plan.full_rows, self._full_forward(info, original, sub, plan, ctx))
+        for g, s, r in plan.empty:
+            out[s:s + r] = self._cached(ctx, g, info.name, "y", (r, n, h.shape[2])) if info.needs_y \
+                else h[s:s + r]
+        if plan.masked:
+            self._masked_forward(info, h, arguments, plan, ctx, out)
+        return out
+
+    def _full_forward(self, info: _BlockInfo, original: Any, arguments: dict, plan: _Plan,
+                      ctx: BatchContext) -> torch.Tensor:
+        """Original forward on the full-compute rows; capture what record groups need."""
+        capture_kv = bool(plan.record) and self.kv_source == "cache"
+        if capture_kv:
+            self._capture = {}
+        try:
+            y = original(**arguments)
+            cap = self._capture
+        finally:
+            self._capture = None
+        for g, pos, r in plan.record:
+            rec = ctx.recorded[g]
+            assert rec is not None
+            if capture_kv:
+                assert cap is not None and "k" in cap and "v" in cap, "to_k/to_v capture missed"
+                rec[f"{info.name}.k"] = cap["k"][pos:pos + r].detach().clone()
+                rec[f"{info.name}.v"] = cap["v"][pos:pos + r].detach().clone()
+            if info.needs_y:
+                rec[f"{info.name}.y"] = y[pos:pos + r].detach().clone()
+        return y
+
+    @staticmethod
+    def _cached(ctx: BatchContext, g: int, block: str, kind: str, shape: tuple[int, ...]) -> torch.Tensor:
+        cache = ctx.groups[g].cache
+        assert cache is not None
+        key = f"{block}.{kind}"
+        if key not in cache:
+            raise KeyError(f"group {g}: cache lacks {key!r} (other layout, model or resolution?)")
+        t = cache[key]
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"group {g}: cached {key} has shape {tuple(t.shape)}, need {shape}")
+        return t
+
+    def _masked_forward(self, info: _BlockInfo, h: torch.Tensor, arguments: dict, plan: _Plan,
+                        ctx: BatchContext, out: torch.Tensor) -> None:
+        """Every token-wise layer on the packed masked tokens; attention per group."""
+        if arguments.get("attention_mask") is not None or arguments.get("encoder_attention_mask") is not None:
+            raise NotImplementedError("attention masks are not supported for masked groups")
+        if arguments.get("cross_attention_kwargs"):
+            raise NotImplementedError("cross_attention_kwargs are not supported for masked groups")
+        blk = info.module
+        a1, a2 = blk.attn1, blk.attn2
+        n, c = h.shape[1], h.shape[2]
+        ci = a1.to_k.out_features
+        groups = plan.masked
+        x = torch.cat([h[mg.start:mg.start + mg.rows].index_select(1, mg.idx).reshape(-1, c)
+                       for mg in groups])
+        # 1. self-attention: Q (and, with cached K/V, fresh K/V) from masked tokens only
+        if self.kv_source == "cache":
+            n1 = blk.norm1(x)
+            q, k, v = a1.to_q(n1), a1.to_k(n1), a1.to_v(n1)
+        else:
+            hm = torch.cat([h[mg.start:mg.start + mg.rows] for mg in groups])
+            n1_all = blk.norm1(hm)
+            k_all, v_all = a1.to_k(n1_all), a1.to_v(n1_all)
+            row0, parts = 0, []
+            for mg in groups:
+                parts.append(n1_all[row0:row0 + mg.rows].index_select(1, mg.idx).reshape(-1, c))
+                row0 += mg.rows
+            q = a1.to_q(torch.cat(parts))
+        outs, off, row0 = [], 0, 0
+        for mg in groups:
+            cnt = mg.rows * mg.m
+            if self.kv_source == "cache":
+                shape = (mg.rows, n, ci)
+                kf = _scatter_copy(self._cached(ctx, mg.g, info.name, "k", shape),
+                                   k[off:off + cnt].view(mg.rows, mg.m, ci), mg.idx)
+                vf = _scatter_copy(self._cached(ctx, mg.g, info.name, "v", shape),
+                                   v[off:off + cnt].view(mg.rows, mg.m, ci), mg.idx)
+            else:
+                kf, vf = k_all[row0:row0 + mg.rows], v_all[row0:row0 + mg.rows]
+            outs.append(_sdpa(q[off:off + cnt], kf, vf, mg.rows, a1.heads))
+            off, row0 = off + cnt, row0 + mg.rows
+        a = a1.to_out[1](a1.to_out[0](torch.cat(outs))) / a1.rescale_output_factor
+        x = a + x
+        # 2. cross-attention: queries from masked tokens, K/V from each row's text
+        if a2 is not None:
+            ehs = arguments.get("encoder_hidden_states")
+            q2 = a2.to_q(blk.norm2(x))
+            src = None if ehs is None else torch.cat([ehs[mg.start:mg.start + mg.rows] for mg in groups])
+            if src is None:  # attn2 without text is self-attention over the block's input
+                raise NotImplementedError("attn2 without encoder_hidden_states is not supported")
+            k2, v2 = a2.to_k(src), a2.to_v(src)
+            outs, off, row0 = [], 0, 0
+            for mg in groups:
+                cnt = mg.rows * mg.m
+                outs.append(_sdpa(q2[off:off + cnt], k2[row0:row0 + mg.rows], v2[row0:row0 + mg.rows],
+                                  mg.rows, a2.heads))
+                off, row0 = off + cnt, row0 + mg.rows
+            x = a2.to_out[1](a2.to_out[0](torch.cat(outs))) / a2.rescale_output_factor + x
+        # 3. feed-forward
+        x = blk.ff(blk.norm3(x)) + x
+        # 4. scatter masked results over the cached (or pass-through) rows of a fresh buffer
+        off = 0
+        for mg in groups:
+            cnt = mg.rows * mg.m
+            dst = out[mg.start:mg.start + mg.rows]
+            if info.needs_y:
+                dst.copy_(self._cached(ctx, mg.g, info.name, "y", (mg.rows, n, c)))
+            else:  # inner block with cached K/V: nobody reads unmasked tokens of this output
+                dst.copy_(h[mg.start:mg.start + mg.rows])
+            dst.index_copy_(1, mg.idx, x[off:off + cnt].view(mg.rows, mg.m, c))
+            off += cnt
