@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
 from app.maskgen import SHAPES, make_mask

@@ -8,7 +8,9 @@ Why the client is configured the way it is:
 - Path-style addressing and an explicit region: self-hosted servers have no per-bucket DNS.
 - Short connect timeout and few retries: the activation cache is an optimisation. When the store
   is down, a job must fall back to full compute quickly, not hang; so every transport failure
-  surfaces as ``StoreUnavailable`` within a few seconds.
+  surfaces as ``StoreUnavailable`` within a few seconds (refused connection: ~0.1-0.3 s with the
+  3 attempts' jittered backoff; an endpoint that drops packets: 3 x 1 s connect timeouts plus
+  backoff, about 3.5 s typical, 6 s worst case).
 - Multipart only above a threshold sized for activation tensors (one block's cache is a few MiB to
   ~50 MiB); below it one ``put_object`` is cheaper (one request, object appears whole).
 
@@ -87,7 +89,8 @@ class S3Store(ObjectStore):
             response_checksum_validation="when_required",
             connect_timeout=connect_timeout_s,
             read_timeout=read_timeout_s,
-            retries={"max_attempts": max_attempts, "mode": "standard"},
+            # total attempts, first included ("max_attempts" would count retries only)
+            retries={"total_max_attempts": max_attempts, "mode": "standard"},
             max_pool_connections=max_pool_connections,
             tcp_keepalive=True,
         )

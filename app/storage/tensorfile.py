@@ -172,7 +172,9 @@ def _parse_header(raw: bytes, header_len: int) -> TensorHeader:
         digest = meta.get(_HASH_PREFIX + name)
         if digest is None:
             raise CorruptObject(f"no sha256 recorded for {name!r}")
-        tensors[name] = TensorInfo(dtype, tuple(shape), data_start + begin, data_start + end, digest)
+        tensors[name] = TensorInfo(
+            dtype, tuple(shape), data_start + begin, data_start + end, digest
+        )
     # safetensors requires the data section to be covered exactly, without holes or overlaps.
     cursor = data_start
     for info in sorted(tensors.values(), key=lambda t: (t.start, t.end)):

@@ -1,0 +1,1 @@
+"""Test helpers that start real backing services (no mocks): see ``s3server``."""
