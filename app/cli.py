@@ -113,11 +113,11 @@ def cmd_cpu_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_dispatcher(args: argparse.Namespace) -> int:
-    from app.celery_app import app
-    from app.dispatcher import Dispatcher
-
     import signal
     import threading
+
+    from app.celery_app import app
+    from app.dispatcher import Dispatcher
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

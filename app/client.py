@@ -23,9 +23,9 @@ import redis
 from PIL import Image
 
 from app.blobs import BlobStore
+from app.jobs import JobParams, JobRecord, JobStatus, JobStore, new_job_id
 from app.keys import template_key
 from app.masks import mask_from_array
-from app.jobs import JobParams, JobRecord, JobStatus, JobStore, new_job_id
 from app.settings import Settings
 from app.storage import ObjectStore, open_store
 

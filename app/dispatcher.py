@@ -5,37 +5,220 @@ and the job marked routed; on restart the consumer first re-reads its own pendin
 XAUTOCLAIM takes over entries that another (dead) dispatcher left idle. Entries delivered too
 many times are dead-lettered (the job fails with a reason). A resent chain is harmless: every
 task is idempotent against the job record.
+
+Routing sees the workers through a ``LiveWorkerView``: what every engine last published to
+``stencil:worker:<id>`` (read in one pipeline, at most every ``STENCIL_VIEW_REFRESH_MS``) plus
+the jobs this dispatcher routed that the engines cannot show yet (still in ``prepare``). Those
+in-flight entries leave when the job appears in a worker's state, ends, or gets too old.
+
+SLO at routing: with a fitted cost model, a job whose deadline cannot be met even if it started
+now alone on an idle worker is marked ``expired`` with the reason instead of being routed.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import logging
+import os
 import socket
 import threading
 import time
+from collections import OrderedDict, deque
+from pathlib import Path
+from typing import Any
 
 import redis
 from celery import Celery, chain
 
+from app.blobs import BlobStore
 from app.celery_app import CPU_QUEUE, gpu_queue
-from app.jobs import JobStatus, JobStore
-from app.routing import Router, make_router
+from app.costmodel import CostModel, UNetArch, find_model, token_counts_from_mask
+from app.jobs import JobRecord, JobStatus, JobStore
+from app.routing import JobDemand, JobLoad, RoutingPolicy, WorkerState, WorkerView, make_router
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_KEY = "stencil:dispatcher:heartbeat"
 DEAD_LETTER_STREAM = "stencil:jobs:dead"
+WORKER_STATE_PREFIX = "stencil:worker:"
+_LIVE_STATUSES = {JobStatus.QUEUED.value, JobStatus.ROUTED.value, JobStatus.PREPARING.value,
+                  JobStatus.WAITING.value, JobStatus.DENOISING.value}
+
+
+def _env_float(name: str, default: float) -> float:
+    return float(os.environ.get(f"STENCIL_{name}", default))
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def num_denoise_steps(steps: int, strength: float) -> int:
+    """Steps the engine runs (diffusers' img2img/inpaint ``get_timesteps``)."""
+    return max(1, min(int(steps * strength), steps))
+
+
+def parse_worker_hash(worker_id: str, fields: dict[Any, Any], *, now: float, stale_s: float,
+                      max_batch: int, known: dict[str, JobDemand]) -> WorkerState:
+    """A worker's published state (``RedisEngineHooks._state``) as a ``WorkerState``.
+
+    Tolerates older engines: fields they do not publish (max_batch, templates, per-job cached,
+    template_id, masked_tokens) fall back to defaults or to what the dispatcher knew at routing.
+    """
+    f = {_s(k): _s(v) for k, v in fields.items()}
+
+    def jobs(raw: str) -> list[JobLoad]:
+        out = []
+        for e in json.loads(raw or "[]"):
+            rem = int(e.get("remaining", 0))
+            if rem <= 0:
+                continue
+            d = known.get(e["job_id"])
+            tokens = e.get("masked_tokens")
+            out.append(JobLoad(
+                job_id=e["job_id"], remaining=rem, mask_ratio=float(e.get("mask_ratio", d.mask_ratio if d else 1.0)),
+                masked_tokens=tuple(tokens) if tokens else (d.masked_tokens if d else None),
+                cached=bool(e["cached"]) if "cached" in e else (d.cached if d else True),
+                template_id=e.get("template_id") or (d.template_id if d else "")))
+        return out
+
+    updated = float(f.get("updated") or 0.0)
+    return WorkerState(
+        worker_id=worker_id, running=jobs(f.get("running", "[]")), waiting=jobs(f.get("waiting", "[]")),
+        templates=frozenset(json.loads(f.get("templates") or "[]")),
+        last_step_seconds=float(f.get("last_step_seconds") or 0.0), updated=updated,
+        max_batch=int(f.get("max_batch") or max_batch),
+        alive=not updated or now - updated <= stale_s)
+
+
+class LiveWorkerView:
+    """Worker states from Redis + this dispatcher's in-flight assignments (module docstring)."""
+
+    def __init__(self, client: redis.Redis, worker_ids: list[str], *, max_batch: int,
+                 refresh_s: float = 0.05, stale_s: float = 120.0, inflight_ttl_s: float = 600.0,
+                 status_check_s: float = 2.0, jobs: JobStore | None = None) -> None:
+        self.r = client
+        self.worker_ids = list(worker_ids)
+        self.max_batch = max_batch
+        self.refresh_s = refresh_s
+        self.stale_s = stale_s
+        self.inflight_ttl_s = inflight_ttl_s
+        self.status_check_s = status_check_s
+        self.jobs = jobs
+        self.inflight: dict[str, OrderedDict[str, tuple[JobDemand, float]]] = {w: OrderedDict() for w in worker_ids}
+        self.known: OrderedDict[str, JobDemand] = OrderedDict()  # recently routed (enriches worker views)
+        self._view: WorkerView | None = None
+        self._fetched = 0.0
+        self._checked = time.monotonic()
+
+    def refresh(self, force: bool = False) -> WorkerView:
+        mono = time.monotonic()
+        if self._view is not None and not force and mono - self._fetched < self.refresh_s:
+            return self._view
+        pipe = self.r.pipeline(transaction=False)
+        for w in self.worker_ids:
+            pipe.hgetall(WORKER_STATE_PREFIX + w)
+        raw = pipe.execute()
+        now = time.time()
+        states = [parse_worker_hash(w, fields or {}, now=now, stale_s=self.stale_s, max_batch=self.max_batch,
+                                    known=self.known) for w, fields in zip(self.worker_ids, raw)]
+        visible = {j.job_id for st in states for j in st.running + st.waiting}
+        if mono - self._checked > self.status_check_s:
+            self._checked = mono
+            self._drop_finished()
+        for st in states:
+            pending = self.inflight[st.worker_id]
+            for job_id in [j for j, (_, at) in pending.items() if j in visible or mono - at > self.inflight_ttl_s]:
+                del pending[job_id]
+            st.inflight = [_inflight_load(d) for d, _ in pending.values()]
+        self._view = WorkerView(states)
+        self._fetched = mono
+        return self._view
+
+    def _drop_finished(self) -> None:
+        """In-flight jobs that ended (or reached finalize) without ever being seen at a worker."""
+        if self.jobs is None:
+            return
+        ids = [j for pending in self.inflight.values() for j in pending]
+        if not ids:
+            return
+        statuses = self.jobs.statuses(ids)
+        for pending in self.inflight.values():
+            for job_id in [j for j in pending if statuses.get(j) is None or statuses[j].value not in _LIVE_STATUSES]:
+                del pending[job_id]
+
+    def assign(self, worker_id: str, demand: JobDemand) -> None:
+        self.inflight[worker_id][demand.job_id] = (demand, time.monotonic())
+        self.known[demand.job_id] = demand
+        while len(self.known) > 100_000:
+            self.known.popitem(last=False)
+        if self._view is not None:
+            self._view.assign(worker_id, demand)
+
+
+def _inflight_load(d: JobDemand) -> JobLoad:
+    return JobLoad.from_demand(d)
+
+
+class DecisionStats:
+    """Latency of routing decisions (policy ``choose`` only), for logs and benchmarks."""
+
+    def __init__(self, maxlen: int = 10_000) -> None:
+        self.samples: deque[float] = deque(maxlen=maxlen)
+
+    def add(self, seconds: float) -> None:
+        self.samples.append(seconds)
+
+    def quantile(self, q: float) -> float:
+        if not self.samples:
+            return 0.0
+        xs = sorted(self.samples)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def load_cost_model(settings: Settings) -> CostModel | None:
+    """``STENCIL_COST_MODEL`` (a file), else the newest fitted model for this model id under
+    ``<home>/costmodels``; None when there is none (mask-aware routing then uses a FLOPs proxy)."""
+    try:
+        return find_model(settings.home, settings.model_id, os.environ.get("STENCIL_COST_MODEL", ""))
+    except (OSError, ValueError, KeyError) as exc:
+        log.warning("cost model unusable (%s); routing without one", exc)
+        return None
+
+
+def proxy_cost_model(settings: Settings) -> CostModel | None:
+    """A FLOPs proxy from the model folder's UNet config (no torch), at 512x512."""
+    folder = Path(settings.model_dir) if settings.model_dir else settings.home / "models" / settings.model_id
+    cfg_file = folder / "unet" / "config.json"
+    if not cfg_file.is_file():
+        return None
+    return CostModel.proxy(UNetArch.from_unet_config(json.loads(cfg_file.read_text()), (64, 64)))
 
 
 class Dispatcher:
-    def __init__(self, settings: Settings, celery: Celery, *, router: Router | None = None,
-                 consumer: str | None = None) -> None:
+    def __init__(self, settings: Settings, celery: Celery, *, router: RoutingPolicy | None = None,
+                 consumer: str | None = None, cost_model: CostModel | None = None) -> None:
         self.s = settings
         self.celery = celery
         self.r = redis.Redis.from_url(settings.redis_url)
         self.jobs = JobStore(self.r, ttl_seconds=settings.job_ttl_seconds, intake_stream=settings.intake_stream)
-        self.router = router or make_router(settings.routing_policy, settings.gpu_worker_ids)
+        self.blobs = BlobStore(self.r, settings.blob_ttl_seconds)
+        self.cost_model = cost_model if cost_model is not None else load_cost_model(settings)
+        model = self.cost_model
+        if model is None and router is None and settings.routing_policy == "mask_aware":
+            model = proxy_cost_model(settings)
+            log.warning("mask_aware routing without a fitted cost model: using a FLOPs proxy (%s)",
+                        "found" if model else "none")
+        self.router = router or make_router(settings.routing_policy, settings.gpu_worker_ids, model)
+        self.view = LiveWorkerView(
+            self.r, settings.gpu_worker_ids, max_batch=settings.max_batch, jobs=self.jobs,
+            refresh_s=_env_float("VIEW_REFRESH_MS", 50.0) / 1000.0,
+            stale_s=_env_float("WORKER_STALE_SECONDS", 120.0),
+            inflight_ttl_s=_env_float("INFLIGHT_TTL_SECONDS", 600.0))
+        self.decisions = DecisionStats()
+        self.slo_overhead_s = _env_float("SLO_OVERHEAD_SECONDS", 0.0)  # prepare + finalize, if known
         # A stable name (per host) lets a restarted dispatcher re-read its own pending entries.
         self.consumer = consumer or socket.gethostname()
         self.stream = settings.intake_stream
@@ -48,6 +231,62 @@ class Dispatcher:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    # -- what the router knows about a job ----------------------------------------------------
+    def _mask(self, rec: JobRecord) -> Any:
+        """The uploaded mask as a bool array, or None (never fails routing)."""
+        if os.environ.get("STENCIL_DISPATCH_DECODE_MASK", "1") in ("0", "false", "no"):
+            return None
+        data = self.blobs.get(rec.id, "mask")
+        if not data:
+            return None
+        try:
+            import numpy as np
+            from PIL import Image
+
+            with Image.open(io.BytesIO(data)) as img:
+                if img.width * img.height > self.s.max_image_pixels:
+                    return None
+                return np.asarray(img.convert("L")) > 127
+        except Exception as exc:  # prepare reports bad masks properly; routing just guesses
+            log.debug("job %s: mask not decodable for routing: %s", rec.id, exc)
+            return None
+
+    def demand(self, rec: JobRecord) -> JobDemand:
+        p = rec.params
+        ratio_field = rec.fields.get("mask_ratio")
+        ratio = float(ratio_field) if ratio_field else None
+        tokens: tuple[int, ...] | None = None
+        model = self.cost_model
+        if ratio is None or model is not None:
+            mask = self._mask(rec)
+            if mask is not None:
+                ratio = float(mask.mean()) if ratio is None else ratio
+                if model is not None:
+                    h, w = mask.shape
+                    if p.width and p.height:
+                        w, h = p.width, p.height
+                    scale = min(1.0, self.s.max_side / max(w, h))
+                    vae = model.arch.vae_factor
+                    lat = (max(1, int(h * scale) // vae), max(1, int(w * scale) // vae))
+                    tokens = token_counts_from_mask(mask, lat, model.arch.num_levels) \
+                        if lat == model.arch.latent_hw else None
+        if ratio is None:
+            ratio = _env_float("DEFAULT_MASK_RATIO", 1.0)
+        cached = bool(p.template_id) and p.kind == "edit" and 0.0 < ratio < 1.0
+        return JobDemand(job_id=rec.id, steps=num_denoise_steps(p.steps, p.strength), mask_ratio=ratio,
+                         masked_tokens=tokens, cached=cached, template_id=p.template_id, priority=p.priority,
+                         deadline=p.deadline)
+
+    def min_latency(self, demand: JobDemand) -> float | None:
+        """Fastest possible denoising time (alone on an idle worker), or None without a fitted model."""
+        model = self.cost_model
+        if model is None:
+            return None
+        per_step = model.intercept + model.job_seconds(mask_ratio=demand.mask_ratio,
+                                                       masked_tokens=demand.masked_tokens, cached=demand.cached)
+        return demand.steps * per_step + self.slo_overhead_s
+
+    # -- routing --------------------------------------------------------------------------------
     def route(self, job_id: str) -> str:
         """Route one job; returns what happened (for logs and tests)."""
         rec = self.jobs.get(job_id)
@@ -59,10 +298,22 @@ class Dispatcher:
         if reason:
             self.jobs.fail(job_id, reason)
             return "invalid"
-        if rec.params.deadline is not None and rec.params.deadline < time.time():
+        now = time.time()
+        if rec.params.deadline is not None and rec.params.deadline < now:
             self.jobs.transition(job_id, JobStatus.EXPIRED, error="deadline passed before routing")
             return "expired"
-        worker = self.router.choose(rec)
+        demand = self.demand(rec)
+        if demand.deadline is not None:
+            need = self.min_latency(demand)
+            if need is not None and now + need > demand.deadline:
+                self.jobs.transition(job_id, JobStatus.EXPIRED,
+                                     error=f"deadline unreachable: needs at least {need:.3f} s, "
+                                           f"{demand.deadline - now:.3f} s left")
+                return "expired"
+        view = self.view.refresh()
+        start = time.perf_counter()
+        worker = self.router.choose(demand, view)
+        self.decisions.add(time.perf_counter() - start)
         # Signatures by task name on this dispatcher's app: no worker code (or torch) is imported.
         signature = chain(
             self.celery.signature("stencil.prepare", args=(job_id,), immutable=True, queue=CPU_QUEUE),
@@ -70,7 +321,8 @@ class Dispatcher:
             self.celery.signature("stencil.finalize", queue=CPU_QUEUE),
         )
         signature.apply_async()
-        self.jobs.transition(job_id, JobStatus.ROUTED, expect=(JobStatus.QUEUED,), worker=gpu_queue(worker))
+        if self.jobs.transition(job_id, JobStatus.ROUTED, expect=(JobStatus.QUEUED,), worker=gpu_queue(worker)):
+            self.view.assign(worker, demand)
         return f"routed to {gpu_queue(worker)}"
 
     def _handle(self, entries: list) -> None:
@@ -107,17 +359,23 @@ class Dispatcher:
     def run(self, stop: threading.Event | None = None, block_ms: int = 1000) -> None:
         stop = stop or threading.Event()
         self.ensure_group()
-        log.info("dispatcher %s routing %s with policy %s", self.consumer, self.s.gpu_worker_ids,
-                 self.s.routing_policy)
+        log.info("dispatcher %s routing %s with policy %s (cost model: %s)", self.consumer, self.s.gpu_worker_ids,
+                 getattr(self.router, "name", type(self.router).__name__),
+                 f"{self.cost_model.model_id}/{self.cost_model.device_kind}" if self.cost_model else "none")
         # Entries this consumer read but never acknowledged before a restart.
         for _stream, entries in self.r.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=1000) or []:
             self._handle(entries)
-        last_claim = 0.0
+        last_claim = -float("inf")
+        last_stats = time.monotonic()
         while not stop.is_set():
             self.r.set(HEARTBEAT_KEY, repr(time.time()), ex=30)
             if time.monotonic() - last_claim > 5.0:
                 last_claim = time.monotonic()
                 self._reclaim()
+            if time.monotonic() - last_stats > 60.0 and self.decisions.samples:
+                last_stats = time.monotonic()
+                log.info("routing decisions: p50 %.3f ms, p99 %.3f ms over %d", self.decisions.quantile(0.5) * 1e3,
+                         self.decisions.quantile(0.99) * 1e3, len(self.decisions.samples))
             resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=64, block=block_ms)
             for _stream, entries in resp or []:
                 self._handle(entries)

@@ -1,34 +1,248 @@
-"""Routing policies: which GPU worker queue a job goes to. One interface, chosen by setting."""
+"""Routing policies: which GPU worker a job goes to. One interface, chosen by setting.
+
+Every policy is ``choose(job: JobDemand, view: WorkerView) -> worker id`` over a snapshot of the
+workers (what each engine last published to ``stencil:worker:<id>`` plus the dispatcher's own
+in-flight assignments, which the engines cannot show yet). Policies are pure: the dispatcher, the
+tests and the cluster simulator (ops/simulate.py) run the very same objects.
+
+``STENCIL_ROUTING_POLICY``:
+- ``round_robin``: the baseline; ignores load.
+- ``least_requests``: fewest jobs (running + waiting + in flight); blind to job size and progress.
+- ``least_masked_tokens``: fewest masked tokens (uncached jobs count all their tokens) over the
+  worker's jobs; sees size, not progress, batch limits or fixed per-step costs.
+- ``mask_aware``: the paper's Algorithm 2. For each worker, the fitted cost model predicts each
+  step of its batch as ``intercept + sum(job step seconds)`` and the batch's future is integrated
+  step by step (jobs leave when done, waiting jobs take free slots, the new job joins in order):
+  the cost is the time until the new job would finish there. A worker that already holds the
+  job's template in host RAM (or has a job of that template on the way) is cheaper by the
+  predicted fetch time. Ties go to the worker with fewer jobs, then round robin.
+"""
 
 from __future__ import annotations
 
 import itertools
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from app.jobs import JobRecord
+from app.costmodel import CostModel, queue_finish_time
 
 
-class Router(Protocol):
-    def choose(self, job: JobRecord) -> str:
-        """The GPU worker id for ``job``."""
+@dataclass(frozen=True)
+class JobDemand:
+    """What the dispatcher knows about a job when routing it."""
+
+    job_id: str
+    steps: int
+    mask_ratio: float = 1.0
+    masked_tokens: tuple[int, ...] | None = None  # per UNet level, if the mask was seen
+    cached: bool = True  # will compute masked tokens only (template cache available)
+    template_id: str = ""
+    priority: int = 0
+    deadline: float | None = None
+
+
+@dataclass
+class JobLoad:
+    """A job already at (or on its way to) a worker."""
+
+    job_id: str
+    remaining: int
+    mask_ratio: float = 1.0
+    masked_tokens: tuple[int, ...] | None = None
+    cached: bool = True
+    template_id: str = ""
+    step_seconds: float | None = None  # memo of the cost model's marginal step seconds
+
+    @classmethod
+    def from_demand(cls, d: JobDemand) -> "JobLoad":
+        return cls(d.job_id, d.steps, d.mask_ratio, d.masked_tokens, d.cached, d.template_id)
+
+
+@dataclass
+class WorkerState:
+    """One worker as the router sees it."""
+
+    worker_id: str
+    running: list[JobLoad] = field(default_factory=list)
+    waiting: list[JobLoad] = field(default_factory=list)
+    inflight: list[JobLoad] = field(default_factory=list)
+    templates: frozenset[str] = frozenset()
+    last_step_seconds: float = 0.0
+    updated: float = 0.0  # epoch seconds of the engine's last publish (0 = never seen)
+    max_batch: int = 8
+    alive: bool = True
+
+    @property
+    def n_jobs(self) -> int:
+        return len(self.running) + len(self.waiting) + len(self.inflight)
+
+    def jobs(self) -> Iterable[JobLoad]:
+        return itertools.chain(self.running, self.waiting, self.inflight)
+
+
+class WorkerView:
+    """All workers the dispatcher routes to, in a fixed order."""
+
+    def __init__(self, workers: Iterable[WorkerState]) -> None:
+        self.workers: dict[str, WorkerState] = {w.worker_id: w for w in workers}
+        if not self.workers:
+            raise ValueError("no GPU workers configured (STENCIL_GPU_WORKERS)")
+
+    def candidates(self) -> list[WorkerState]:
+        """Live workers; all of them if none looks alive (better a late job than none routed)."""
+        live = [w for w in self.workers.values() if w.alive]
+        return live or list(self.workers.values())
+
+    def assign(self, worker_id: str, job: JobDemand) -> None:
+        """Count a routed job at its worker until the engine's own state shows it."""
+        self.workers[worker_id].inflight.append(JobLoad.from_demand(job))
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(self, job: JobDemand, view: WorkerView) -> str:
+        """The worker id for ``job``."""
         ...
 
 
+Router = RoutingPolicy  # the name the dispatcher used before policies saw worker state
+
+
+class _Rotation:
+    """Deterministic tie-breaking that spreads ties (a rotating start index)."""
+
+    def __init__(self) -> None:
+        self._n = 0
+
+    def order(self, workers: Sequence[WorkerState]) -> list[WorkerState]:
+        k = self._n % len(workers)
+        self._n += 1
+        return list(workers[k:]) + list(workers[:k])
+
+
 class RoundRobinRouter:
-    def __init__(self, worker_ids: list[str]) -> None:
-        if not worker_ids:
-            raise ValueError("no GPU workers configured (STENCIL_GPU_WORKERS)")
-        self._cycle = itertools.cycle(worker_ids)
+    name = "round_robin"
 
-    def choose(self, job: JobRecord) -> str:
-        return next(self._cycle)
+    def __init__(self) -> None:
+        self._n = 0
+
+    def choose(self, job: JobDemand, view: WorkerView) -> str:
+        workers = view.candidates()
+        w = workers[self._n % len(workers)]
+        self._n += 1
+        return w.worker_id
 
 
-POLICIES = {"round_robin": RoundRobinRouter}
+class LeastRequestsRouter:
+    name = "least_requests"
+
+    def __init__(self) -> None:
+        self._rot = _Rotation()
+
+    def choose(self, job: JobDemand, view: WorkerView) -> str:
+        return min(self._rot.order(view.candidates()), key=lambda w: w.n_jobs).worker_id
 
 
-def make_router(policy: str, worker_ids: list[str]) -> Router:
-    try:
-        return POLICIES[policy](worker_ids)
-    except KeyError as exc:
-        raise ValueError(f"unknown routing policy {policy!r}; known: {sorted(POLICIES)}") from exc
+class LeastMaskedTokensRouter:
+    """Balances masked tokens; with a cost model counts real per-level tokens, else ratios."""
+
+    name = "least_masked_tokens"
+
+    def __init__(self, model: CostModel | None = None) -> None:
+        self.model = model
+        self._rot = _Rotation()
+        self._full = sum(model.arch.level_tokens()) if model else 1.0
+
+    def tokens(self, job: JobLoad | JobDemand) -> float:
+        if not job.cached or job.mask_ratio >= 1.0:
+            return self._full
+        if self.model is None:
+            return job.mask_ratio
+        counts = job.masked_tokens if job.masked_tokens is not None else self.model.arch.tokens_from_ratio(job.mask_ratio)
+        return float(sum(counts))
+
+    def choose(self, job: JobDemand, view: WorkerView) -> str:
+        def load(w: WorkerState) -> tuple[float, int]:
+            return sum(self.tokens(j) for j in w.jobs()), w.n_jobs
+
+        return min(self._rot.order(view.candidates()), key=load).worker_id
+
+
+class MaskAwareRouter:
+    """The paper's Algorithm 2 with a cache-affinity term (module docstring)."""
+
+    name = "mask_aware"
+
+    def __init__(self, model: CostModel, *, fetch_tier: str = "local", externality: float = 0.0) -> None:
+        self.model = model
+        self.fetch_tier = fetch_tier
+        # Weight of the delay the new job adds to the worker's other jobs (0 = the paper's cost).
+        self.externality = externality
+        self._rot = _Rotation()
+
+    def job_seconds(self, job: JobLoad) -> float:
+        if job.step_seconds is None:
+            job.step_seconds = self.model.job_seconds(mask_ratio=job.mask_ratio, masked_tokens=job.masked_tokens,
+                                                      cached=job.cached)
+        return job.step_seconds
+
+    def cost(self, job: JobLoad, w: WorkerState, fetch_s: float) -> float:
+        """Predicted seconds until ``job`` finishes on ``w`` (+ fetch if its template is cold)."""
+        running = [(self.job_seconds(j), j.remaining) for j in w.running if j.remaining > 0]
+        queued = [(self.job_seconds(j), j.remaining) for j in itertools.chain(w.waiting, w.inflight)]
+        mine = (self.job_seconds(job), job.remaining)
+        t = queue_finish_time(running, queued + [mine], w.max_batch, self.model.intercept)
+        if self.externality and running:
+            # Others' extra time while sharing steps with the new job (a lower bound: no queueing).
+            t += self.externality * mine[0] * sum(min(rem, mine[1]) for _, rem in running)
+        if fetch_s and job.template_id and job.cached and job.template_id not in w.templates \
+                and all(j.template_id != job.template_id for j in w.jobs()):
+            t += fetch_s
+        return t
+
+    def choose(self, job: JobDemand, view: WorkerView) -> str:
+        load = JobLoad.from_demand(job)
+        fetch_s = self.model.template_fetch_seconds(job.steps, self.fetch_tier) if job.template_id else 0.0
+        best, best_key = None, (math.inf, 0)
+        for w in self._rot.order(view.candidates()):
+            key = (self.cost(load, w, fetch_s), w.n_jobs)
+            if key < best_key:
+                best, best_key = w, key
+        assert best is not None
+        return best.worker_id
+
+
+POLICIES = ("round_robin", "least_requests", "least_masked_tokens", "mask_aware")
+
+
+def make_policy(name: str, model: CostModel | None = None) -> RoutingPolicy:
+    """A policy by name; ``mask_aware`` without a fitted model uses the FLOPs proxy of the arch."""
+    if name == "round_robin":
+        return RoundRobinRouter()
+    if name == "least_requests":
+        return LeastRequestsRouter()
+    if name == "least_masked_tokens":
+        return LeastMaskedTokensRouter(model)
+    if name == "mask_aware":
+        if model is None:
+            raise ValueError("mask_aware routing needs a cost model (run `python -m ops.profile`)")
+        return MaskAwareRouter(model, fetch_tier=os.environ.get("STENCIL_CACHE_TIER", "local"),
+                               externality=float(os.environ.get("STENCIL_ROUTING_EXTERNALITY", "0")))
+    raise ValueError(f"unknown routing policy {name!r}; known: {list(POLICIES)}")
+
+
+def make_router(policy: str, worker_ids: list[str], model: CostModel | None = None) -> RoutingPolicy:
+    """Kept for callers of the old API: validates the worker list, then ``make_policy``."""
+    if not worker_ids:
+        raise ValueError("no GPU workers configured (STENCIL_GPU_WORKERS)")
+    return make_policy(policy, model)
+
+
+__all__ = [
+    "JobDemand", "JobLoad", "LeastMaskedTokensRouter", "LeastRequestsRouter", "MaskAwareRouter", "POLICIES",
+    "RoundRobinRouter", "Router", "RoutingPolicy", "WorkerState", "WorkerView", "make_policy", "make_router",
+]

@@ -40,6 +40,12 @@ class Settings:
     s3_access_key: str = ""
     s3_secret_key: str = ""
 
+    # Template activation caches: "" = the object store above; "s3" or "local" = a store of its
+    # own (e.g. a large S3 bucket for activations, results elsewhere).
+    activations_backend: str = ""
+    activations_bucket: str = ""
+    activations_dir: Path = Path()
+
     # Model: a diffusers StableDiffusionInpaintPipeline folder; empty = embedded default.
     model_dir: str = ""
     model_id: str = "tiny-sd-inpaint"
@@ -57,7 +63,7 @@ class Settings:
     maskaware_kv_source: str = "cache"  # cache (K/V + block outputs) | recompute (outputs only)
     mask_dilation: int = 0  # dilate token masks by this many tokens (fewer seams, more compute)
     host_cache_bytes: int = 2 * 1024**3  # host-RAM tier budget per GPU worker
-    prefetch_steps: int = 4  # steps of a job's template cache fetched ahead
+    prefetch_steps: int = 8  # steps of a job's template cache fetched ahead (from routing on)
     auto_warm: bool = True  # an edit of a template without cache triggers its warm-up
     warm_prompt: str = ""
     warm_seed: int = 0
@@ -87,6 +93,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.store_dir == Path():
             object.__setattr__(self, "store_dir", self.home / "store")
+        if self.activations_dir == Path():
+            object.__setattr__(self, "activations_dir", self.store_dir)
 
     @property
     def celery_broker(self) -> str:
@@ -116,7 +124,7 @@ class Settings:
                 values[f.name] = int(raw)
             elif isinstance(default, float):
                 values[f.name] = float(raw)
-            elif f.name in {"home", "store_dir"}:
+            elif f.name in {"home", "store_dir", "activations_dir"}:
                 values[f.name] = Path(raw)
             else:
                 values[f.name] = raw

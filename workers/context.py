@@ -74,7 +74,9 @@ def model_id() -> str:
 def activations():  # type: ignore[no-untyped-def]
     from workers.maskaware.activation_store import ActivationStore
 
-    return ActivationStore(object_store())
+    from app.storage import open_activation_store
+
+    return ActivationStore(open_activation_store(settings()))
 
 
 _cpu_pipeline = None

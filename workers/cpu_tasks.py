@@ -150,11 +150,24 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], ratio: flo
         has = False
     if has:
         meta["cache_mode"] = "masked"
+        _send_prefetch(job_id, key.to_dict(), min(int(meta["num_steps"]), ctx.settings().prefetch_steps))
         return {"cache_mode": "masked", "cache_digest": key.digest()}
     meta["cache_mode"] = "full"
     if s.auto_warm:
         _trigger_warm(params, meta, key.digest())
     return {"cache_mode": "full", "cache_note": "template not warmed"}
+
+
+def _send_prefetch(job_id: str, key: dict[str, Any], steps: int) -> None:
+    """Tell the job's GPU worker to fetch the template cache while the job waits for it."""
+    worker = ctx.jobs().get(job_id)
+    queue = worker.worker if worker is not None else None
+    if not queue:
+        return
+    try:
+        app.send_task("stencil.prefetch", args=(key, steps), queue=queue)
+    except Exception as exc:  # prefetch is an optimisation; the engine fetches on demand anyway
+        log.warning("job %s: prefetch request failed: %s", job_id, exc)
 
 
 def _trigger_warm(params: JobParams, meta: dict[str, Any], digest: str) -> None:

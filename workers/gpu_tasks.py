@@ -142,6 +142,16 @@ def _stop_engine(**_: Any) -> None:
         _engine.stop()
 
 
+@app.task(name="stencil.prefetch", ignore_result=True, acks_late=False)
+def prefetch(key: dict[str, Any], steps: int) -> None:
+    """Start fetching a template cache into host RAM (first steps first) while its job waits."""
+    from workers.maskaware.activation_store import TemplateCacheKey
+
+    caches = getattr(get_engine().runner, "caches", None)
+    if caches is not None:
+        caches.prefetch(TemplateCacheKey.from_dict(key), range(int(steps)))
+
+
 @app.task(name="stencil.denoise", bind=True)
 def denoise(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
     job_id = prep["job_id"]
@@ -175,8 +185,11 @@ def denoise(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
             jobs.fail(job_id, f"denoising failed: {type(exc).__name__}: {exc}")
             raise Ignore() from exc
         ctx.blobs().put(job_id, "latents", pack({"latents": out["latents"]}))
+        used = out["masked_steps"] + out["fallback_steps"]
         jobs.update(job_id, ts_denoised=repr(time.time()), cache_mode=out["mode"],
-                    masked_steps=out["masked_steps"], fallback_steps=out["fallback_steps"])
+                    masked_steps=out["masked_steps"], fallback_steps=out["fallback_steps"],
+                    # Share of steps whose cache fetch was hidden (resident when the step ran).
+                    fetch_hidden=f"{out['masked_steps'] / used:.3f}" if used else "")
         return prep
     finally:
         lease.release()

@@ -18,4 +18,21 @@ def open_store(settings: Settings) -> ObjectStore:
     raise ValueError(f"unknown store backend {settings.store_backend!r} (local | s3)")
 
 
-__all__ = ["LocalStore", "ObjectNotFound", "ObjectStore", "StoreUnavailable", "open_store"]
+def open_activation_store(settings: Settings) -> ObjectStore:
+    """The object store holding template activation caches (``STENCIL_ACTIVATIONS_BACKEND``)."""
+    backend = settings.activations_backend or settings.store_backend
+    if backend == "local":
+        return LocalStore(settings.activations_dir)
+    if backend == "s3":
+        from app.storage.s3 import S3Store
+
+        store = S3Store.from_settings(settings)
+        if settings.activations_bucket:
+            store = S3Store(settings.activations_bucket, endpoint_url=settings.s3_endpoint_url or None,
+                            region=settings.s3_region, access_key=settings.s3_access_key or None,
+                            secret_key=settings.s3_secret_key or None)
+        return store
+    raise ValueError(f"unknown activations backend {backend!r} (local | s3)")
+
+
+__all__ = ["LocalStore", "ObjectNotFound", "ObjectStore", "StoreUnavailable", "open_activation_store", "open_store"]
