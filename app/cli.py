@@ -125,6 +125,32 @@ def cmd_dispatcher(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_until_sigterm(target) -> None:  # type: ignore[no-untyped-def]
+    import signal
+    import threading
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    target(stop)
+
+
+def cmd_stock_worker(args: argparse.Namespace) -> int:
+    from workers.stock_worker import StockWorker
+
+    if args.max_batch:
+        os.environ["STENCIL_MAX_BATCH"] = str(args.max_batch)
+    _run_until_sigterm(StockWorker(Settings.from_env(), args.worker_id).run)
+    return 0
+
+
+def cmd_stock_router(args: argparse.Namespace) -> int:
+    from workers.stock_worker import StockRouter
+
+    _run_until_sigterm(StockRouter(Settings.from_env()).run)
+    return 0
+
+
 def cmd_flower(args: argparse.Namespace) -> int:
     argv = [sys.executable, "-m", "celery", "-A", "app.celery_app:app", "flower", f"--port={args.port}",
             f"--address={args.address}", "--persistent=True", f"--db={args.db}", "--max_tasks=10000"]
@@ -214,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("dispatcher", help="start the dispatcher")
     s.set_defaults(func=cmd_dispatcher)
+
+    s = sub.add_parser("stock-worker", help="benchmark baseline: stock diffusers pipeline, static batches")
+    s.add_argument("--worker-id", default="0")
+    s.add_argument("--max-batch", type=int, default=0)
+    s.set_defaults(func=cmd_stock_worker)
+
+    s = sub.add_parser("stock-router", help="benchmark baseline: round-robin router for stock workers")
+    s.set_defaults(func=cmd_stock_router)
 
     s = sub.add_parser("flower", help="start Flower (Celery monitoring) for this app")
     s.add_argument("--port", type=int, default=5555)

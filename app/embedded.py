@@ -80,7 +80,10 @@ class EmbeddedStack:
 
     @classmethod
     def start(cls, workdir: Path | None = None, *, gpu_workers: int = 1, cpu_concurrency: int = 1,
-              dispatcher: bool = True, **overrides: object) -> "EmbeddedStack":
+              dispatcher: bool = True, stock: bool = False, worker_env: dict[str, str] | None = None,
+              **overrides: object) -> "EmbeddedStack":
+        """Start the stack. ``stock=True`` starts the stock-diffusers baseline instead of Stencil
+        (round-robin router + plain pipeline workers), for side-by-side benchmarks."""
         owns = workdir is None
         workdir = Path(workdir or tempfile.mkdtemp(prefix="stencil-"))
         workdir.mkdir(parents=True, exist_ok=True)
@@ -97,11 +100,16 @@ class EmbeddedStack:
             from workers.models.loader import ensure_model_dir
 
             ensure_model_dir(settings)
-            stack.start_cpu_worker(concurrency=cpu_concurrency)
-            for worker_id in settings.gpu_worker_ids:
-                stack.start_gpu_worker(worker_id)
-            if dispatcher:
-                stack.start_dispatcher()
+            if stock:
+                for worker_id in settings.gpu_worker_ids:
+                    stack._spawn(f"gpu{worker_id}", ["stock-worker", "--worker-id", worker_id], **(worker_env or {}))
+                stack._spawn("dispatcher", ["stock-router"])
+            else:
+                stack.start_cpu_worker(concurrency=cpu_concurrency)
+                for worker_id in settings.gpu_worker_ids:
+                    stack.start_gpu_worker(worker_id, **(worker_env or {}))
+                if dispatcher:
+                    stack.start_dispatcher()
             stack.wait_ready()
         except BaseException:
             stack.stop()

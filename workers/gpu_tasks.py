@@ -64,6 +64,8 @@ class RedisEngineHooks(EngineHooks):
         self.worker_id = worker_id
         self.lease_ms = int(lease_seconds * 1000)
         self.last_step_seconds = 0.0
+        self.busy_seconds = 0.0
+        self.steps = 0
         self._last_idle_publish = 0.0
 
     def cancelled(self, job_ids: list[str]) -> set[str]:
@@ -78,6 +80,8 @@ class RedisEngineHooks(EngineHooks):
 
     def on_step(self, batch: list[EngineJob], step_seconds: float, waiting: list[EngineJob]) -> None:
         self.last_step_seconds = step_seconds
+        self.busy_seconds += step_seconds
+        self.steps += 1
         r = ctx.redis_client()
         pipe = r.pipeline(transaction=False)
         for job in batch:
@@ -100,7 +104,8 @@ class RedisEngineHooks(EngineHooks):
                                 "remaining": j.total_steps - j.steps_done} for j in jobs])
 
         return {"running": view(batch), "waiting": view(waiting), "updated": repr(time.time()),
-                "last_step_seconds": repr(self.last_step_seconds), "holder": holder_id()}
+                "last_step_seconds": repr(self.last_step_seconds), "holder": holder_id(),
+                "busy_seconds": repr(self.busy_seconds), "steps": str(self.steps)}
 
 
 def get_engine() -> Engine:

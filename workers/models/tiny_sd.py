@@ -110,14 +110,15 @@ def build_scheduler() -> DDIMScheduler:
     )
 
 
-def build_pipeline(seed: int = 0) -> StableDiffusionInpaintPipeline:
-    """The embedded default pipeline, deterministic for a given seed."""
+def build_pipeline(seed: int = 0, *, unet_hidden: tuple[int, ...] = (32, 64), cross_dim: int = 32,
+                   layers_per_block: int = 1) -> StableDiffusionInpaintPipeline:
+    """The embedded default pipeline, deterministic for a given seed (wider UNets for benchmarks)."""
     tokenizer = byte_level_clip_tokenizer()
     pipe = StableDiffusionInpaintPipeline(
         vae=build_vae(seed),
-        text_encoder=build_text_encoder(seed, vocab_size=len(tokenizer)),
+        text_encoder=build_text_encoder(seed, hidden=cross_dim, vocab_size=len(tokenizer)),
         tokenizer=tokenizer,
-        unet=build_unet(seed),
+        unet=build_unet(seed, hidden=unet_hidden, cross_dim=cross_dim, layers_per_block=layers_per_block),
         scheduler=build_scheduler(),
         safety_checker=None,
         feature_extractor=None,
@@ -127,9 +128,9 @@ def build_pipeline(seed: int = 0) -> StableDiffusionInpaintPipeline:
     return pipe
 
 
-def save_pipeline(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the embedded default as a diffusers folder (safetensors weights)."""
+def save_pipeline(out_dir: str | Path, seed: int = 0, **shape: object) -> Path:
+    """Write the embedded default (or a wider variant) as a diffusers folder (safetensors)."""
     out = Path(out_dir)
-    build_pipeline(seed).save_pretrained(out, safe_serialization=True)
+    build_pipeline(seed, **shape).save_pretrained(out, safe_serialization=True)  # type: ignore[arg-type]
     log.info("saved embedded model to %s", out)
     return out
