@@ -64,6 +64,13 @@ def scheduler_config() -> dict:
 
 
 @functools.cache
+def model_family() -> str:
+    from workers.models.loader import model_family as family
+
+    return family(model_dir())
+
+
+@functools.cache
 def model_id() -> str:
     from workers.models.loader import model_identity
 
@@ -72,9 +79,8 @@ def model_id() -> str:
 
 @functools.cache
 def activations():  # type: ignore[no-untyped-def]
-    from workers.maskaware.activation_store import ActivationStore
-
     from app.storage import open_activation_store
+    from workers.maskaware.activation_store import ActivationStore
 
     return ActivationStore(open_activation_store(settings()))
 

@@ -88,7 +88,13 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
             width, height = params.width, params.height
         else:
             width, height = target_size(*image.size, pipe.vae_scale_factor, ctx.settings().max_side)
-        prepared = prepare_job_tensors(pipe, ctx.scheduler_config(), image, mask, params, height, width)
+        if ctx.model_family() == "flux":
+            from workers.flux_inputs import prepare_flux_job_tensors
+
+            width, height = width - width % 16, height - height % 16  # 2x2 packing of the latents
+            prepared = prepare_flux_job_tensors(pipe, ctx.scheduler_config(), image, mask, params, height, width)
+        else:
+            prepared = prepare_job_tensors(pipe, ctx.scheduler_config(), image, mask, params, height, width)
     except InvalidInput as exc:
         log.info("job %s: invalid input: %s", job_id, exc)
         jobs.fail(job_id, str(exc))
@@ -116,12 +122,18 @@ def template_cache_key(params: JobParams, meta: dict[str, Any]):  # type: ignore
     """The key a template's activations are stored under (DESIGN.md: cache validity)."""
     from workers.maskaware.activation_store import TemplateCacheKey
 
-    s = ctx.settings()
     return TemplateCacheKey(
         model_id=ctx.model_id(), template_id=params.template_id, height=int(meta["height"]),
         width=int(meta["width"]), scheduler=str(ctx.scheduler_config()["_class_name"]), steps=params.steps,
         strength=float(params.strength), guidance="cfg2" if meta["do_cfg"] else "single",
-        layout="kv+y" if s.maskaware_kv_source == "cache" else "y")
+        layout=_cache_layout())
+
+
+def _cache_layout() -> str:
+    """What a cache holds; caches of different layouts are never interchangeable."""
+    if ctx.model_family() == "flux":
+        return "flux-kv-raw"
+    return "kv+y" if ctx.settings().maskaware_kv_source == "cache" else "y"
 
 
 def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], ratio: float) -> dict[str, str]:
@@ -202,7 +214,13 @@ def finalize(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
             if blob is None:
                 raise RuntimeError("denoised latents are missing")
             tensors, _ = unpack(blob)
-            image = decode_latents(pipe, tensors["latents"])
+            if ctx.model_family() == "flux":
+                from workers.flux_inputs import decode_flux_latents
+
+                image = decode_flux_latents(pipe, tensors["latents"], int(rec.fields["height"]),
+                                            int(rec.fields["width"]))
+            else:
+                image = decode_latents(pipe, tensors["latents"])
         key = result_key(job_id)
         ctx.object_store().put(key, encode_png(image))
     except TRANSIENT:

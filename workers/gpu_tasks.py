@@ -114,20 +114,30 @@ def get_engine() -> Engine:
     with _engine_lock:
         if _engine is None:
             from workers.engine.scheduler import BatchScheduler
-            from workers.engine.sd_runner import SDRunner
             from workers.engine.template_cache import CacheRecorder, StepCacheProvider
-            from workers.maskaware.unet import MaskAwareUNet
-            from workers.models.loader import load_unet
+            from workers.models import loader
 
             s = ctx.settings()
-            unet = load_unet(ctx.model_dir(), s.device)
-            extra: dict[str, Any] = {}
+            cache_options: dict[str, Any] = {}
             if s.mask_aware:
-                extra = {"maskaware": MaskAwareUNet(unet, kv_source=s.maskaware_kv_source),  # type: ignore[arg-type]
-                         "caches": StepCacheProvider(ctx.activations(), s.host_cache_bytes),
-                         "recorder": CacheRecorder(ctx.activations()),
-                         "dilation": s.mask_dilation, "prefetch_steps": s.prefetch_steps}
-            runner = SDRunner(unet, ctx.scheduler_config(), s.device, **extra)
+                cache_options = {"caches": StepCacheProvider(ctx.activations(), s.host_cache_bytes),
+                                 "recorder": CacheRecorder(ctx.activations()),
+                                 "dilation": s.mask_dilation, "prefetch_steps": s.prefetch_steps}
+            if ctx.model_family() == "flux":
+                from workers.engine.flux_runner import FluxRunner
+                from workers.maskaware.flux import MaskAwareFlux
+
+                model = loader.load_flux_transformer(ctx.model_dir(), s.device)
+                runner: Any = FluxRunner(model, ctx.scheduler_config(), loader.vae_scale_factor(ctx.model_dir()),
+                                         s.device, maskaware=MaskAwareFlux(model) if s.mask_aware else None,
+                                         **cache_options)
+            else:
+                from workers.engine.sd_runner import SDRunner
+                from workers.maskaware.unet import MaskAwareUNet
+
+                unet = loader.load_unet(ctx.model_dir(), s.device)
+                maskaware = MaskAwareUNet(unet, kv_source=s.maskaware_kv_source) if s.mask_aware else None  # type: ignore[arg-type]
+                runner = SDRunner(unet, ctx.scheduler_config(), s.device, maskaware=maskaware, **cache_options)
             _engine = Engine(runner, BatchScheduler(s.max_batch, s.batching),
                              RedisEngineHooks(s.worker_id, s.lease_seconds),
                              idle_wait=s.engine_idle_sleep).start()

@@ -143,6 +143,10 @@ class ActivationStore:
             return False
         return True
 
+    def steps(self, key: TemplateCacheKey) -> list[int]:
+        """Committed step indices of a template's cache."""
+        return sorted(int(s) for s in self.manifest(key)["steps"])  # type: ignore[union-attr]
+
     def read_step(self, key: TemplateCacheKey, step: int) -> dict[str, torch.Tensor]:
         """One committed step's tensors (CPU); checks the key in the manifest and the object."""
         entry = self.manifest(key)["steps"].get(str(step))  # type: ignore[union-attr]

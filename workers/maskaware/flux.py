@@ -62,8 +62,11 @@ Design notes
 - Per-job state is the explicit per-call plan, not hook state keyed by a global cache context (the
   pitfall of naive batching, DESIGN 7).
 - ``kv_format="roped"`` caches K after qk-norm + RoPE (same bytes; the cache is keyed by model
-  and resolution anyway) and saves two passes over every unmasked key per block and job;
-  docs/bench/maskaware_flux.md measures both.
+  and resolution anyway) and skips the qk-norm + RoPE of every cached key per block and job (the
+  main fixed cost at small ratios); docs/bench/maskaware_flux.md measures both. ``raw`` stays the
+  default because DESIGN 2 specifies it. Add ``kv_format`` to the activation store's cache key.
+- Cached keys are RoPE'd with one complex multiply (Flux rotates (even, odd) channel pairs), one
+  pass instead of diffusers' five; results are the same in the tests (bit-identical so far).
 """
 
 from __future__ import annotations
@@ -165,6 +168,8 @@ class _Plan:
         self._rope_src: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rope_img: tuple[torch.Tensor, torch.Tensor] | None = None
         self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._freqs: torch.Tensor | None = None
+        self._freqs_src: tuple[torch.Tensor, torch.Tensor] | None = None
         self._moved: dict[int, torch.Tensor] = {}
         self._rec: list[dict[str, list[torch.Tensor]] | None] = [
             {} if g.mode == "record" else None for g in ctx.groups]
@@ -239,9 +244,19 @@ class _Plan:
     def image_rope(self, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE cos/sin gathered at every packed image token's ORIGINAL position (text comes first)."""
         if self._rope_src is not rope:
-            pos = (torch.cat([torch.arange(r.m) for r in self.active]) + self.T).to(rope[0].device)
+            pos = (self.img_pos + self.T).to(rope[0].device)
             self._rope_img, self._rope_src = (rope[0][pos], rope[1][pos]), rope
         return self._rope_img
+
+    def image_freqs(self, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+        """RoPE of all N image positions as complex64 [N, 1, hd/2] (None if not pairwise-repeated)."""
+        if self._freqs_src is not rope:
+            cos, sin = rope[0][self.T:], rope[1][self.T:]
+            pairs = torch.equal(cos[:, 0::2], cos[:, 1::2]) and torch.equal(sin[:, 0::2], sin[:, 1::2])
+            self._freqs = (torch.complex(cos[:, 0::2].float(), sin[:, 0::2].float())[:, None, :]
+                           if pairs else None)
+            self._freqs_src = rope
+        return self._freqs
 
     def kv_buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-call [T+N, H, hd] key/value buffers, reused by every row and block (SDPA copies out)."""
@@ -254,12 +269,14 @@ class _Plan:
         """Keep an image-token tensor of record rows (each a full, ordered segment of the pack)."""
         for row in self.active:
             if row.record:
-                seg = t[row.off:row.off + row.m].detach().flatten(1)
+                seg = t[row.off:row.off + row.m].detach().flatten(1).clone()  # don't pin the whole pack
                 self._rec[row.group].setdefault(f"{name}.{suffix}", []).append(seg)
 
     def recorded(self) -> list[dict[str, torch.Tensor] | None]:
         """Per group: name -> [rows, N, C] (fresh tensors, owned by the caller)."""
-        return [None if rec is None else {k: torch.stack(v) for k, v in rec.items()} for rec in self._rec]
+        def join(parts: list[torch.Tensor]) -> torch.Tensor:
+            return parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)
+        return [None if rec is None else {k: join(v) for k, v in rec.items()} for rec in self._rec]
 
     def rows_modulation(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.all_active else t[self.active_idx]
@@ -284,21 +301,23 @@ def _added_qkv(attn: Any, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """diffusers' Flux RoPE on x [..., S, H, hd] with per-token cos/sin [S, hd]."""
-    lead = x.shape[:-3]
-    out = apply_rotary_emb(x.reshape(-1, *x.shape[-3:]), (cos, sin), sequence_dim=1)
-    return out.reshape(*lead, *x.shape[-3:])
+    if x.numel() == 0:
+        return x
+    if x.ndim == 3:
+        return apply_rotary_emb(x[None], (cos, sin), sequence_dim=1)[0]
+    return apply_rotary_emb(x, (cos, sin), sequence_dim=1)
 
 
-def _rope_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
-    """``_rope`` written straight into ``out`` (same float ops as ``apply_rotary_emb``, one pass fewer)."""
-    if x.dtype != torch.float32:
+def _rope_into(x: torch.Tensor, freqs: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+               out: torch.Tensor) -> None:
+    """``_rope`` written straight into ``out``. Flux's RoPE rotates (even, odd) channel pairs, i.e. it
+    is a complex multiply: with ``freqs`` (complex64 [S, 1, hd/2]) that is one pass over x instead of
+    five -- it runs on every cached key of every masked row, so it matters at small ratios."""
+    if freqs is None or x.dtype != torch.float32:
         out.copy_(_rope(x, cos, sin))
         return
-    c, s = cos[:, None, :], sin[:, None, :]
-    xr, xi = x.unflatten(-1, (-1, 2)).unbind(-1)
-    rot = torch.stack([-xi, xr], dim=-1).flatten(-2)
-    torch.mul(x, c, out=out)
-    out.add_(rot * s)
+    torch.mul(torch.view_as_complex(x.unflatten(-1, (-1, 2))), freqs,
+              out=torch.view_as_complex(out.unflatten(-1, (-1, 2))))
 
 
 def _fill_image_kv(plan: _Plan, row: _Row, attn: Any, name: str, rope: tuple[torch.Tensor, torch.Tensor],
@@ -318,7 +337,7 @@ def _fill_image_kv(plan: _Plan, row: _Row, attn: Any, name: str, rope: tuple[tor
     hd = attn.head_dim
     ck = plan.cached(row, f"{name}.{plan.k_key}", k).unflatten(-1, (-1, hd))
     if plan.kv_format == "raw":
-        _rope_into(attn.norm_k(ck), rope[0][T:], rope[1][T:], img_k)
+        _rope_into(attn.norm_k(ck), plan.image_freqs(rope), rope[0][T:], rope[1][T:], img_k)
     else:
         img_k.copy_(ck)
     img_v.copy_(plan.cached(row, f"{name}.v", v).unflatten(-1, (-1, hd)))
@@ -415,11 +434,12 @@ def single_block_forward(block: FluxSingleTransformerBlock, name: str, plan: _Pl
     q = attn.norm_q(q.unflatten(-1, (-1, hd)))
     k = attn.norm_k(k.unflatten(-1, (-1, hd)))
     v = v.unflatten(-1, (-1, hd))
+    heads = q.shape[1]
     img_attn, txt_attn = _attend(plan, attn, name, rope, q[nt:], k[nt:], v[nt:],
-                                 q[:nt].reshape(ba, T, -1, hd), k[:nt].reshape(ba, T, -1, hd),
-                                 v[:nt].reshape(ba, T, -1, hd))
+                                 q[:nt].reshape(ba, T, heads, hd), k[:nt].reshape(ba, T, heads, hd),
+                                 v[:nt].reshape(ba, T, heads, hd))
 
-    attn_out = torch.cat([txt_attn.reshape(nt, -1), img_attn])
+    attn_out = torch.cat([txt_attn.reshape(nt, img_attn.shape[1]), img_attn])
     tok = tok + gate_msa[tidx] * block.proj_out(torch.cat([attn_out, mlp], dim=1))
     if tok.dtype == torch.float16:
         tok = tok.clip(-65504, 65504)
@@ -451,7 +471,7 @@ class _ModelHook(_Hook):
             if p.get(key) is not None:
                 raise NotImplementedError(f"mask-aware Flux does not support {key}")
         if p.get("joint_attention_kwargs"):
-            raise NotImplementedError("mask-aware Flux does not support joint_attention_kwargs (IP-Adapter, LoRA scale)")
+            raise NotImplementedError("mask-aware Flux does not support joint_attention_kwargs (IP-Adapter)")
         if ctx.calls:
             raise RuntimeError("one transformer call per batch context (a batch is one denoising step)")
         hs = p["hidden_states"]
@@ -509,7 +529,8 @@ class _BlockHook(_Hook):
 
 
 class _NormOutHook(_Hook):
-    def new_forward(self, module: torch.nn.Module, x: torch.Tensor, conditioning_embedding: torch.Tensor) -> torch.Tensor:
+    def new_forward(self, module: torch.nn.Module, x: torch.Tensor,
+                    conditioning_embedding: torch.Tensor) -> torch.Tensor:
         plan = self.ctrl._plan
         if plan is None:
             return self.fn_ref.original_forward(x, conditioning_embedding)
@@ -538,7 +559,7 @@ class _ProjOutHook(_Hook):
             out.view(plan.B * plan.N, -1).index_copy_(0, plan.img_flat, y)
         for row in plan.rows:
             if row.record:
-                plan._rec[row.group].setdefault(OUTPUT_KEY, []).append(out[row.row].detach())
+                plan._rec[row.group].setdefault(OUTPUT_KEY, []).append(out[row.row].detach().clone())
         return out
 
 

@@ -18,6 +18,7 @@ API::
     ctrl.cache_nbytes(latent_height, latent_width, rows, steps=1, dtype=None) -> int
 
 Without an active ``batch`` context the hooks pass straight through to the original forward.
+One thread (the engine's) drives a controller; ``batch`` is not re-entrant.
 
 Per group of rows (one job: 1 row, or 2 adjacent rows ``(uncond, cond)`` with CFG):
 - ``full``: normal compute. ``record``: normal compute, and capture what ``masked`` needs.
@@ -324,9 +325,9 @@ class MaskAwareUNet:
         per_row = 0
         for b in self._blocks:
             h, w = _level_hw((latent_height, latent_width), b.level)
-            c = b.module.attn1.to_k.out_features
-            n_t = (2 if self.kv_source == "cache" else 0) + (1 if b.needs_y else 0)
-            per_row += n_t * h * w * c
+            c_kv = b.module.attn1.to_k.out_features
+            c_y = b.module.norm1.normalized_shape[0]
+            per_row += h * w * ((2 * c_kv if self.kv_source == "cache" else 0) + (c_y if b.needs_y else 0))
         return steps * rows * elem * per_row
 
     @contextlib.contextmanager

@@ -44,9 +44,13 @@ def ensure_model_dir(settings: Settings) -> Path:
         if not (path / "model_index.json").is_file():
             from workers.models.tiny_sd import save_pipeline
 
+            builders = {"tiny-sd-inpaint": save_pipeline, "tiny-flux-fill": _save_tiny_flux}
+            if settings.model_id not in builders:
+                raise FileNotFoundError(f"no model folder configured and no embedded model named "
+                                        f"{settings.model_id!r} (known: {sorted(builders)})")
             tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-model-"))
             try:
-                save_pipeline(tmp)
+                builders[settings.model_id](tmp)
                 if path.exists():
                     shutil.rmtree(path)
                 os.replace(tmp, path)
@@ -56,12 +60,36 @@ def ensure_model_dir(settings: Settings) -> Path:
     return path
 
 
+def _save_tiny_flux(out: Path) -> None:
+    from workers.models.tiny_flux import save_flux_fill_pipeline
+
+    save_flux_fill_pipeline(out)
+
+
+FAMILIES = {"StableDiffusionInpaintPipeline": "sd", "StableDiffusionXLInpaintPipeline": "sd",
+            "FluxFillPipeline": "flux"}
+
+
+def model_family(model_dir: Path) -> str:
+    """``sd`` or ``flux``, from the folder's ``model_index.json``."""
+    import json
+
+    name = json.loads((Path(model_dir) / "model_index.json").read_text())["_class_name"]
+    if name not in FAMILIES:
+        raise ValueError(f"unsupported pipeline {name} (supported: {sorted(FAMILIES)})")
+    return FAMILIES[name]
+
+
+def denoiser_subfolder(model_dir: Path) -> str:
+    return "transformer" if model_family(model_dir) == "flux" else "unet"
+
+
 def model_identity(model_dir: Path) -> str:
     """A stable id of the denoiser's weights, for template cache keys (caches never cross models)."""
     import hashlib
 
     h = hashlib.sha256()
-    unet_dir = Path(model_dir) / "unet"
+    unet_dir = Path(model_dir) / denoiser_subfolder(model_dir)
     h.update((unet_dir / "config.json").read_bytes())
     for weights in sorted(unet_dir.glob("*.safetensors")):
         stat = weights.stat()
@@ -71,8 +99,14 @@ def model_identity(model_dir: Path) -> str:
     return f"{Path(model_dir).name}-{h.hexdigest()[:16]}"
 
 
-def load_cpu_pipeline(model_dir: Path) -> StableDiffusionInpaintPipeline:
+def load_cpu_pipeline(model_dir: Path):  # type: ignore[no-untyped-def]
     """The pipeline without its denoiser: CPU tasks encode text and images and decode latents."""
+    if model_family(model_dir) == "flux":
+        from diffusers import FluxFillPipeline
+
+        pipe = FluxFillPipeline.from_pretrained(model_dir, transformer=None, torch_dtype=torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
     pipe = StableDiffusionInpaintPipeline.from_pretrained(
         model_dir, unet=None, safety_checker=None, feature_extractor=None,
         requires_safety_checker=False, torch_dtype=torch.float32,
@@ -84,6 +118,20 @@ def load_cpu_pipeline(model_dir: Path) -> StableDiffusionInpaintPipeline:
 def load_unet(model_dir: Path, device: str) -> UNet2DConditionModel:
     unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet", torch_dtype=torch.float32)
     return unet.to(device).eval()
+
+
+def load_flux_transformer(model_dir: Path, device: str):  # type: ignore[no-untyped-def]
+    from diffusers import FluxTransformer2DModel
+
+    model = FluxTransformer2DModel.from_pretrained(model_dir, subfolder="transformer", torch_dtype=torch.float32)
+    return model.to(device).eval()
+
+
+def vae_scale_factor(model_dir: Path) -> int:
+    import json
+
+    cfg = json.loads((Path(model_dir) / "vae" / "config.json").read_text())
+    return 2 ** (len(cfg["block_out_channels"]) - 1)
 
 
 def scheduler_config(model_dir: Path) -> dict[str, Any]:

@@ -1,0 +1,96 @@
+"""Runner for Flux Fill transformers (``FluxTransformer2DModel``, 384 input channels).
+
+One transformer call per step for the whole batch: packed latents concatenated with each job's
+masked-image latents and mask, per-row timestep and guidance, per-row pooled and text
+embeddings. Rows of one call must share the image-token count and text length (the stock
+forward takes one ``img_ids``); a mixed batch fails the step and the engine retries job by job.
+Cache modes and the transactional step are in ``runner_base``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers import FluxTransformer2DModel
+
+from workers.engine.job import EngineJob
+from workers.engine.runner_base import BaseRunner, JobState
+from workers.flux_inputs import flux_schedule
+from workers.maskaware.flux import MaskAwareFlux, RowGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FluxJobState(JobState):
+    masked_image_latents: torch.Tensor | None = None
+    prompt_embeds: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
+    text_ids: torch.Tensor | None = None
+    image_ids: torch.Tensor | None = None
+    guidance: float = 30.0
+
+
+class FluxRunner(BaseRunner):
+    def __init__(self, transformer: FluxTransformer2DModel, scheduler_config: dict[str, Any], vae_scale_factor: int,
+                 device: str = "cpu", *, maskaware: MaskAwareFlux | None = None, **cache_options: Any) -> None:
+        super().__init__(maskaware, **cache_options)
+        self.transformer = transformer
+        self.scheduler_config = scheduler_config
+        self.vae_scale_factor = vae_scale_factor
+        self.device = torch.device(device)
+
+    def init_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> FluxJobState:
+        if meta.get("family") != "flux":
+            raise ValueError("this worker serves Flux Fill models; the job was prepared for another family")
+        latents = tensors["latents"].to(self.device, torch.float32)
+        cond = tensors["masked_image_latents"].to(self.device, torch.float32)
+        if latents.shape[-1] + cond.shape[-1] != self.transformer.config.in_channels:
+            raise ValueError("job tensors do not fit the transformer's input channels")
+        steps = int(meta["t_start"]) + int(meta["num_steps"])
+        scheduler, timesteps, _t0, _s, _mu = flux_schedule(self.scheduler_config, steps, int(meta["height"]),
+                                                          int(meta["width"]), self.vae_scale_factor, 1.0)
+        t_start = int(meta["t_start"]) * scheduler.order
+        if hasattr(scheduler, "set_begin_index"):
+            scheduler.set_begin_index(t_start)
+        generator = torch.Generator("cpu")
+        generator.set_state(tensors["generator_state"])
+        state = FluxJobState(
+            latents=latents, scheduler=scheduler, timesteps=scheduler.timesteps[t_start:], generator=generator,
+            masked_image_latents=cond, prompt_embeds=tensors["prompt_embeds"].to(self.device, torch.float32),
+            pooled=tensors["pooled_prompt_embeds"].to(self.device, torch.float32),
+            text_ids=tensors["text_ids"].to(self.device), image_ids=tensors["image_ids"].to(self.device),
+            guidance=float(meta["guidance"]))
+        self._init_cache_mode(state, tensors, meta)
+        return state
+
+    def _token_masks(self, st: JobState, tensors: dict[str, torch.Tensor]) -> Any:
+        return self.maskaware.token_mask(tensors["pixel_mask"].bool(), self.dilation)
+
+    def _row_group(self, rows: int, mode: str, token_mask: Any = None, cache: Any = None) -> RowGroup:
+        return RowGroup(rows, mode, token_mask=token_mask, cache=cache)  # type: ignore[arg-type]
+
+    def _forward(self, batch: list[EngineJob], groups: list[Any] | None) -> tuple[torch.Tensor, list[Any]]:
+        states: list[FluxJobState] = [job.state for job in batch]
+        if len({(s.latents.shape[1], s.prompt_embeds.shape[1]) for s in states}) != 1:
+            raise ValueError("Flux jobs of different resolution or text length in one batch")
+        hidden = torch.cat([torch.cat((s.latents, s.masked_image_latents), dim=2) for s in states])
+        times = torch.stack([s.timesteps[job.steps_done] for s, job in zip(states, batch)]).to(hidden.dtype)
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.tensor([s.guidance for s in states], dtype=torch.float32, device=self.device)
+        kwargs = dict(hidden_states=hidden, timestep=times / 1000, guidance=guidance,
+                      pooled_projections=torch.cat([s.pooled for s in states]),
+                      encoder_hidden_states=torch.cat([s.prompt_embeds for s in states]),
+                      txt_ids=states[0].text_ids, img_ids=states[0].image_ids, return_dict=False)
+        if groups is None:
+            return self.transformer(**kwargs)[0], []
+        with self.maskaware.batch(groups) as ctx:
+            out = self.transformer(**kwargs)[0]
+        return out, list(ctx.recorded)
+
+    def _guided(self, job: EngineJob, rows: torch.Tensor) -> torch.Tensor:
+        return rows  # Flux Fill's guidance is embedded (distilled), not classifier-free
