@@ -264,9 +264,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _limit_threads() -> None:
+    threads = Settings.from_env().torch_threads
+    if threads > 0:
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level)
+    if args.command in {"gpu-worker", "cpu-worker", "stock-worker", "demo"}:
+        _limit_threads()
     args.log_level = args.log_level.upper()
     return int(args.func(args) or 0)
 

@@ -90,7 +90,9 @@ class EmbeddedStack:
         server = RedisServer(workdir / "redis")
         ids = ",".join(str(i) for i in range(gpu_workers))
         values: dict[str, object] = {"home": Path(os.environ.get("STENCIL_HOME", workdir / "home")),
-                                     "store_dir": workdir / "store", "gpu_workers": ids}
+                                     "store_dir": workdir / "store", "gpu_workers": ids,
+                                     # Several worker processes share this machine's cores.
+                                     "torch_threads": int(os.environ.get("STENCIL_TORCH_THREADS", "1"))}
         values.update(overrides)
         values["redis_url"] = server.url
         settings = Settings.from_env(**values)

@@ -50,6 +50,9 @@ class Settings:
     model_dir: str = ""
     model_id: str = "tiny-sd-inpaint"
     device: str = "cpu"
+    # torch intra-op threads per worker process (0 = torch's default). On a small machine that
+    # runs several workers, 1 avoids oversubscription (10-20x slowdowns measured on 2 cores).
+    torch_threads: int = 0
     scheduler: str = "ddim"  # ddim | euler
 
     # Engine.

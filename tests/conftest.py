@@ -8,8 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)  # the workers the tests start need the other core
 
 from app.embedded import EmbeddedStack, RedisServer  # noqa: E402
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 from celery.exceptions import Ignore
+from celery.signals import worker_process_init
 from PIL import Image
 
 from app.celery_app import app
@@ -30,6 +31,16 @@ from workers.tensors import pack, unpack
 log = logging.getLogger(__name__)
 
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, StoreUnavailable)
+
+
+@worker_process_init.connect
+def _limit_torch_threads(**_: Any) -> None:
+    """Pool processes: apply STENCIL_TORCH_THREADS (thread pools do not survive fork)."""
+    threads = ctx.settings().torch_threads
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def _load_template(job_id: str, template_id: str) -> bytes:
