@@ -98,6 +98,9 @@ def cmd_gpu_worker(args: argparse.Namespace) -> int:
     # Threads, not prefork: CUDA does not survive fork. Enough threads for a full batch + a queue.
     concurrency = args.concurrency or settings.max_batch * 2 + 2
     from app.celery_app import app, gpu_queue
+    from app.metrics import start_metrics_server
+
+    start_metrics_server(settings.metrics_port)
 
     app.worker_main(_worker_argv(gpu_queue(args.worker_id), "threads", concurrency,
                                  f"gpu{args.worker_id}", args.log_level))
@@ -107,21 +110,23 @@ def cmd_gpu_worker(args: argparse.Namespace) -> int:
 def cmd_cpu_worker(args: argparse.Namespace) -> int:
     os.environ["STENCIL_ROLE"] = "cpu"
     from app.celery_app import CPU_QUEUE, app
+    from app.metrics import start_metrics_server
+
+    start_metrics_server(Settings.from_env().metrics_port)
 
     app.worker_main(_worker_argv(CPU_QUEUE, args.pool, args.concurrency, args.name, args.log_level))
     return 0
 
 
 def cmd_dispatcher(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
     from app.celery_app import app
     from app.dispatcher import Dispatcher
+    from app.metrics import default_queues, register_queue_collector, start_metrics_server
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    Dispatcher(Settings.from_env(), app).run(stop)
+    settings = Settings.from_env()
+    start_metrics_server(settings.metrics_port)
+    register_queue_collector(settings.redis_url, lambda: default_queues(settings))
+    _run_until_sigterm(Dispatcher(settings, app).run)
     return 0
 
 
@@ -261,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="demo-out")
     s.add_argument("--steps", type=int, default=20)
     s.set_defaults(func=cmd_demo)
+
+    from app.catalog import add_catalog_commands
+
+    add_catalog_commands(sub)
     return p
 
 

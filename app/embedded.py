@@ -77,11 +77,13 @@ class EmbeddedStack:
     workdir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     owns_workdir: bool = False
+    metrics: bool = False
+    metrics_ports: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def start(cls, workdir: Path | None = None, *, gpu_workers: int = 1, cpu_concurrency: int = 1,
               dispatcher: bool = True, stock: bool = False, worker_env: dict[str, str] | None = None,
-              **overrides: object) -> "EmbeddedStack":
+              metrics: bool = False, **overrides: object) -> "EmbeddedStack":
         """Start the stack. ``stock=True`` starts the stock-diffusers baseline instead of Stencil
         (round-robin router + plain pipeline workers), for side-by-side benchmarks."""
         owns = workdir is None
@@ -96,7 +98,7 @@ class EmbeddedStack:
         values.update(overrides)
         values["redis_url"] = server.url
         settings = Settings.from_env(**values)
-        stack = cls(settings=settings, redis_server=server, workdir=workdir, owns_workdir=owns)
+        stack = cls(settings=settings, redis_server=server, workdir=workdir, owns_workdir=owns, metrics=metrics)
         try:
             # Save the embedded model once, before several processes race to do it.
             from workers.models.loader import ensure_model_dir
@@ -135,6 +137,14 @@ class EmbeddedStack:
         logdir = self.workdir / "logs"
         logdir.mkdir(parents=True, exist_ok=True)
         logfile = open(logdir / f"{name}.log", "ab")
+        if self.metrics:  # one Prometheus endpoint per process
+            port = self.metrics_ports.setdefault(name, free_port())
+            extra_env = dict(extra_env, STENCIL_METRICS_PORT=str(port))
+            if name.startswith("cpu"):  # prefork children write to files the parent serves
+                multiproc = self.workdir / "prometheus" / name
+                shutil.rmtree(multiproc, ignore_errors=True)
+                multiproc.mkdir(parents=True)
+                extra_env["PROMETHEUS_MULTIPROC_DIR"] = str(multiproc)
         proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], env=self.env(**extra_env),
                                 stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
         logfile.close()

@@ -250,7 +250,14 @@ class JobStore:
         argv: list[str] = [status.value, repr(time.time()), str(self.ttl), expected]
         for name, value in fields.items():
             argv += [name, "" if value is None else str(value)]
-        return bool(self._transition(keys=[self.key(job_id)], args=argv))
+        applied = bool(self._transition(keys=[self.key(job_id)], args=argv))
+        if applied and status.terminal:
+            from app import metrics
+
+            metrics.observe_job_end(self.r.hgetall(self.key(job_id)))
+            if status == JobStatus.FAILED:
+                metrics.observe_failure(str(fields.get("error") or ""))
+        return applied
 
     def fail(self, job_id: str, reason: str) -> bool:
         return self.transition(job_id, JobStatus.FAILED, error=reason)

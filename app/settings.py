@@ -89,6 +89,9 @@ class Settings:
     gpu_workers: str = "0"
     routing_policy: str = "round_robin"
 
+    # Prometheus metrics HTTP port of this process (0 = off). Processes on one host need their own.
+    metrics_port: int = 0
+
     # Celery broker: must exceed the longest job (DESIGN.md section 4).
     visibility_timeout: int = 3600
     lease_seconds: float = 30.0

@@ -20,6 +20,7 @@ from typing import Any
 from celery.exceptions import Ignore
 from celery.signals import worker_ready, worker_shutdown
 
+from app import metrics
 from app.celery_app import app
 from app.jobs import JobStatus
 from workers import context as ctx
@@ -81,6 +82,7 @@ class RedisEngineHooks(EngineHooks):
     def on_step(self, batch: list[EngineJob], step_seconds: float, waiting: list[EngineJob]) -> None:
         self.last_step_seconds = step_seconds
         self.busy_seconds += step_seconds
+        metrics.observe_step(len(batch), sum((j.masked_tokens or (0,))[0] for j in batch), step_seconds)
         self.steps += 1
         r = ctx.redis_client()
         pipe = r.pipeline(transaction=False)

@@ -125,6 +125,8 @@ class Engine:
         tensors, meta = job.state
         try:
             job.state = self.runner.init_state(tensors, meta)
+            if hasattr(self.runner, "masked_tokens"):
+                job.masked_tokens = self.runner.masked_tokens(job.state)
         except Exception as exc:  # bad tensors fail this job only
             log.warning("job %s rejected by the runner: %s", job.job_id, exc)
             job.future.set_exception(exc)

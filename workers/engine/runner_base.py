@@ -173,6 +173,19 @@ class BaseRunner(ABC):
                 if step_index + 1 == len(st.timesteps):
                     st.commit = self.recorder.commit(st.cache_key)
 
+    def masked_tokens(self, st: JobState) -> tuple[int, ...]:
+        """Tokens the job computes per step at each level (all of them unless masked)."""
+        masks = st.token_masks
+        if masks is None:
+            return (self._full_tokens(st),)
+        if hasattr(masks, "levels"):
+            return tuple(int(level.sum()) for level in masks.levels)
+        return (int(masks.sum()),)
+
+    def _full_tokens(self, st: JobState) -> int:
+        shape = st.latents.shape
+        return int(shape[-2] * shape[-1]) if st.latents.dim() == 4 else int(shape[1])
+
     def result(self, job: EngineJob) -> dict[str, Any]:
         st: JobState = job.state
         return {"latents": st.latents, "commit": st.commit, "mode": st.mode,

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from app import metrics
 from app.storage.hostcache import HostCache
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
 
@@ -45,9 +46,11 @@ class StepCacheProvider:
     def _fetch(self, key: TemplateCacheKey, step: int) -> StepTensors:
         start = time.perf_counter()
         tensors = self.activations.read_step(key, step)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         with self._lock:
             self.fetch_seconds += time.perf_counter() - start
-            self.fetched_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+            self.fetched_bytes += nbytes
+        metrics.observe_cache("store", True, nbytes)
         return tensors
 
     def _run(self, key: TemplateCacheKey, step: int, slot: tuple[str, int]) -> None:
@@ -80,6 +83,7 @@ class StepCacheProvider:
     def ready(self, key: TemplateCacheKey, step: int) -> StepTensors | None:
         """The step's tensors if resident (never blocks); otherwise start fetching them."""
         value = self.host.peek((key.digest(), step))
+        metrics.observe_cache("host", value is not None, 0)
         if value is None:
             self.prefetch(key, [step])
         return value

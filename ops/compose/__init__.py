@@ -1,0 +1,1 @@
+"""Helpers that docker-compose.yml runs inside the containers (healthchecks, MinIO set-up)."""
