@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -31,6 +33,26 @@ from workers.tensors import pack, unpack
 log = logging.getLogger(__name__)
 
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, StoreUnavailable)
+
+
+@contextmanager
+def failing_job(job_id: str, stage: str) -> Iterator[None]:
+    """Turn an error of ``stage`` into a failed job with a reason and stop the chain.
+
+    Transient infrastructure errors propagate instead, so Celery retries the task.
+    """
+    try:
+        yield
+    except InvalidInput as exc:
+        log.info("job %s: invalid input: %s", job_id, exc)
+        ctx.jobs().fail(job_id, str(exc))
+        raise Ignore() from exc
+    except TRANSIENT:
+        raise
+    except Exception as exc:
+        log.exception("job %s: %s failed", job_id, stage)
+        ctx.jobs().fail(job_id, f"{stage} failed: {type(exc).__name__}: {exc}")
+        raise Ignore() from exc
 
 
 @worker_process_init.connect
@@ -90,7 +112,7 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
         return {"job_id": job_id, **{k: meta[k] for k in ("empty", "num_steps", "mask_ratio")}}
     jobs.transition(job_id, JobStatus.PREPARING, expect=(JobStatus.QUEUED, JobStatus.ROUTED),
                     prepare_worker=self.request.hostname or "")
-    try:
+    with failing_job(job_id, "prepare"):
         params = rec.params
         warm = params.kind == "warm"
         image, mask = _decode_inputs(job_id, params.template_id, warm=warm)
@@ -106,16 +128,6 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
             prepared = prepare_flux_job_tensors(pipe, ctx.scheduler_config(), image, mask, params, height, width)
         else:
             prepared = prepare_job_tensors(pipe, ctx.scheduler_config(), image, mask, params, height, width)
-    except InvalidInput as exc:
-        log.info("job %s: invalid input: %s", job_id, exc)
-        jobs.fail(job_id, str(exc))
-        raise Ignore() from exc
-    except TRANSIENT:
-        raise
-    except Exception as exc:
-        log.exception("job %s: prepare failed", job_id)
-        jobs.fail(job_id, f"prepare failed: {type(exc).__name__}: {exc}")
-        raise Ignore() from exc
     empty = prepared.mask_ratio == 0.0 and params.kind == "edit"
     meta = dict(prepared.meta, empty=empty, mask_ratio=prepared.mask_ratio)
     cache_fields = _cache_plan(job_id, params, meta, prepared.mask_ratio) if not empty else {}
@@ -215,7 +227,7 @@ def finalize(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
         log.info("finalize %s: job is %s, nothing to do", job_id, rec.status.value if rec else "gone")
         return {"job_id": job_id, "status": rec.status.value if rec else "gone"}
     jobs.transition(job_id, JobStatus.FINALIZING, finalize_worker=self.request.hostname or "")
-    try:
+    with failing_job(job_id, "finalize"):
         pipe = ctx.cpu_pipeline()
         if prep.get("empty"):
             tensors, _ = unpack(ctx.blobs().get(job_id, "inputs") or b"")
@@ -234,12 +246,6 @@ def finalize(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
                 image = decode_latents(pipe, tensors["latents"])
         key = result_key(job_id)
         ctx.object_store().put(key, encode_png(image))
-    except TRANSIENT:
-        raise
-    except Exception as exc:
-        log.exception("job %s: finalize failed", job_id)
-        jobs.fail(job_id, f"finalize failed: {type(exc).__name__}: {exc}")
-        raise Ignore() from exc
     if jobs.transition(job_id, JobStatus.DONE, result_key=key, ts_end=repr(time.time())):
         ctx.blobs().delete_job(job_id)
     return {"job_id": job_id, "status": "done", "result_key": key}

@@ -23,14 +23,13 @@ from diffusers import (
     FluxTransformer2DModel,
 )
 from transformers import (
-    CLIPTextConfig,
     CLIPTextModel,
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
 )
 
-from workers.models.tiny_sd import byte_level_clip_tokenizer
+from workers.models.tiny_sd import build_text_encoder, byte_level_clip_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -121,21 +120,8 @@ def build_flux_vae(seed: int = 0) -> AutoencoderKL:
 
 
 def build_clip_text_encoder(seed: int = 0, hidden: int = 32, vocab_size: int = 514) -> CLIPTextModel:
-    """Tiny CLIP text tower; Flux uses only its pooled output (``pooled_projection_dim``)."""
-    torch.manual_seed(seed)
-    config = CLIPTextConfig(
-        bos_token_id=vocab_size - 2,
-        eos_token_id=vocab_size - 1,
-        pad_token_id=vocab_size - 1,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        vocab_size=vocab_size,
-        max_position_embeddings=77,
-        projection_dim=hidden,
-    )
-    return CLIPTextModel(config).eval()
+    """Tiny CLIP text tower (the SD one); Flux uses only its pooled output."""
+    return build_text_encoder(seed, hidden=hidden, vocab_size=vocab_size).eval()
 
 
 def unigram_t5_tokenizer() -> T5TokenizerFast:
