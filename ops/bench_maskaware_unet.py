@@ -3,8 +3,9 @@
 Same model, same batch (``--jobs`` CFG jobs = 2 rows each, each job at its own timestep), real
 caches recorded by a warm-up forward on the same inputs (never zero-filled), realistic mask
 shapes (blobs and rectangles of the requested ratio, OR-pooled per level; never raster prefixes).
-Full and masked forwards are interleaved and repeated; medians are reported, so a neighbour's
-load on the shared cores hurts both sides alike. Transformer-block time is measured with
+Full and masked forwards alternate (ratios in a shuffled order per repeat); the speedup is the
+median over repeats of (full step / the masked step right after it), so a neighbour's load on the
+shared cores hurts both sides alike. Transformer-block time is measured with
 forward hooks on every ``BasicTransformerBlock`` (CPU ops are synchronous, so wall time is
 exact); ``f`` = that share of the full step, Amdahl bound = 1 / ((1 - f) + f * r).
 
@@ -17,6 +18,7 @@ import argparse
 import logging
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -32,6 +34,8 @@ from workers.maskaware.tokens import TokenMasks, blob_mask, rect_mask
 from workers.maskaware.unet import MaskAwareUNet, RowGroup
 
 log = logging.getLogger("bench_maskaware_unet")
+CLOCKS = {"wall": "wall time (perf_counter)",
+          "cpu": "CPU time of the single compute thread (thread_time), insensitive to other load"}
 
 
 def build_sd_unet(hidden: tuple[int, ...], latent: int, layers_per_block: int, transformer_layers: int,
@@ -51,9 +55,10 @@ def build_sd_unet(hidden: tuple[int, ...], latent: int, layers_per_block: int, t
 
 
 class BlockTimer:
-    """Sums wall time spent inside BasicTransformerBlock forwards."""
+    """Sums time spent inside BasicTransformerBlock forwards (``clock``: wall or thread CPU)."""
 
-    def __init__(self, unet: torch.nn.Module) -> None:
+    def __init__(self, unet: torch.nn.Module, clock: Callable[[], float]) -> None:
+        self.clock = clock
         self.total = 0.0
         self._t0 = 0.0
         self._handles = []
@@ -63,10 +68,10 @@ class BlockTimer:
                 self._handles.append(m.register_forward_hook(self._post))
 
     def _pre(self, *_: object) -> None:
-        self._t0 = time.perf_counter()
+        self._t0 = self.clock()
 
     def _post(self, *_: object) -> None:
-        self.total += time.perf_counter() - self._t0
+        self.total += self.clock() - self._t0
 
     def remove(self) -> None:
         for h in self._handles:
@@ -81,9 +86,9 @@ class Sample:
 
 def timed(fn: Callable[[], object], timer: BlockTimer) -> Sample:
     timer.total = 0.0
-    t0 = time.perf_counter()
+    t0 = timer.clock()
     fn()
-    return Sample(time.perf_counter() - t0, timer.total)
+    return Sample(timer.clock() - t0, timer.total)
 
 
 def job_masks(ctrl: MaskAwareUNet, ratio: float, jobs: int, latent: int, vae_factor: int,
@@ -110,7 +115,8 @@ def bench_layout(unet: UNet2DConditionModel, kv_source: str, args: argparse.Name
                  inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, object]:
     x, t, e = inputs
     ctrl = MaskAwareUNet(unet, kv_source=kv_source)  # type: ignore[arg-type]
-    timer = BlockTimer(unet)
+    layout, step_bytes = ctrl.cache_layout, ctrl.cache_nbytes(args.latent, args.latent, rows=2)
+    timer = BlockTimer(unet, time.thread_time if args.clock == "cpu" else time.perf_counter)
     try:
         with torch.no_grad():
             with ctrl.batch([RowGroup(2, "record") for _ in range(args.jobs)]) as ctx:
@@ -136,10 +142,13 @@ def bench_layout(unet: UNet2DConditionModel, kv_source: str, args: argparse.Name
                 run_masked(r)()
             full: list[Sample] = []
             masked: dict[float, list[Sample]] = {r: [] for r in args.ratios}
+            paired: dict[float, list[float]] = {r: [] for r in args.ratios}
+            order = random.Random(args.seed)
             for rep in range(args.repeats):
-                for r in args.ratios:
+                for r in order.sample(args.ratios, len(args.ratios)):  # no fixed position per ratio
                     full.append(timed(run_full, timer))
                     masked[r].append(timed(run_masked(r), timer))
+                    paired[r].append(full[-1].step / masked[r][-1].step)
                 log.info("%s repeat %d/%d done (load %s)", kv_source, rep + 1, args.repeats, os.getloadavg())
     finally:
         timer.remove()
@@ -152,7 +161,7 @@ def bench_layout(unet: UNet2DConditionModel, kv_source: str, args: argparse.Name
     for r in args.ratios:
         t_m = med([s.step for s in masked[r]])
         b_m = med([s.blocks for s in masked[r]])
-        speedup = t_full / t_m
+        speedup = med(paired[r])  # each masked step against the full step just before it
         bound = 1.0 / ((1 - f) + f * r)
         level0 = statistics.mean(m.count(n_tokens) / n_tokens for m in masks[r])
         coarse = statistics.mean(m.ratios()[-1] for m in masks[r])
@@ -160,11 +169,11 @@ def bench_layout(unet: UNet2DConditionModel, kv_source: str, args: argparse.Name
                          speedup=speedup, bound=bound, share=speedup / bound,
                          spread=(min(s.step for s in masked[r]), max(s.step for s in masked[r]))))
     slope, intercept, r2 = linear_fit([row["ratio"] for row in rows], [row["t_masked"] for row in rows])
-    return dict(kv_source=kv_source, layout=ctrl.cache_layout, t_full=t_full, f=f,
+    return dict(kv_source=kv_source, layout=layout, t_full=t_full, f=f,
                 blocks_full=med([s.blocks for s in full]),
                 full_spread=(min(s.step for s in full), max(s.step for s in full)), rows=rows,
                 fit=(slope, intercept, r2),
-                cache_step_bytes=ctrl.cache_nbytes(args.latent, args.latent, rows=2))
+                cache_step_bytes=step_bytes)
 
 
 def render(results: list[dict[str, object]], args: argparse.Namespace, loads: tuple, cmd: str) -> str:
@@ -179,8 +188,9 @@ def render(results: list[dict[str, object]], args: argparse.Namespace, loads: tu
              f"- Masks: pixel masks {args.latent * args.vae_factor}x{args.latent * args.vae_factor}, "
              "even jobs an irregular blob, odd jobs a rectangle, exact pixel ratio r; OR-pooled to "
              "tokens (level-0 and coarsest-level token ratios shown), no dilation.",
-             f"- Caches recorded by a warm-up forward on the same inputs. {args.repeats} interleaved "
-             "repeats; medians. Threads: "
+             f"- Caches recorded by a warm-up forward on the same inputs. {args.repeats} repeats, "
+             "full and masked steps alternating, ratios shuffled per repeat; times are medians, speedup "
+             f"is the median of paired (full / next masked) ratios. Clock: {CLOCKS[args.clock]}. Threads: "
              f"{torch.get_num_threads()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} CPUs. Load average before/after: {loads[0]} / {loads[1]}.", ""]
     for res in results:
@@ -190,17 +200,43 @@ def render(results: list[dict[str, object]], args: argparse.Namespace, loads: tu
                   f"Full step: {res['t_full'] * 1e3:.0f} ms (min/max {res['full_spread'][0] * 1e3:.0f}/"
                   f"{res['full_spread'][1] * 1e3:.0f}); transformer blocks "
                   f"{res['blocks_full'] * 1e3:.0f} ms, f = {res['f']:.3f}.", "",
-                  "| r (pixel) | token ratio L0 / coarsest | masked step ms (min-max) | blocks ms | "
-                  "speedup | Amdahl bound | share of bound |",
+                  "| r (pixel) | token ratio L0 / coarsest | masked step ms (min-max) | blocks ms "
+                  "(share of full blocks) | speedup | Amdahl bound | share of bound |",
                   "|---|---|---|---|---|---|---|"]
         for row in res["rows"]:  # type: ignore[union-attr]
             lines.append(
                 f"| {row['ratio']:.2f} | {row['level0']:.3f} / {row['coarse']:.3f} | {row['t_masked'] * 1e3:.0f} "
-                f"({row['spread'][0] * 1e3:.0f}-{row['spread'][1] * 1e3:.0f}) | {row['blocks_masked'] * 1e3:.0f} | "
+                f"({row['spread'][0] * 1e3:.0f}-{row['spread'][1] * 1e3:.0f}) | {row['blocks_masked'] * 1e3:.0f} "
+                f"({row['blocks_masked'] / res['blocks_full']:.3f}) | "
                 f"{row['speedup']:.2f}x | {row['bound']:.2f}x | {row['share'] * 100:.0f}% |")
         lines += ["", f"Linear fit of masked step time vs r: slope {slope * 1e3:.0f} ms per unit ratio, "
                   f"intercept {intercept * 1e3:.0f} ms, R^2 = {r2:.4f}.", ""]
+    lines += ["## Cache size of real models (`MaskAwareUNet.cache_nbytes`, fp16, CFG rows, 50 steps)", "",
+              "| model | layout | blocks | MiB per step | GiB per template |", "|---|---|---|---|---|"]
+    for name, blocks, layout, per_step in real_cache_sizes():
+        lines.append(f"| {name} | `{layout}` | {blocks} | {per_step / 2 ** 20:.0f} | {50 * per_step / 2 ** 30:.1f} |")
     return "\n".join(lines) + "\n"
+
+
+def real_cache_sizes() -> list[tuple[str, int, str, int]]:
+    """Cache bytes per step of SD1.5 at 512 px and SDXL at 1024 px (built on the meta device)."""
+    sd15 = dict(block_out_channels=(320, 640, 1280, 1280), cross_attention_dim=768, attention_head_dim=8,
+                down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3)
+    sdxl = dict(block_out_channels=(320, 640, 1280), cross_attention_dim=2048, attention_head_dim=(5, 10, 20),
+                down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+                transformer_layers_per_block=(1, 2, 10), use_linear_projection=True)
+    out = []
+    for name, cfg, latent in (("SD1.5, 512 px", sd15, 64), ("SDXL, 1024 px", sdxl, 128)):
+        with torch.device("meta"):
+            unet = UNet2DConditionModel(in_channels=9, out_channels=4, layers_per_block=2, **cfg)
+        for kv in ("cache", "recompute"):
+            ctrl = MaskAwareUNet(unet, kv_source=kv)  # type: ignore[arg-type]
+            out.append((name, len(ctrl.block_names), ctrl.cache_layout,
+                        ctrl.cache_nbytes(latent, latent, rows=2, dtype=torch.float16)))
+            ctrl.remove()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,11 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv-source", default="cache,recompute")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu = this thread's CPU time; robust to other load, needs --threads 1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.hidden = tuple(int(c) for c in args.hidden.split(","))
     args.ratios = [float(r) for r in args.ratios.split(",")]
+    if args.clock == "cpu" and args.threads != 1:
+        p.error("--clock cpu measures the calling thread only: use --threads 1")
     torch.set_num_threads(args.threads)
     loads_before = tuple(round(v, 2) for v in os.getloadavg())
     unet = build_sd_unet(args.hidden, args.latent, args.layers_per_block, args.transformer_layers,
