@@ -6,8 +6,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 
 def _summary(report: dict, system: str, rate_key: str) -> dict[str, float]:
     return report["results"][system][rate_key]["summary"]

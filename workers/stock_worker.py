@@ -62,9 +62,9 @@ class StockRouter:
 
 class StockWorker:
     def __init__(self, settings: Settings, worker_id: str) -> None:
-        from workers.models.loader import ensure_model_dir
-
         from diffusers import StableDiffusionInpaintPipeline
+
+        from workers.models.loader import ensure_model_dir
 
         self.s = settings
         self.worker_id = worker_id
