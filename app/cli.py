@@ -171,6 +171,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(jobs=args.jobs, out_dir=Path(args.out), steps=args.steps)
 
 
+def _run_ops(module: str, argv: list[str]) -> int:
+    import importlib
+
+    return int(importlib.import_module(module).main(argv) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stencil", description=__doc__)
     p.add_argument("--log-level", default=os.environ.get("STENCIL_LOG_LEVEL", "INFO"))
@@ -266,6 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="demo-out")
     s.add_argument("--steps", type=int, default=20)
     s.set_defaults(func=cmd_demo)
+
+    for name, module, text in (("profile", "ops.profile", "fit the dispatcher's cost model on this device"),
+                               ("simulate", "ops.simulate", "cluster simulation of the routing policies"),
+                               ("replay", "ops.replay", "replay a trace against a real embedded stack")):
+        s = sub.add_parser(name, help=text, add_help=False)
+        s.add_argument("args", nargs=argparse.REMAINDER)
+        s.set_defaults(func=lambda a, module=module: _run_ops(module, a.args))
 
     from app.catalog import add_catalog_commands
 

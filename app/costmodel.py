@@ -38,13 +38,16 @@ Load latency per tier (``local`` folder, ``host`` RAM, ``s3``): ``latency_s + by
 fitted on measured reads.
 
 When only a pixel mask ratio is known (traces, routing before ``prepare`` ran), masked tokens per
-level are estimated for a compact blob: side ``a = sqrt(r * H * W)`` pixels covers about
-``a / s + 1 - 1 / s`` cells at downscale ``s``, so coarse levels get the larger masked fraction that
-OR-pooling really produces (DESIGN.md section 2).
+level are estimated as ``(sqrt(r * N_l) + edge_l)^2``: the masked area in that level's cells,
+grown by the cells its boundary touches, so coarse levels get the larger masked fraction that
+OR-pooling really produces (DESIGN.md section 2). ``edge_l`` is fitted by the profiler on the
+realistic masks it measured (irregular blobs need about 3-4 cells; a compact aligned square
+``1 - 1/s``, the default).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -189,6 +192,9 @@ class UNetArch:
     dtype_bytes: int = 4
     layout: str = "kv+y"
     kind: str = "unet"
+    # Per level, cells a mask's boundary adds to the side of its area (``tokens_from_ratio``);
+    # fitted by ops/profile.py on the real masks it measured; empty = a compact, aligned blob.
+    edge_cells: tuple[float, ...] = ()
 
     @classmethod
     def from_unet_config(cls, cfg: dict[str, Any], latent_hw: tuple[int, int], **kw: Any) -> "UNetArch":
@@ -199,23 +205,31 @@ class UNetArch:
         return [h * w for h, w in (level_hw(self.latent_hw, lvl) for lvl in range(self.num_levels))]
 
     def tokens_from_ratio(self, ratio: float) -> tuple[int, ...]:
-        """Masked tokens per level for a compact mask of pixel ratio ``ratio`` (module doc)."""
+        """Masked tokens per level for a mask of pixel ratio ``ratio``: per level ``l`` with
+        ``A`` = masked area in that level's cells, ``(sqrt(A) + edge_l)^2`` tokens (module doc)."""
         ratio = min(max(float(ratio), 0.0), 1.0)
         totals = self.level_tokens()
         if ratio <= 0.0:
             return tuple(0 for _ in totals)
         if ratio >= 1.0:
             return tuple(totals)
-        h0, w0 = self.latent_hw
-        ph, pw = h0 * self.vae_factor, w0 * self.vae_factor
-        side_y = side_x = math.sqrt(ratio * ph * pw)
         out = []
         for lvl, total in enumerate(totals):
             s = self.vae_factor * 2 ** lvl
-            cy = min(level_hw(self.latent_hw, lvl)[0], side_y / s + 1 - 1 / s)
-            cx = min(level_hw(self.latent_hw, lvl)[1], side_x / s + 1 - 1 / s)
-            out.append(min(total, max(1, round(cy * cx))))
+            edge = self.edge_cells[lvl] if lvl < len(self.edge_cells) else 1.0 - 1.0 / s
+            side = math.sqrt(ratio * total) + edge
+            out.append(min(total, max(1, round(side * side))))
         return tuple(out)
+
+    def with_edges(self, samples: Sequence[tuple[float, Sequence[int]]]) -> "UNetArch":
+        """This arch with ``edge_cells`` fitted (least squares in sqrt space) on real masks:
+        ``samples`` = (pixel ratio, masked tokens per level) with 0 < ratio < 1."""
+        totals = self.level_tokens()
+        edges = []
+        for lvl, total in enumerate(totals):
+            diffs = [math.sqrt(c[lvl]) - math.sqrt(r * total) for r, c in samples if 0 < r < 1 and c[lvl] < total]
+            edges.append(round(max(0.0, sum(diffs) / len(diffs)), 4) if diffs else 1.0)
+        return dataclasses.replace(self, edge_cells=tuple(edges))
 
     def job_features(self, masked_tokens: Sequence[int] | None) -> tuple[float, ...]:
         """Step features of one job; ``None`` = full compute (no cache or mask ratio 1)."""
@@ -253,6 +267,7 @@ class UNetArch:
         d = dict(d)
         d["blocks"] = tuple(BlockSpec(**b) for b in d["blocks"])
         d["latent_hw"] = tuple(d["latent_hw"])
+        d["edge_cells"] = tuple(d.get("edge_cells", ()))
         return cls(**d)
 
 
@@ -268,10 +283,17 @@ def token_counts_from_mask(mask: Any, latent_hw: tuple[int, int], num_levels: in
 
     m = np.asarray(mask).astype(bool)
     h, w = latent_hw
-    ys = (np.arange(h + 1) * m.shape[0]) // h
-    xs = (np.arange(w + 1) * m.shape[1]) // w
-    rows = np.logical_or.reduceat(m, ys[:-1], axis=0) if m.shape[0] >= h else m[np.minimum(ys[:-1], m.shape[0] - 1)]
-    lat = np.logical_or.reduceat(rows, xs[:-1], axis=1) if m.shape[1] >= w else rows[:, np.minimum(xs[:-1], m.shape[1] - 1)]
+
+    def pool(a: np.ndarray, n: int, axis: int) -> np.ndarray:
+        # adaptive_max_pool bins: [floor(i*L/n), ceil((i+1)*L/n)); "any" via a cumulative sum.
+        length = a.shape[axis]
+        i = np.arange(n)
+        start, end = (i * length) // n, -((-(i + 1) * length) // n)
+        c = np.concatenate([np.zeros_like(np.take(a, [0], axis=axis), dtype=np.int64),
+                            np.cumsum(a, axis=axis, dtype=np.int64)], axis=axis)
+        return (np.take(c, end, axis=axis) - np.take(c, start, axis=axis)) > 0
+
+    lat = pool(pool(m, h, 0), w, 1)
     counts = [int(lat.sum())]
     cur = lat
     for _ in range(num_levels - 1):
@@ -436,6 +458,13 @@ class CostModel:
                    meta={"proxy": True, "created": time.time()})
 
 
+def min_service_seconds(model: CostModel, steps: int, *, mask_ratio: float = 1.0,
+                        masked_tokens: Sequence[int] | None = None, cached: bool = True) -> float:
+    """Fastest denoising time of a job: alone on an idle worker (SLO lower bound)."""
+    return steps * (model.intercept + model.job_seconds(mask_ratio=mask_ratio, masked_tokens=masked_tokens,
+                                                        cached=cached))
+
+
 def step_time_predictor(model: CostModel) -> Callable[[Sequence[Any]], float]:
     """``BatchScheduler(step_time=...)`` from a cost model; jobs need ``mask_ratio``,
     ``masked_tokens`` and ``cached`` attributes (``EngineJob`` has them)."""
@@ -492,50 +521,69 @@ def finish_times(remaining: Sequence[int], step_time: Callable[[Sequence[int]], 
     return out
 
 
+def admission_profile(running: Sequence[tuple[float, int]], queued: Sequence[tuple[float, int]],
+                      max_batch: int, intercept: float) -> tuple[float, list[tuple[float, int]]]:
+    """When would a job placed after ``queued`` get a batch slot, and who runs with it then?
+
+    ``running``: (marginal step seconds, remaining steps) of the batch; ``queued``: jobs admitted
+    in order into free slots as running ones finish (continuous batching). Returns (seconds until
+    a slot is free for one more job, [(step seconds, remaining steps)] of the jobs alive then).
+    Independent of the job being placed, so routers cache it per worker state.
+    """
+    import heapq
+
+    heap: list[tuple[int, float]] = []  # (step index at which the job finishes, its step seconds)
+    step_sum = 0.0
+    done = 0
+    t = 0.0
+    for sec, rem in running[:max_batch]:
+        heap.append((rem, sec))
+        step_sum += sec
+    heapq.heapify(heap)
+    queue = list(running[max_batch:]) + list(queued)
+    qi = 0
+    while True:
+        while qi < len(queue) and len(heap) < max_batch:
+            sec, rem = queue[qi]
+            heapq.heappush(heap, (done + rem, sec))
+            step_sum += sec
+            qi += 1
+        if qi == len(queue) and len(heap) < max_batch:
+            return t, [(sec, end - done) for end, sec in heap]
+        end = heap[0][0]
+        if end > done:
+            t += (end - done) * (intercept + step_sum)
+            done = end
+        while heap and heap[0][0] <= done:
+            step_sum -= heapq.heappop(heap)[1]
+
+
+def finish_after_admission(t_admit: float, alive: Sequence[tuple[float, int]], job_seconds: float,
+                           steps: int, intercept: float) -> float:
+    """Seconds until a job admitted at ``t_admit`` finishes: every step costs the intercept, its own
+    seconds and those of the jobs still alive (each alive job shares ``min(remaining, steps)``)."""
+    t = t_admit + steps * (intercept + job_seconds)
+    for g, r in alive:
+        t += g * (r if r < steps else steps)
+    return t
+
+
 def queue_finish_time(running: Sequence[tuple[float, int]], queued: Sequence[tuple[float, int]],
                       max_batch: int, intercept: float) -> float:
     """Seconds until the LAST entry of ``queued`` finishes on a worker (linear step model).
 
-    ``running``: (marginal step seconds, remaining steps) of jobs in the batch; ``queued``: jobs
-    admitted in order into free slots as running ones finish (continuous batching). The paper's
-    Algorithm 2 cost: the batch's predicted step latency integrated over the steps until the new
-    job is done. O((B + Q) log B) with a running sum; no allocation per step.
+    The paper's Algorithm 2 cost: the batch's predicted step latency integrated over the steps
+    until the new job is done, with jobs leaving as they finish and queued ones taking free slots.
     """
-    import heapq
-
-    heap: list[tuple[int, float]] = []  # (absolute step index at which it finishes, job seconds)
-    step_sum = 0.0
-    steps_done = 0
-    t = 0.0
-    for sec, rem in running[:max_batch]:
-        heapq.heappush(heap, (rem, sec))
-        step_sum += sec
-    qi = 0
-    queued = list(running[max_batch:]) + list(queued)
-    target = len(queued) - 1
-    target_end = -1
-    while True:
-        while qi < len(queued) and len(heap) < max_batch:
-            sec, rem = queued[qi]
-            heapq.heappush(heap, (steps_done + rem, sec))
-            step_sum += sec
-            if qi == target:
-                target_end = steps_done + rem
-            qi += 1
-        if not heap:
-            return t
-        end = heap[0][0]
-        if end > steps_done:
-            t += (end - steps_done) * (intercept + step_sum)
-            steps_done = end
-        while heap and heap[0][0] <= steps_done:
-            _, sec = heapq.heappop(heap)
-            step_sum -= sec
-        if target_end >= 0 and steps_done >= target_end:
-            return t
+    if not queued:
+        raise ValueError("queued must end with the job whose finish time is wanted")
+    t_admit, alive = admission_profile(running, queued[:-1], max_batch, intercept)
+    sec, steps = queued[-1]
+    return finish_after_admission(t_admit, alive, sec, steps, intercept)
 
 
 __all__ = [
-    "BlockSpec", "CostModel", "FitReport", "STEP_FEATURES", "TierFit", "UNetArch", "default_path",
-    "find_model", "finish_times", "level_hw", "queue_finish_time", "token_counts_from_mask",
+    "BlockSpec", "CostModel", "FitReport", "STEP_FEATURES", "TierFit", "UNetArch", "admission_profile",
+    "default_path", "find_model", "finish_after_admission", "finish_times", "level_hw", "min_service_seconds",
+    "queue_finish_time", "step_time_predictor", "token_counts_from_mask",
 ]

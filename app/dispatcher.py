@@ -33,7 +33,7 @@ from celery import Celery, chain
 
 from app.blobs import BlobStore
 from app.celery_app import CPU_QUEUE, gpu_queue
-from app.costmodel import CostModel, UNetArch, find_model, token_counts_from_mask
+from app.costmodel import CostModel, UNetArch, find_model, min_service_seconds, token_counts_from_mask
 from app.jobs import JobRecord, JobStatus, JobStore
 from app.routing import JobDemand, JobLoad, RoutingPolicy, WorkerState, WorkerView, make_router
 from app.settings import Settings
@@ -87,7 +87,7 @@ def parse_worker_hash(worker_id: str, fields: dict[Any, Any], *, now: float, sta
     updated = float(f.get("updated") or 0.0)
     return WorkerState(
         worker_id=worker_id, running=jobs(f.get("running", "[]")), waiting=jobs(f.get("waiting", "[]")),
-        templates=frozenset(json.loads(f.get("templates") or "[]")),
+        templates=frozenset(json.loads(f["templates"])) if f.get("templates") else None,
         last_step_seconds=float(f.get("last_step_seconds") or 0.0), updated=updated,
         max_batch=int(f.get("max_batch") or max_batch),
         alive=not updated or now - updated <= stale_s)
@@ -207,11 +207,16 @@ class Dispatcher:
         self.blobs = BlobStore(self.r, settings.blob_ttl_seconds)
         self.cost_model = cost_model if cost_model is not None else load_cost_model(settings)
         model = self.cost_model
-        if model is None and router is None and settings.routing_policy == "mask_aware":
+        policy = settings.routing_policy
+        if model is None and router is None and policy == "mask_aware":
             model = proxy_cost_model(settings)
-            log.warning("mask_aware routing without a fitted cost model: using a FLOPs proxy (%s)",
-                        "found" if model else "none")
-        self.router = router or make_router(settings.routing_policy, settings.gpu_worker_ids, model)
+            if model is None:  # e.g. a Flux model: no UNet config to derive features from
+                log.error("mask_aware routing needs a cost model and none can be derived for this model; "
+                          "routing with least_requests instead (run `python -m ops.profile`)")
+                policy = "least_requests"
+            else:
+                log.warning("mask_aware routing without a fitted cost model: using a FLOPs proxy")
+        self.router = router or make_router(policy, settings.gpu_worker_ids, model)
         self.view = LiveWorkerView(
             self.r, settings.gpu_worker_ids, max_batch=settings.max_batch, jobs=self.jobs,
             refresh_s=_env_float("VIEW_REFRESH_MS", 50.0) / 1000.0,
@@ -279,12 +284,10 @@ class Dispatcher:
 
     def min_latency(self, demand: JobDemand) -> float | None:
         """Fastest possible denoising time (alone on an idle worker), or None without a fitted model."""
-        model = self.cost_model
-        if model is None:
+        if self.cost_model is None:
             return None
-        per_step = model.intercept + model.job_seconds(mask_ratio=demand.mask_ratio,
-                                                       masked_tokens=demand.masked_tokens, cached=demand.cached)
-        return demand.steps * per_step + self.slo_overhead_s
+        return min_service_seconds(self.cost_model, demand.steps, mask_ratio=demand.mask_ratio,
+                                   masked_tokens=demand.masked_tokens, cached=demand.cached) + self.slo_overhead_s
 
     # -- routing --------------------------------------------------------------------------------
     def route(self, job_id: str) -> str:

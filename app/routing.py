@@ -15,7 +15,8 @@ tests and the cluster simulator (ops/simulate.py) run the very same objects.
   step by step (jobs leave when done, waiting jobs take free slots, the new job joins in order):
   the cost is the time until the new job would finish there. A worker that already holds the
   job's template in host RAM (or has a job of that template on the way) is cheaper by the
-  predicted fetch time. Ties go to the worker with fewer jobs, then round robin.
+  predicted fetch time (only for workers that publish their resident templates: residency that is
+  not known is not guessed). Ties go to the worker with fewer jobs, then round robin.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from app.costmodel import CostModel, queue_finish_time
+from app.costmodel import CostModel, admission_profile, finish_after_admission
+
+_stamps = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class JobLoad:
     cached: bool = True
     template_id: str = ""
     step_seconds: float | None = None  # memo of the cost model's marginal step seconds
+    token_load: float | None = None  # memo of the masked-token count (least_masked_tokens)
 
     @classmethod
     def from_demand(cls, d: JobDemand) -> "JobLoad":
@@ -69,11 +73,17 @@ class WorkerState:
     running: list[JobLoad] = field(default_factory=list)
     waiting: list[JobLoad] = field(default_factory=list)
     inflight: list[JobLoad] = field(default_factory=list)
-    templates: frozenset[str] = frozenset()
+    templates: frozenset[str] | None = frozenset()  # resident in host RAM; None = not published
     last_step_seconds: float = 0.0
     updated: float = 0.0  # epoch seconds of the engine's last publish (0 = never seen)
     max_batch: int = 8
     alive: bool = True
+    # Changes whenever the state does (new object or ``touch``): routers cache per-worker work by it.
+    stamp: int = field(default_factory=lambda: next(_stamps))
+
+    def touch(self) -> None:
+        """Call after mutating the job lists in place."""
+        self.stamp = next(_stamps)
 
     @property
     def n_jobs(self) -> int:
@@ -98,7 +108,9 @@ class WorkerView:
 
     def assign(self, worker_id: str, job: JobDemand) -> None:
         """Count a routed job at its worker until the engine's own state shows it."""
-        self.workers[worker_id].inflight.append(JobLoad.from_demand(job))
+        w = self.workers[worker_id]
+        w.inflight.append(JobLoad.from_demand(job))
+        w.touch()
 
 
 class RoutingPolicy(Protocol):
@@ -155,19 +167,32 @@ class LeastMaskedTokensRouter:
     def __init__(self, model: CostModel | None = None) -> None:
         self.model = model
         self._rot = _Rotation()
-        self._full = sum(model.arch.level_tokens()) if model else 1.0
+        self._full = float(sum(model.arch.level_tokens())) if model else 1.0
+        self._memo: dict[float, float] = {}
 
     def tokens(self, job: JobLoad | JobDemand) -> float:
         if not job.cached or job.mask_ratio >= 1.0:
             return self._full
         if self.model is None:
             return job.mask_ratio
-        counts = job.masked_tokens if job.masked_tokens is not None else self.model.arch.tokens_from_ratio(job.mask_ratio)
-        return float(sum(counts))
+        if job.masked_tokens is not None:
+            return float(sum(job.masked_tokens))
+        value = self._memo.get(job.mask_ratio)
+        if value is None:
+            value = float(sum(self.model.arch.tokens_from_ratio(job.mask_ratio)))
+            if len(self._memo) > 100_000:
+                self._memo.clear()
+            self._memo[job.mask_ratio] = value
+        return value
+
+    def _load(self, job: JobLoad) -> float:
+        if job.token_load is None:
+            job.token_load = self.tokens(job)
+        return job.token_load
 
     def choose(self, job: JobDemand, view: WorkerView) -> str:
         def load(w: WorkerState) -> tuple[float, int]:
-            return sum(self.tokens(j) for j in w.jobs()), w.n_jobs
+            return sum(self._load(j) for j in w.jobs()), w.n_jobs
 
         return min(self._rot.order(view.candidates()), key=load).worker_id
 
@@ -183,24 +208,47 @@ class MaskAwareRouter:
         # Weight of the delay the new job adds to the worker's other jobs (0 = the paper's cost).
         self.externality = externality
         self._rot = _Rotation()
+        self._by_job: dict[tuple[object, ...], float] = {}
+        self._profiles: dict[str, tuple[int, tuple[float, list[tuple[float, int]]]]] = {}
 
     def job_seconds(self, job: JobLoad) -> float:
-        if job.step_seconds is None:
-            job.step_seconds = self.model.job_seconds(mask_ratio=job.mask_ratio, masked_tokens=job.masked_tokens,
-                                                      cached=job.cached)
-        return job.step_seconds
+        """A job's marginal step seconds, memoized per job (a job's cost is fixed for its life and
+        the same job is re-parsed from worker state at every refresh)."""
+        sec = job.step_seconds
+        if sec is None:
+            key = (job.job_id, job.cached, job.mask_ratio, job.masked_tokens)
+            sec = self._by_job.get(key)
+            if sec is None:
+                sec = self.model.job_seconds(mask_ratio=job.mask_ratio, masked_tokens=job.masked_tokens,
+                                             cached=job.cached)
+                if len(self._by_job) > 200_000:
+                    self._by_job.clear()
+                self._by_job[key] = sec
+            job.step_seconds = sec
+        return sec
+
+    def profile(self, w: WorkerState) -> tuple[float, list[tuple[float, int]]]:
+        """(seconds until a slot frees for a new job, jobs alive then), cached per worker state."""
+        hit = self._profiles.get(w.worker_id)
+        if hit is not None and hit[0] == w.stamp:
+            return hit[1]
+        js = self.job_seconds
+        running = [(js(j), j.remaining) for j in w.running if j.remaining > 0]
+        queued = [(js(j), j.remaining) for j in w.waiting] + [(js(j), j.remaining) for j in w.inflight]
+        prof = admission_profile(running, queued, w.max_batch, self.model.intercept)
+        self._profiles[w.worker_id] = (w.stamp, prof)
+        return prof
 
     def cost(self, job: JobLoad, w: WorkerState, fetch_s: float) -> float:
         """Predicted seconds until ``job`` finishes on ``w`` (+ fetch if its template is cold)."""
-        running = [(self.job_seconds(j), j.remaining) for j in w.running if j.remaining > 0]
-        queued = [(self.job_seconds(j), j.remaining) for j in itertools.chain(w.waiting, w.inflight)]
-        mine = (self.job_seconds(job), job.remaining)
-        t = queue_finish_time(running, queued + [mine], w.max_batch, self.model.intercept)
-        if self.externality and running:
-            # Others' extra time while sharing steps with the new job (a lower bound: no queueing).
-            t += self.externality * mine[0] * sum(min(rem, mine[1]) for _, rem in running)
-        if fetch_s and job.template_id and job.cached and job.template_id not in w.templates \
-                and all(j.template_id != job.template_id for j in w.jobs()):
+        mine_s, mine_r = self.job_seconds(job), job.remaining
+        t_admit, alive = self.profile(w)
+        t = finish_after_admission(t_admit, alive, mine_s, mine_r, self.model.intercept)
+        if self.externality:
+            # Others' extra time while sharing steps with the new job.
+            t += self.externality * mine_s * sum(min(rem, mine_r) for _, rem in alive)
+        if fetch_s and job.template_id and job.cached and w.templates is not None \
+                and job.template_id not in w.templates and all(j.template_id != job.template_id for j in w.jobs()):
             t += fetch_s
         return t
 

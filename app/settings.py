@@ -87,7 +87,17 @@ class Settings:
 
     # Dispatcher: comma-separated GPU worker ids it routes to.
     gpu_workers: str = "0"
-    routing_policy: str = "round_robin"
+    routing_policy: str = "round_robin"  # round_robin | least_requests | least_masked_tokens | mask_aware
+    cost_model: str = ""  # fitted cost-model JSON (ops/profile.py); empty = look up by model id
+    slo_admission: bool = False  # engines refuse admissions that make a running job miss its deadline
+    view_refresh_ms: float = 50.0
+    worker_stale_seconds: float = 120.0
+    inflight_ttl_seconds: float = 600.0
+    slo_overhead_seconds: float = 0.0
+    dispatch_decode_mask: bool = True
+    default_mask_ratio: float = 1.0
+    cache_tier: str = "local"
+    routing_externality: float = 0.0
 
     # Prometheus metrics HTTP port of this process (0 = off). Processes on one host need their own.
     metrics_port: int = 0

@@ -148,7 +148,8 @@ def bench_family(name: str, traces: list[str], n: int, steps: int, seed: int) ->
         picks = rng.choice(ratios, size=n)
         for k, ratio in enumerate(picks):
             t = int(rng.integers(len(templates)))
-            mask = make_mask(float(ratio), (fam.size, fam.size), SHAPES[k % len(SHAPES)], seed=int(rng.integers(1 << 30)))
+            mask = make_mask(float(ratio), (fam.size, fam.size), SHAPES[k % len(SHAPES)],
+                             seed=int(rng.integers(1 << 30)))
             if mask.mean() == 0 or mask.mean() == 1:
                 continue  # empty: the template is returned; full: equals full compute by construction
             params = JobParams(prompt=str(rng.choice(["a red scarf", "a hat", "flowers"])),

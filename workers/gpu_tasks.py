@@ -61,8 +61,11 @@ class Lease:
 class RedisEngineHooks(EngineHooks):
     """Publishes progress, renews leases, reads cancellations, publishes worker state."""
 
-    def __init__(self, worker_id: str, lease_seconds: float) -> None:
+    def __init__(self, worker_id: str, lease_seconds: float, *, max_batch: int = 8,
+                 resident_templates: Any = None) -> None:
         self.worker_id = worker_id
+        self.max_batch = max_batch
+        self.resident_templates = resident_templates
         self.lease_ms = int(lease_seconds * 1000)
         self.last_step_seconds = 0.0
         self.busy_seconds = 0.0
@@ -103,9 +106,15 @@ class RedisEngineHooks(EngineHooks):
     def _state(self, batch: list[EngineJob], waiting: list[EngineJob]) -> dict[str, str]:
         def view(jobs: list[EngineJob]) -> str:
             return json.dumps([{"job_id": j.job_id, "mask_ratio": j.mask_ratio,
-                                "remaining": j.total_steps - j.steps_done} for j in jobs])
+                                "remaining": j.total_steps - j.steps_done, "cached": j.cached,
+                                "template_id": j.template_id, "priority": j.priority, "deadline": j.deadline,
+                                "masked_tokens": list(j.masked_tokens) if j.masked_tokens else None}
+                               for j in jobs])
 
-        return {"running": view(batch), "waiting": view(waiting), "updated": repr(time.time()),
+        state = {"max_batch": str(self.max_batch)}
+        if self.resident_templates is not None:
+            state["templates"] = json.dumps(sorted(self.resident_templates()))
+        return state | {"running": view(batch), "waiting": view(waiting), "updated": repr(time.time()),
                 "last_step_seconds": repr(self.last_step_seconds), "holder": holder_id(),
                 "busy_seconds": repr(self.busy_seconds), "steps": str(self.steps)}
 
@@ -140,9 +149,21 @@ def get_engine() -> Engine:
                 unet = loader.load_unet(ctx.model_dir(), s.device)
                 maskaware = MaskAwareUNet(unet, kv_source=s.maskaware_kv_source) if s.mask_aware else None  # type: ignore[arg-type]
                 runner = SDRunner(unet, ctx.scheduler_config(), s.device, maskaware=maskaware, **cache_options)
-            _engine = Engine(runner, BatchScheduler(s.max_batch, s.batching),
-                             RedisEngineHooks(s.worker_id, s.lease_seconds),
-                             idle_wait=s.engine_idle_sleep).start()
+            step_time = None
+            if s.slo_admission:
+                from app.costmodel import find_model, step_time_predictor
+
+                model = find_model(s.home, s.model_id, s.cost_model)
+                step_time = step_time_predictor(model) if model else None
+
+            def expire(job: EngineJob, why: str) -> None:
+                ctx.jobs().transition(job.job_id, JobStatus.EXPIRED, error=why)
+
+            caches = cache_options.get("caches")
+            hooks = RedisEngineHooks(s.worker_id, s.lease_seconds, max_batch=s.max_batch,
+                                     resident_templates=caches.resident_templates if caches else None)
+            _engine = Engine(runner, BatchScheduler(s.max_batch, s.batching, step_time=step_time, on_expire=expire),
+                             hooks, idle_wait=s.engine_idle_sleep).start()
         return _engine
 
 
@@ -190,6 +211,7 @@ def denoise(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
         tensors, meta = unpack(blob)
         job = get_engine().submit(job_id, tensors, meta, total_steps=int(meta["num_steps"]),
                                   priority=rec.params.priority, deadline=rec.params.deadline,
+                                  template_id=rec.params.template_id,
                                   mask_ratio=float(meta.get("mask_ratio", 1.0)))
         try:
             out = job.future.result()

@@ -176,6 +176,11 @@ class HostCache(Generic[V]):
             entry = self._entries.get(key)
             return None if entry is None else entry.value
 
+    def keys(self) -> list[Hashable]:
+        """Resident keys (a snapshot)."""
+        with self._lock:
+            return list(self._entries)
+
     def __contains__(self, key: object) -> bool:
         with self._lock:
             return key in self._entries

@@ -82,10 +82,10 @@ class Engine:
     # -- called from other threads -------------------------------------------------------
     def submit(self, job_id: str, tensors: dict[str, Any], meta: dict[str, Any], *,
                total_steps: int, priority: int = 0, deadline: float | None = None,
-               mask_ratio: float = 1.0) -> EngineJob:
+               mask_ratio: float = 1.0, template_id: str = "") -> EngineJob:
         """Queue a job; its ``future`` resolves to the runner's result or raises."""
         job = EngineJob(job_id=job_id, total_steps=total_steps, priority=priority,
-                        deadline=deadline, mask_ratio=mask_ratio)
+                        deadline=deadline, mask_ratio=mask_ratio, template_id=template_id)
         job.state = (tensors, meta)  # turned into runner state on the engine thread
         self._inbox.put(job)
         return job
@@ -127,6 +127,7 @@ class Engine:
             job.state = self.runner.init_state(tensors, meta)
             if hasattr(self.runner, "masked_tokens"):
                 job.masked_tokens = self.runner.masked_tokens(job.state)
+            job.cached = getattr(job.state, "mode", "full") == "masked"
         except Exception as exc:  # bad tensors fail this job only
             log.warning("job %s rejected by the runner: %s", job.job_id, exc)
             job.future.set_exception(exc)

@@ -12,24 +12,42 @@ class JobCancelled(Exception):
     """The job was cancelled (or expired) while in the engine; it left the batch."""
 
 
+class JobExpired(JobCancelled):
+    """The job could no longer meet its deadline; the message says why (SLO admission)."""
+
+
 @dataclass(eq=False)
 class EngineJob:
     job_id: str
     total_steps: int
     priority: int = 0
-    deadline: float | None = None
+    deadline: float | None = None  # absolute epoch seconds
     arrival: float = field(default_factory=time.monotonic)
     steps_done: int = 0
     state: Any = None  # owned by the runner
     future: Future = field(default_factory=Future)
-    # Cost-model inputs (mask-aware routing and planning).
+    # Cost-model inputs (mask-aware routing, SLO admission, planning).
     mask_ratio: float = 1.0
+    masked_tokens: tuple[int, ...] | None = None  # per UNet level, when the runner built token masks
+    cached: bool = False  # computes masked tokens only (its template cache is in use)
+    template_id: str = ""
+    expired_reason: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.steps_done >= self.total_steps
 
+    @property
+    def remaining(self) -> int:
+        return max(0, self.total_steps - self.steps_done)
+
     def sort_key(self) -> tuple[float, float, float]:
         """Admission order: higher priority, then earlier deadline, then earlier arrival."""
         deadline = self.deadline if self.deadline is not None else float("inf")
         return (-self.priority, deadline, self.arrival)
+
+    def slack(self, now: float, seconds_needed: float) -> float:
+        """Seconds to spare if the job needed ``seconds_needed`` from ``now`` (inf: no deadline)."""
+        if self.deadline is None:
+            return float("inf")
+        return self.deadline - now - seconds_needed

@@ -3,25 +3,51 @@
 This is the "scheduler" half of the engine (the runner executes). Continuous batching admits
 waiting jobs into free slots at every step, so jobs join and leave the running batch step by
 step; static batching (the baseline) admits only when the running batch has drained.
+
+SLO-aware admission (PatchedServe-style), active only when a step-time predictor is injected
+(``step_time(jobs) -> seconds`` of one step of that batch; ``None`` keeps the plain behaviour):
+- a waiting job that cannot meet its deadline even if it ran alone from now is expired: it leaves
+  the queue, its future fails with ``JobExpired(reason)`` and ``on_expire(job, reason)`` tells the
+  engine's host (which marks the record ``expired``). Running jobs are never expired here: their
+  work is half done and the runner may still beat the prediction.
+- waiting jobs are ordered by priority, then slack (deadline - now - predicted time alone), then
+  arrival: the most urgent job gets the next free slot.
+- a waiting job is admitted only if no running (or just admitted) job that would meet its
+  deadline without it misses it with it; finish times integrate the predicted step time over the
+  batch's remaining steps (jobs leave as they finish). A refused job stays waiting; smaller jobs
+  behind it may still fit.
 """
 
 from __future__ import annotations
 
-from workers.engine.job import EngineJob
+import time
+from collections.abc import Callable, Sequence
+
+from app.costmodel import finish_times
+from workers.engine.job import EngineJob, JobExpired
 
 MODES = ("continuous", "static")
 
+StepTimePredictor = Callable[[Sequence[EngineJob]], float]
+ExpireCallback = Callable[[EngineJob, str], None]
+
 
 class BatchScheduler:
-    def __init__(self, max_batch: int, mode: str = "continuous") -> None:
+    def __init__(self, max_batch: int, mode: str = "continuous", *, step_time: StepTimePredictor | None = None,
+                 on_expire: ExpireCallback | None = None, clock: Callable[[], float] = time.time) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if mode not in MODES:
             raise ValueError(f"batching mode must be one of {MODES}, got {mode!r}")
         self.max_batch = max_batch
         self.mode = mode
+        self.step_time = step_time
+        self.on_expire = on_expire
+        self.clock = clock  # wall clock: deadlines are absolute epoch seconds
         self.waiting: list[EngineJob] = []
         self.running: list[EngineJob] = []
+        self.expired: list[EngineJob] = []  # since the last ``pop_expired`` (last 1000 at most)
+        self.refused = 0  # admissions refused to protect running jobs' deadlines
 
     def add(self, job: EngineJob) -> None:
         self.waiting.append(job)
@@ -38,8 +64,14 @@ class BatchScheduler:
     def jobs(self) -> list[EngineJob]:
         return self.running + self.waiting
 
+    def pop_expired(self) -> list[EngineJob]:
+        out, self.expired = self.expired, []
+        return out
+
     def schedule(self) -> tuple[list[EngineJob], list[EngineJob]]:
         """Admit waiting jobs per the batching mode; returns (batch for this step, newly admitted)."""
+        if self.step_time is not None:
+            return self._schedule_slo(self.step_time)
         admitted: list[EngineJob] = []
         if self.mode == "continuous" or not self.running:
             self.waiting.sort(key=EngineJob.sort_key)
@@ -47,6 +79,52 @@ class BatchScheduler:
                 job = self.waiting.pop(0)
                 self.running.append(job)
                 admitted.append(job)
+        return list(self.running), admitted
+
+    # -- SLO-aware admission ---------------------------------------------------------------------
+    def alone_seconds(self, job: EngineJob) -> float:
+        assert self.step_time is not None
+        return job.remaining * self.step_time([job])
+
+    def _expire(self, job: EngineJob, reason: str) -> None:
+        job.expired_reason = reason
+        self.expired.append(job)
+        if len(self.expired) > 1000:  # an engine that never pops must not grow without bound
+            del self.expired[:-1000]
+        if not job.future.done():
+            job.future.set_exception(JobExpired(reason))
+        if self.on_expire is not None:
+            self.on_expire(job, reason)
+
+    def _misses(self, batch: Sequence[EngineJob], now: float, predict: StepTimePredictor) -> set[int]:
+        """Indices of ``batch`` jobs with a deadline that the predicted finish would miss."""
+        ft = finish_times([j.remaining for j in batch], lambda idx: predict([batch[i] for i in idx]))
+        return {i for i, j in enumerate(batch) if j.deadline is not None and now + ft[i] > j.deadline}
+
+    def _schedule_slo(self, predict: StepTimePredictor) -> tuple[list[EngineJob], list[EngineJob]]:
+        now = self.clock()
+        alone = {id(j): self.alone_seconds(j) for j in self.waiting}
+        for job in [j for j in self.waiting if j.deadline is not None and now + alone[id(j)] > j.deadline]:
+            self.waiting.remove(job)
+            self._expire(job, f"deadline unreachable: needs {alone[id(job)]:.3f} s alone for "
+                              f"{job.remaining} steps, {job.deadline - now:.3f} s left")  # type: ignore[operator]
+        admitted: list[EngineJob] = []
+        if self.waiting and len(self.running) < self.max_batch and (self.mode == "continuous" or not self.running):
+            self.waiting.sort(key=lambda j: (-j.priority, j.slack(now, alone[id(j)]), j.arrival))
+            misses = self._misses(self.running, now, predict) if self.running else set()
+            for job in list(self.waiting):
+                if len(self.running) >= self.max_batch:
+                    break
+                trial = self.running + [job]
+                after = self._misses(trial, now, predict)
+                hurt = {i for i in after if i < len(self.running)} - misses
+                if hurt:
+                    self.refused += 1
+                    continue
+                self.waiting.remove(job)
+                self.running.append(job)
+                admitted.append(job)
+                misses = after
         return list(self.running), admitted
 
     def complete_step(self, batch: list[EngineJob]) -> list[EngineJob]:

@@ -38,6 +38,7 @@ class StepCacheProvider:
         self._pool = ThreadPoolExecutor(fetch_threads, thread_name_prefix="stencil-fetch")
         self._inflight: set[tuple[str, int]] = set()
         self._failed: dict[tuple[str, int], float] = {}
+        self._templates: dict[str, str] = {}  # cache digest -> template id
         self._lock = threading.Lock()
         self.retry_after_s = retry_after_s
         self.fetch_seconds = 0.0
@@ -64,8 +65,14 @@ class StepCacheProvider:
             with self._lock:
                 self._inflight.discard(slot)
 
+    def resident_templates(self) -> set[str]:
+        """Templates with at least one step in host RAM (the dispatcher's affinity term)."""
+        digests = {slot[0] for slot in self.host.keys()}
+        return {self._templates[d] for d in digests if d in self._templates}
+
     def prefetch(self, key: TemplateCacheKey, steps: Iterable[int]) -> None:
         digest = key.digest()
+        self._templates[digest] = key.template_id
         for step in steps:
             if not 0 <= step < key.steps:
                 continue

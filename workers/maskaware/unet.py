@@ -38,8 +38,10 @@ Cache layout (the design choice; DESIGN.md section 6 measured both):
 - ``kv_source="recompute"`` (layout ``"y"``): per block only Y; a masked block runs norm1 +
   ``to_k``/``to_v`` on all tokens of its rows (inputs: fresh ``proj_in`` output, or the previous
   block's output completed from its cached Y) and everything else on masked tokens only.
-  Roughly half the bytes, about 10-25% more block time at small ratios (see
-  docs/bench/maskaware_unet.md).
+  A third (SD1.x, one block per transformer) to under half (SDXL) of the bytes, but about 1.5x
+  the transformer-block time at r = 0.05 and 1.2x at r = 0.2 (docs/bench/maskaware_unet.md).
+  Default ``"cache"`` follows the measurements (DESIGN.md section 6 and ours); pick
+  ``"recompute"`` where cache bytes (host-RAM LRU capacity, load bandwidth) are the bottleneck.
 
 Cache size per template (bytes), ``dtype`` bytes ``s``, ``rows`` = 2 with CFG:
     steps * rows * s * sum_over_blocks( n_tensors(block) * N_level(block) * C(block) )

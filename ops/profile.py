@@ -1,0 +1,635 @@
+"""Profile the engine's runner on this device and fit the cost model (``app/costmodel.py``).
+
+    HF_HUB_OFFLINE=1 .venv/bin/python -m ops.profile --model tiny       # embedded default, ~2 min
+    HF_HUB_OFFLINE=1 .venv/bin/python -m ops.profile --model sd-l2      # SD-width blocks, ~15 min
+
+What is measured (never fake data, DESIGN.md section 3):
+- Step latency: ``SDRunner.step`` (the engine's runner, with ``MaskAwareUNet`` when importable)
+  on batches of 1..``--max-jobs`` CFG jobs; each job full compute (no cache) or masked (a real
+  cache recorded by a warm-up run of the same runner), masks of realistic shape (blobs and
+  rectangles, ``workers.maskaware.tokens``) with pixel ratios drawn from the public traces and a
+  uniform spread. Each composition: one warm step, then ``--repeats`` timed steps (median).
+  Compositions run in random order so drifting load on shared cores hits every kind alike.
+- Load latency: ``ActivationStore.read_step`` on a local folder after evicting the file from the
+  page cache (``posix_fadvise DONTNEED``), i.e. a cold disk read + safetensors parse (wall time),
+  the same read warm (page cache), and a host-RAM copy (``copy_`` into a resident buffer, thread
+  CPU time: on a GPU this is the H2D copy; on this CPU the runner reads host RAM directly, so it
+  is an upper bound).
+- Clock: by default one torch thread and the step's *thread CPU time*. This machine's 2 cores are
+  shared with other jobs (load average 5-7 while profiling): wall time of identical 2-thread
+  steps varied 20x (OpenMP threads spin while descheduled), so wall time measured the neighbours.
+  A single thread's CPU time is what the step costs on a dedicated core. ``--clock wall`` fits
+  wall time instead (use it on a dedicated machine / GPU).
+
+Fit: non-negative linear regression of step seconds on the features ``app.costmodel`` derives
+from each job's masked tokens per level; per tier ``seconds ~ latency + bytes / bandwidth``.
+A random quarter of the points is held out *before* fitting; R^2, MAPE and residuals are on
+those. Output: one JSON model file (coefficients only) per (model id, device kind), and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from app.costmodel import STEP_FEATURES, CostModel, FitReport, TierFit, UNetArch, default_path
+from app.settings import Settings
+
+log = logging.getLogger("ops.profile")
+
+
+# -- model under test ---------------------------------------------------------------------------
+
+
+@dataclass
+class ModelUnderTest:
+    model_id: str
+    unet: Any
+    scheduler_config: dict[str, Any]
+    latent: int
+    text_len: int
+    cross_dim: int
+    description: str
+
+
+def load_model(kind: str, latent: int | None, seed: int) -> ModelUnderTest:
+    """``tiny``: the embedded default the service runs; ``sd-l2``: SD-1.5-width blocks (320/640
+    channels, heads of 64, cross dim 768), two levels so that it fits 2 CPU cores; ``sd15``: the
+    full SD-1.5 architecture (only for ``--project-from``: a few validation points)."""
+    if kind == "tiny":
+        from workers.models.loader import ensure_model_dir, load_unet, scheduler_config
+
+        s = Settings.from_env()
+        folder = ensure_model_dir(s)
+        unet = load_unet(folder, "cpu")
+        return ModelUnderTest(s.model_id, unet, scheduler_config(folder), latent or 16, 77,
+                              int(unet.config.cross_attention_dim), f"embedded default ({folder})")
+    if kind == "sd-l2":
+        from ops.bench_maskaware_unet import build_sd_unet
+        from workers.models.tiny_sd import build_scheduler
+
+        lat = latent or 32
+        unet = build_sd_unet((320, 640), lat, 1, 1, 768, seed)
+        sched = build_scheduler()
+        cfg = dict(sched.config, _class_name=type(sched).__name__)
+        return ModelUnderTest("sd-arch-320-640", unet, cfg, lat, 77, 768,
+                              "SD-architecture UNet, block_out_channels (320, 640), layers_per_block 1, "
+                              "cross_attention_dim 768, heads of 64, random init")
+    if kind == "sd15":
+        from ops.bench_maskaware_unet import build_sd_unet
+        from workers.models.tiny_sd import build_scheduler
+
+        lat = latent or 64
+        unet = build_sd_unet((320, 640, 1280, 1280), lat, 2, 1, 768, seed)
+        sched = build_scheduler()
+        return ModelUnderTest("sd15-arch", unet, dict(sched.config, _class_name=type(sched).__name__), lat, 77, 768,
+                              "SD-1.5 architecture UNet (320/640/1280/1280, 2 layers per block, cross dim 768, "
+                              "heads of 64), 9-channel inpainting, random init")
+    raise ValueError(f"unknown model kind {kind!r} (tiny | sd-l2 | sd15)")
+
+
+def device_kind(device: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    slug = "".join(ch if ch.isalnum() else "-" for ch in cpu).strip("-").lower()
+    while "--" in slug:
+        slug = slug.replace("--", "-")
+    return f"{device}-{slug}-{torch.get_num_threads()}t"
+
+
+# -- runner harness -----------------------------------------------------------------------------
+
+
+class RecordedCaches:
+    """Recorder + provider for the runner: keeps a warm-up's real per-step activations in RAM."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, dict[str, torch.Tensor]] = {}
+
+    def put(self, key: Any, step: int, tensors: dict[str, torch.Tensor]) -> Future:
+        self.steps[step] = {k: v.detach().clone() for k, v in tensors.items()}
+        f: Future = Future()
+        f.set_result(None)
+        return f
+
+    def commit(self, key: Any) -> Future:
+        f: Future = Future()
+        f.set_result(None)
+        return f
+
+    def prefetch(self, key: Any, steps: Any) -> None:
+        return None
+
+    def ready(self, key: Any, step: int) -> dict[str, torch.Tensor] | None:
+        return self.steps.get(step)
+
+
+@dataclass
+class JobSpec:
+    ratio: float
+    cached: bool
+    shape: str  # blob | rect
+    seed: int
+
+
+class Harness:
+    """Builds jobs for the real ``SDRunner`` and times its ``step``."""
+
+    def __init__(self, mut: ModelUnderTest, steps: int, device: str = "cpu") -> None:
+        from workers.engine.sd_runner import SDRunner
+
+        self.mut = mut
+        self.steps = steps
+        self.h = self.w = mut.latent
+        self.pixels = mut.latent * 8
+        self.caches = RecordedCaches()
+        self.maskaware = None
+        self.key_dict: dict[str, Any] | None = None
+        kwargs: dict[str, Any] = {}
+        try:
+            import inspect
+
+            from workers.maskaware.unet import MaskAwareUNet
+
+            if "maskaware" in inspect.signature(SDRunner.__init__).parameters:
+                self.maskaware = MaskAwareUNet(mut.unet)
+                kwargs = {"maskaware": self.maskaware, "caches": self.caches, "recorder": self.caches,
+                          "prefetch_steps": 0}
+        except ImportError as exc:
+            log.warning("mask-aware runner not available (%s): profiling full compute only", exc)
+        self.runner = SDRunner(mut.unet, mut.scheduler_config, device, **kwargs)
+        if self.maskaware is not None:
+            from workers.maskaware.activation_store import TemplateCacheKey
+
+            self.key_dict = TemplateCacheKey(
+                model_id=mut.model_id, template_id="profile", height=self.pixels, width=self.pixels,
+                scheduler=str(mut.scheduler_config["_class_name"]), steps=steps, strength=1.0, guidance="cfg2",
+                layout=self.maskaware.cache_layout).to_dict()
+            self._record()
+
+    def pixel_mask(self, spec: JobSpec) -> torch.Tensor:
+        from workers.maskaware.tokens import blob_mask, rect_mask
+
+        if spec.ratio >= 1.0:
+            return torch.ones(self.pixels, self.pixels, dtype=torch.bool)
+        make = blob_mask if spec.shape == "blob" else rect_mask
+        return make(self.pixels, self.pixels, spec.ratio, seed=spec.seed)
+
+    def tokens(self, pixel_mask: torch.Tensor) -> tuple[int, ...]:
+        from workers.maskaware.tokens import build_token_masks
+
+        levels = len(self.mut.unet.config.block_out_channels)
+        tm = build_token_masks(pixel_mask, (self.h, self.w), levels)
+        return tuple(int(lvl.sum()) for lvl in tm.levels)
+
+    def make_job(self, spec: JobSpec, mode: str, index: int) -> Any:
+        from workers.engine.job import EngineJob
+
+        g = torch.Generator().manual_seed(1000 + spec.seed)
+        pix = self.pixel_mask(spec)
+        lat_mask = torch.nn.functional.adaptive_max_pool2d(pix.float()[None, None], (self.h, self.w))
+        tensors = {
+            "latents": torch.randn(1, 4, self.h, self.w, generator=g),
+            "mask": lat_mask.expand(2, 1, self.h, self.w).contiguous(),
+            "masked_image_latents": torch.randn(2, 4, self.h, self.w, generator=g),
+            "prompt_embeds": torch.randn(2, self.mut.text_len, self.mut.cross_dim, generator=g),
+            "generator_state": g.get_state(),
+            "pixel_mask": pix.to(torch.uint8),
+        }
+        meta: dict[str, Any] = {"t_start": 0, "num_steps": self.steps, "do_cfg": True, "guidance": 7.5,
+                                "cache_mode": mode}
+        if mode != "full":
+            meta["cache_key"] = self.key_dict
+        job = EngineJob(job_id=f"j{index}", total_steps=self.steps, mask_ratio=spec.ratio)
+        job.state = self.runner.init_state(tensors, meta)
+        job.cached = mode == "masked"
+        job.masked_tokens = self.tokens(pix) if job.cached else None
+        return job
+
+    def _record(self) -> None:
+        """A warm-up job records real activations for every step (the template's cache)."""
+        job = self.make_job(JobSpec(0.0, False, "blob", 7), "record", -1)
+        for _ in range(self.steps):
+            self.runner.step([job])
+            job.steps_done += 1
+        log.info("recorded %d steps of template activations (%.1f MiB per step)", len(self.caches.steps),
+                 sum(t.numel() * t.element_size() for t in self.caches.steps[0].values()) / 2**20)
+
+    def time_batch(self, specs: list[JobSpec], repeats: int) -> tuple[list[float], list[float], list[Any]]:
+        """(wall seconds, this thread's CPU seconds) of ``repeats`` steps after one warm step."""
+        mode = lambda s: "masked" if (s.cached and self.maskaware is not None and s.ratio < 1.0) else "full"  # noqa: E731
+        jobs = [self.make_job(s, mode(s), i) for i, s in enumerate(specs)]
+        wall, cpu = [], []
+        for r in range(repeats + 1):
+            c0, w0 = time.thread_time(), time.perf_counter()
+            self.runner.step(jobs)
+            dw, dc = time.perf_counter() - w0, time.thread_time() - c0
+            for j in jobs:
+                j.steps_done += 1
+            if r:
+                wall.append(dw)
+                cpu.append(dc)
+        return wall, cpu, jobs
+
+
+# -- grid -----------------------------------------------------------------------------------------
+
+
+def draw_ratio(rng: np.random.Generator) -> float:
+    from ops.sim.traces import TRACES, load_trace
+
+    pick = rng.integers(0, len(TRACES) + 1)
+    if pick == len(TRACES):
+        return float(rng.uniform(0.01, 0.95))
+    trace = load_trace(sorted(TRACES)[pick])
+    return float(np.clip(trace[rng.integers(0, len(trace))], 0.005, 1.0))
+
+
+def compositions(n: int, max_jobs: int, full_fraction: float, seed: int) -> list[list[JobSpec]]:
+    """Batch compositions: sizes cycle 1..max_jobs; ratios from traces + uniform; some uncached."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        size = 1 + i % max_jobs
+        specs = [JobSpec(draw_ratio(rng), bool(rng.random() >= full_fraction), "blob" if rng.random() < 0.5 else "rect",
+                         int(rng.integers(0, 10_000))) for _ in range(size)]
+        out.append(specs)
+    order = rng.permutation(n)
+    return [out[i] for i in order]
+
+
+# -- fitting ------------------------------------------------------------------------------------
+
+
+def split(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    idx = np.random.default_rng(seed).permutation(n)
+    k = max(2, int(round(n * test_fraction)))
+    return np.sort(idx[k:]), np.sort(idx[:k])
+
+
+class _NonNegFit:
+    """Non-negative least squares for coefficients AND intercept (a negative fixed cost per step
+    is unphysical; sklearn's ``positive=True`` leaves the intercept free)."""
+
+    def __init__(self) -> None:
+        from sklearn.linear_model import LinearRegression
+
+        self._reg = LinearRegression(positive=True, fit_intercept=False)
+        self.coef_ = np.zeros(0)
+        self.intercept_ = 0.0
+
+    def fit(self, x: np.ndarray, y: np.ndarray) -> "_NonNegFit":
+        self._reg.fit(np.hstack([x, np.ones((len(x), 1))]), y)
+        self.coef_, self.intercept_ = self._reg.coef_[:-1], float(self._reg.coef_[-1])
+        return self
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        return x @ self.coef_ + self.intercept_
+
+
+def fit_linear(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> tuple[Any, FitReport, np.ndarray]:
+    from sklearn.metrics import r2_score
+
+    tr, te = split(len(y), test_fraction, seed)
+    reg = _NonNegFit().fit(x[tr], y[tr])
+    pred_te = reg.predict(x[te])
+    report = FitReport(r2_train=float(r2_score(y[tr], reg.predict(x[tr]))), r2_test=float(r2_score(y[te], pred_te)),
+                       mape_test=float(np.mean(np.abs(pred_te - y[te]) / y[te])), n_train=int(len(tr)),
+                       n_test=int(len(te)), residuals_test=tuple(float(v) for v in (y[te] - pred_te)))
+    return reg, report, te
+
+
+def cross_validated_r2(x: np.ndarray, y: np.ndarray, folds: int, seed: int) -> float:
+    """K-fold R^2 of the same fit (every point predicted by a model that never saw it)."""
+    idx = np.random.default_rng(seed).permutation(len(y))
+    pred = np.empty(len(y))
+    for k in range(folds):
+        te = idx[k::folds]
+        tr = np.setdiff1d(idx, te)
+        pred[te] = _NonNegFit().fit(x[tr], y[tr]).predict(x[te])
+    return float(1 - np.sum((y - pred) ** 2) / np.sum((y - y.mean()) ** 2))
+
+
+def profile_steps(mut: ModelUnderTest, args: argparse.Namespace, arch: UNetArch) -> dict[str, Any]:
+    harness = Harness(mut, steps=args.repeats + 1)
+    comps = compositions(args.points, args.max_jobs, args.full_fraction, args.seed)
+    rows = []
+    t_start = time.monotonic()
+    for i, specs in enumerate(comps):
+        wall, cpu, jobs = harness.time_batch(specs, args.repeats)
+        feats = np.sum([arch.job_features(j.masked_tokens if j.cached else None) for j in jobs], axis=0)
+        times = cpu if args.clock == "cpu" else wall
+        med = statistics.median(times)
+        rows.append({"jobs": len(jobs), "ratios": [round(s.ratio, 4) for s in specs],
+                     "cached": [bool(j.cached) for j in jobs], "tokens": [j.masked_tokens for j in jobs],
+                     "features": [float(v) for v in feats], "seconds": med, "wall": wall, "cpu": cpu})
+        log.info("%d/%d: %d jobs, ratios %s, cached %s -> %.1f ms %s (wall %s) load %.1f", i + 1, len(comps),
+                 len(jobs), [f"{s.ratio:.2f}" for s in specs], [int(j.cached) for j in jobs], med * 1e3, args.clock,
+                 "/".join(f"{t * 1e3:.0f}" for t in wall), os.getloadavg()[0])
+    log.info("step profile: %d points in %.0f s", len(rows), time.monotonic() - t_start)
+    return {"rows": rows, "maskaware": harness.maskaware is not None}
+
+
+def _evict(path: Path) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def profile_loads(args: argparse.Namespace, work: Path) -> dict[str, list[tuple[int, float]]]:
+    """(bytes, seconds) per tier: cold local-folder reads through ActivationStore, host copies."""
+    from app.storage.local import LocalStore
+    from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
+
+    sizes = [int(s * 2**20) for s in args.load_sizes_mib]
+    store = ActivationStore(LocalStore(work / "store"))
+    key = TemplateCacheKey("profile", "load", 64, 64, "DDIMScheduler", len(sizes), 1.0, "cfg2")
+    g = torch.Generator().manual_seed(args.seed)
+    for i, nbytes in enumerate(sizes):
+        n = nbytes // 4
+        store.put_step(key, i, {f"b{k}.k": torch.randn(n // 4, generator=g) for k in range(4)})
+    store.commit(key)
+    out: dict[str, list[tuple[int, float]]] = {"local": [], "host": [], "local_warm": []}
+    for _ in range(args.load_repeats):
+        for i, nbytes in enumerate(sizes):
+            _evict(work / "store")
+            start = time.perf_counter()
+            tensors = store.read_step(key, i)
+            out["local"].append((nbytes, time.perf_counter() - start))
+            start = time.perf_counter()
+            store.read_step(key, i)
+            out["local_warm"].append((nbytes, time.perf_counter() - start))
+            src = torch.cat([t.reshape(-1) for t in tensors.values()])
+            dst = torch.empty_like(src)
+            dst.zero_()  # fault the pages in: a host cache copies into resident buffers
+            start = time.thread_time()
+            dst.copy_(src)
+            out["host"].append((nbytes, time.thread_time() - start))
+    return out
+
+
+def fit_tiers(samples: dict[str, list[tuple[int, float]]], args: argparse.Namespace) -> dict[str, TierFit]:
+    tiers = {}
+    for name, pts in samples.items():
+        x = np.array([[b] for b, _ in pts], dtype=np.float64)
+        y = np.array([s for _, s in pts])
+        reg, report, _ = fit_linear(x, y, args.test_fraction, args.seed)
+        slope = max(float(reg.coef_[0]), 1e-15)
+        tiers[name] = TierFit(latency_s=float(reg.intercept_), bytes_per_s=1.0 / slope, report=report)
+        log.info("tier %s: latency %.2f ms, %.0f MiB/s, held-out R^2 %.4f", name, tiers[name].latency_s * 1e3,
+                 tiers[name].bytes_per_s / 2**20, report.r2_test)
+    return tiers
+
+
+def plot(model: CostModel, rows: list[dict[str, Any]], test_idx: np.ndarray, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    y = np.array([r["seconds"] for r in rows])
+    pred = np.array([model.intercept + model.features_seconds(r["features"]) for r in rows])
+    test = np.zeros(len(rows), dtype=bool)
+    test[test_idx] = True
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    ax.scatter(y[~test] * 1e3, pred[~test] * 1e3, s=14, label="train", alpha=0.6)
+    ax.scatter(y[test] * 1e3, pred[test] * 1e3, s=22, marker="s", label="held out")
+    hi = max(y.max(), pred.max()) * 1e3 * 1.05
+    ax.plot([0, hi], [0, hi], "k--", lw=0.8)
+    ax.set_xlabel("measured step ms")
+    ax.set_ylabel("predicted step ms")
+    r = model.step_report
+    title = f"{model.model_id} on {model.device_kind[:28]}\nheld-out R^2 = {r.r2_test:.3f}" if r else model.model_id
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def project(args: argparse.Namespace, mut: ModelUnderTest, arch: UNetArch) -> int:
+    """A what-if model for an architecture too slow to profile fully here: seconds = intercept +
+    c * (total MACs), with ``c`` and the intercept fitted on the base model's measured points
+    (that single-feature fit predicts them as well as the full feature set, see its meta), and
+    the base model's load tiers. Validated on ``--points`` measured steps of the real target."""
+    base_path = Path(args.project_from)
+    base = CostModel.load(base_path)
+    raw = json.loads(base_path.with_name(base_path.name.removesuffix(".json") + ".points.json").read_text())
+    x = np.array([[sum(r["features"][:3])] for r in raw["rows"]])
+    y = np.array([r["seconds"] for r in raw["rows"]])
+    reg, rep, _ = fit_linear(x, y, args.test_fraction, args.seed)
+    c = float(reg.coef_[0])
+    meta: dict[str, Any] = {"created": time.time(), "projected": True, "projected_from": str(base_path),
+                            "seconds_per_gmac": c, "base_total_macs_r2_test": rep.r2_test, "model": mut.description,
+                            "latent": mut.latent,
+                            "command": "python -m ops.profile " + " ".join(sys.argv[1:])}
+    if args.points:
+        with torch.no_grad():
+            steps = profile_steps(mut, args, arch)
+        rows = steps["rows"]
+        arch = arch.with_edges([(r, t) for row in rows for r, t, cc in zip(row["ratios"], row["tokens"], row["cached"])
+                                if cc and t is not None])
+        feats = np.array([np.sum([arch.job_features(t if cc else None) for t, cc in zip(row["tokens"], row["cached"])],
+                                 axis=0) for row in rows])
+        pred = reg.intercept_ + c * feats[:, :3].sum(axis=1)
+        meas = np.array([r["seconds"] for r in rows])
+        from sklearn.metrics import r2_score
+
+        meta["validation"] = {"points": len(rows), "r2": float(r2_score(meas, pred)) if len(rows) > 1 else None,
+                              "mape": float(np.mean(np.abs(pred - meas) / meas)),
+                              "measured_s": [round(float(v), 4) for v in meas],
+                              "predicted_s": [round(float(v), 4) for v in pred]}
+        log.info("projection validated on %d measured steps: R^2 %s, MAPE %.1f%%", len(rows),
+                 meta["validation"]["r2"], meta["validation"]["mape"] * 100)
+    model = CostModel(model_id=mut.model_id, device_kind=base.device_kind + "-projected", arch=arch,
+                      intercept=float(reg.intercept_), coef=(c, c, c, 0.0, 0.0), tiers=base.tiers, step_report=None,
+                      meta=meta)
+    out = Path(args.out) if args.out else default_path(Settings.from_env().home, mut.model_id, model.device_kind)
+    model.save(out)
+    log.info("wrote projected model %s (%.4f s per GMAC)", out, c)
+    if args.report:
+        from ops.sim.report import replace_section
+
+        replace_section(Path(args.report), f"costmodel-{model.model_id}", render_model(model))
+    return 0
+
+
+def render_model(model: CostModel, plot_name: str = "") -> str:
+    """A markdown section describing a fitted (or projected) model file."""
+    m = model.meta
+    cmds = [str(m.get("command", ""))]
+    if m.get("fit_command", cmds[0]) != cmds[0]:
+        cmds.append(str(m["fit_command"]))
+    masked = " / ".join(f"{sum(model.arch.job_features(model.arch.tokens_from_ratio(r))[:3]):.3g}"
+                        for r in (0.03, 0.2, 0.5))
+    lines = [f"## Cost model `{model.model_id}` on `{model.device_kind}`", "",
+             "Projected and checked (from the repo root):" if m.get("projected") else
+             "Measured, then fitted (from the repo root):", "", "```", *cmds, "```", "",
+             f"- Model: {m.get('model', '?')}; latent {m.get('latent')}x{m.get('latent')}; "
+             f"{len(model.arch.blocks)} transformer blocks on {model.arch.num_levels} levels; full-map work "
+             f"{model.arch.fullmap_macs_per_row / 1e9:.2f} GMAC per row; template cache "
+             f"{model.arch.cache_bytes_per_step() / 2**20:.1f} MiB per step per CFG job.",
+             f"- Full-compute CFG job: {sum(model.arch.job_features(None)[:3]):.3g} GMAC per step; masked at pixel "
+             f"ratio 0.03 / 0.2 / 0.5: {masked} GMAC (mask boundary cells per level {list(model.arch.edge_cells)})."]
+    if model.step_report:
+        r = model.step_report
+        lines += [f"- Step fit on {r.n_train} points, {r.n_test} held out before fitting ({m.get('clock', 'wall')} "
+                  f"clock, {m.get('threads')} thread(s), median of {m.get('repeats')} steps, load average "
+                  + (f"{m['loadavg_during'][0]}-{m['loadavg_during'][1]} during measurement" if m.get("loadavg_during")
+                     else f"{m.get('loadavg_before')} -> {m.get('loadavg_after')}")
+                  + f"): **held-out R^2 {r.r2_test:.3f}**, "
+                  f"train {r.r2_train:.3f}, 5-fold CV {m.get('cv5_r2', float('nan')):.3f}, held-out MAPE "
+                  f"{r.mape_test * 100:.1f}%, held-out residuals (ms) "
+                  f"{[round(v * 1e3) for v in r.residuals_test]}. A single feature, total MACs, gives held-out "
+                  f"R^2 {m.get('total_macs_only_r2_test', float('nan')):.3f}.",
+                  "- Coefficients (seconds per unit; non-negative least squares, intercept >= 0): "
+                  + ", ".join(f"`{f}` {c:.4g}" for f, c in zip(STEP_FEATURES, model.coef))
+                  + f", intercept {model.intercept:.4g} s."]
+    if m.get("projected"):
+        v = m.get("validation") or {}
+        lines += [f"- **Projected, not fitted**: {m['seconds_per_gmac']:.4g} s per GMAC (the base model's total-MACs "
+                  f"fit, held-out R^2 {m['base_total_macs_r2_test']:.3f}) applied to this architecture. Checked on "
+                  f"{v.get('points', 0)} real steps of it: R^2 {v.get('r2') or float('nan'):.3f}, MAPE "
+                  f"{(v.get('mape') or 0) * 100:.1f}%, measured {v.get('measured_s')} s vs predicted "
+                  f"{v.get('predicted_s')} s."]
+    if model.tiers:
+        lines += ["", "| load tier | latency ms | bandwidth MiB/s | held-out R^2 |", "|---|---|---|---|"]
+        for name, t in model.tiers.items():
+            lines.append(f"| {name} | {t.latency_s * 1e3:.2f} | {t.bytes_per_s / 2**20:.0f} | "
+                         f"{t.report.r2_test:.3f} |" if t.report else f"| {name} | {t.latency_s * 1e3:.2f} | "
+                         f"{t.bytes_per_s / 2**20:.0f} | - |")
+    if plot_name:
+        lines += ["", f"![{model.model_id}]({plot_name})"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny", help="tiny | sd-l2")
+    p.add_argument("--latent", type=int, default=None, help="latent side (tiny: 16, sd-l2: 32)")
+    p.add_argument("--points", type=int, default=48, help="batch compositions measured")
+    p.add_argument("--max-jobs", type=int, default=8, help="largest batch (CFG jobs)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--full-fraction", type=float, default=0.25, help="share of jobs without a cache")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                   help="fit on the step's thread CPU time (robust on shared cores; needs --threads 1) or wall time")
+    p.add_argument("--test-fraction", type=float, default=0.25)
+    p.add_argument("--load-sizes-mib", type=float, nargs="+", default=[0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128])
+    p.add_argument("--load-repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="", help="model JSON (default: <STENCIL_HOME>/costmodels/<model>--<device>.json)")
+    p.add_argument("--plot", default="", help="PNG of predicted vs measured step latency")
+    p.add_argument("--raw", default="", help="also write the measured points (JSON)")
+    p.add_argument("--refit", default="", help="fit points saved with --raw instead of measuring")
+    p.add_argument("--report", default="", help="markdown file whose `costmodel-<model>` section is (re)written")
+    p.add_argument("--report-only", default="", help="a model JSON: only write its --report section")
+    p.add_argument("--project-from", default="",
+                   help="a fitted model JSON (with its .points.json): carry its measured seconds per MAC over to "
+                        "--model's architecture; --points real steps of that model validate the projection")
+    args = p.parse_args(argv)
+    if args.report_only:
+        from ops.sim.report import replace_section
+
+        model = CostModel.load(args.report_only)
+        replace_section(Path(args.report), f"costmodel-{model.model_id}", render_model(model, Path(args.plot).name
+                                                                                      if args.plot else ""))
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        p.error("--clock cpu measures one thread: use --threads 1 (or --clock wall)")
+    torch.manual_seed(args.seed)
+    load_before = os.getloadavg()
+    mut = load_model(args.model, args.latent, args.seed)
+    arch = UNetArch.from_unet_config(dict(mut.unet.config), (mut.latent, mut.latent), text_len=mut.text_len)
+    if args.project_from:
+        return project(args, mut, arch)
+    loads: dict[str, list[tuple[int, float]]] | None = None
+    if args.refit:
+        raw = json.loads(Path(args.refit).read_text())
+        steps = {"rows": raw["rows"], "maskaware": raw.get("maskaware", True),
+                 "measurement": raw.get("measurement", {})}
+        loads = {k: [tuple(v) for v in pts] for k, pts in raw["loads"].items()} if raw.get("loads") else None
+        log.info("refitting %d measured points from %s", len(steps["rows"]), args.refit)
+    else:
+        with torch.no_grad():
+            steps = profile_steps(mut, args, arch)
+    rows = steps["rows"]
+    arch = arch.with_edges([(r, t) for row in rows for r, t, c in zip(row["ratios"], row["tokens"], row["cached"])
+                            if c and t is not None])
+    log.info("mask boundary cells per level (ratio -> tokens estimate): %s", arch.edge_cells)
+    x = np.array([[float(v) for v in np.sum([arch.job_features(t if c else None)
+                                             for t, c in zip(row["tokens"], row["cached"])], axis=0)]
+                  for row in rows])
+    for row, feats in zip(rows, x):
+        row["features"] = [float(v) for v in feats]
+    y = np.array([r["seconds"] for r in rows])
+    reg, report, test_idx = fit_linear(x, y, args.test_fraction, args.seed)
+    cv_r2 = cross_validated_r2(x, y, 5, args.seed)
+    total = x[:, :3].sum(axis=1, keepdims=True)
+    _, macs_only, _ = fit_linear(total, y, args.test_fraction, args.seed)
+    log.info("step model: held-out R^2 %.4f (train %.4f, 5-fold CV %.4f), MAPE %.1f%%, coef %s, intercept %.4f; "
+             "total-MACs-only fit: held-out R^2 %.4f", report.r2_test, report.r2_train, cv_r2, report.mape_test * 100,
+             dict(zip(STEP_FEATURES, np.round(reg.coef_, 6))), reg.intercept_, macs_only.r2_test)
+    if loads is None:
+        with tempfile.TemporaryDirectory(prefix="stencil-profile-", dir=os.environ.get("STENCIL_PROFILE_TMP")) as tmp:
+            loads = profile_loads(args, Path(tmp))
+    tiers = fit_tiers(loads, args)
+    dev = device_kind("cpu")
+    command = "python -m ops.profile " + " ".join(sys.argv[1:] if argv is None else argv)
+    measurement = steps.get("measurement") or {
+        "command": command, "clock": args.clock, "threads": torch.get_num_threads(), "repeats": args.repeats,
+        "loadavg_before": [round(v, 2) for v in load_before], "loadavg_after": [round(v, 2) for v in os.getloadavg()]}
+    model = CostModel(
+        model_id=mut.model_id, device_kind=dev, arch=arch, intercept=float(reg.intercept_),
+        coef=tuple(float(c) for c in reg.coef_), tiers=tiers, step_report=report,
+        meta={"created": time.time(), "command": command, "model": mut.description, "latent": mut.latent,
+              "maskaware_profiled": steps["maskaware"], "torch": torch.__version__, "points": len(rows),
+              "cv5_r2": cv_r2, "total_macs_only_r2_test": macs_only.r2_test, **measurement,
+              "fit_command": command})
+    out = Path(args.out) if args.out else default_path(Settings.from_env().home, mut.model_id, dev)
+    model.save(out)
+    log.info("wrote %s", out)
+    if args.raw:
+        Path(args.raw).write_text(json.dumps({"rows": rows, "test_idx": test_idx.tolist(), "loads": loads,
+                                              "maskaware": steps["maskaware"], "measurement": measurement}, indent=1))
+    if args.plot:
+        plot(model, rows, test_idx, Path(args.plot))
+        log.info("wrote %s", args.plot)
+    if args.report:
+        from ops.sim.report import replace_section
+
+        replace_section(Path(args.report), f"costmodel-{model.model_id}",
+                        render_model(model, Path(args.plot).name if args.plot else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,181 @@
+"""Discrete-event simulation of a Stencil cluster: dispatcher + N continuously batching workers.
+
+The dispatcher side calls the production routing policy (``app.routing``) on a ``WorkerView``
+built exactly like the real one: each worker's state as its engine last published it (after
+every step) plus the dispatcher's in-flight assignments (routed jobs still in ``prepare``). Each
+worker runs the production ``BatchScheduler`` (continuous batching; with ``slo_admission`` the
+cost-model step predictor, slack ordering, expiry and admission refusal). Step durations come
+from the fitted cost model (``intercept + sum of job step seconds``) times lognormal noise.
+
+Template caches: a job whose template was warmed computes masked tokens only, but only once its
+template's activations are in the worker's host-RAM LRU; until the fetch (predicted by the load
+model) completes it computes full steps, exactly as ``SDRunner`` falls back. Jobs with an empty
+mask never reach a GPU worker (``prepare`` returns the template).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from app.costmodel import CostModel, min_service_seconds, step_time_predictor
+from app.routing import JobDemand, JobLoad, RoutingPolicy, WorkerState, WorkerView
+from ops.sim.workload import SimJob
+from workers.engine.job import EngineJob
+from workers.engine.scheduler import BatchScheduler
+
+
+@dataclass
+class ClusterConfig:
+    workers: int
+    max_batch: int = 8
+    slo_admission: bool = False
+    noise: float = 0.03  # lognormal sigma of a step's duration around the prediction
+    host_templates: int = 32  # host-RAM LRU capacity, in templates
+    fetch_tier: str = "local"
+    prepare_s: float = 0.0
+    finalize_s: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class SimWorker:
+    wid: str
+    sched: BatchScheduler
+    state: WorkerState
+    busy: bool = False
+    batch: list[EngineJob] = field(default_factory=list)
+    templates: OrderedDict[str, float] = field(default_factory=OrderedDict)  # template -> usable at
+    ready_at: dict[str, float] = field(default_factory=dict)  # job -> its cache is usable at
+    busy_s: float = 0.0
+
+
+class Cluster:
+    """One simulation run; ``run(jobs)`` fills each job's ``worker``, ``finish`` or ``expired``."""
+
+    def __init__(self, model: CostModel, cfg: ClusterConfig, policy: RoutingPolicy) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.policy = policy
+        self.now = 0.0
+        self.rng = np.random.default_rng(cfg.seed + 1)
+        self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._seq = 0
+        self.jobs: dict[str, SimJob] = {}
+        predictor = step_time_predictor(model) if cfg.slo_admission else None
+        self.workers = [self._make_worker(str(i), predictor) for i in range(cfg.workers)]
+        self.by_id = {w.wid: w for w in self.workers}
+        self.view = WorkerView(w.state for w in self.workers)
+        self.decision_s: list[float] = []
+        self.steps = 0
+
+    def _make_worker(self, wid: str, predictor: Any) -> SimWorker:
+        sched = BatchScheduler(self.cfg.max_batch, "continuous", step_time=predictor,
+                               on_expire=self._on_expire, clock=lambda: self.now)
+        return SimWorker(wid, sched, WorkerState(wid, max_batch=self.cfg.max_batch))
+
+    # -- event queue ------------------------------------------------------------------------
+    def _at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, fn, args))
+
+    def run(self, jobs: list[SimJob]) -> list[SimJob]:
+        for job in jobs:
+            self.jobs[job.job_id] = job
+            self._at(job.arrival, self._arrive, job)
+        while self._events:
+            t, _, fn, args = heapq.heappop(self._events)
+            self.now = t
+            fn(*args)
+        return jobs
+
+    # -- dispatcher -------------------------------------------------------------------------
+    def _arrive(self, job: SimJob) -> None:
+        if job.ratio <= 0.0:  # empty mask: prepare returns the template, no GPU work
+            job.finish = self.now + self.cfg.prepare_s + self.cfg.finalize_s
+            return
+        if self.cfg.slo_admission:
+            need = min_service_seconds(self.model, job.steps, mask_ratio=job.ratio, masked_tokens=job.masked_tokens,
+                                       cached=job.cached) + self.cfg.prepare_s + self.cfg.finalize_s
+            if self.now + need > job.deadline:
+                job.expired = "deadline unreachable at routing"
+                return
+        demand = JobDemand(job.job_id, job.steps, job.ratio, job.masked_tokens, job.cached, job.template_id,
+                           deadline=job.deadline)
+        start = time.perf_counter()
+        wid = self.policy.choose(demand, self.view)
+        self.decision_s.append(time.perf_counter() - start)
+        self.view.assign(wid, demand)
+        job.worker = wid
+        self._at(self.now + self.cfg.prepare_s, self._enqueue, job, self.by_id[wid])
+
+    # -- workers ----------------------------------------------------------------------------
+    def _enqueue(self, job: SimJob, w: SimWorker) -> None:
+        ej = EngineJob(job_id=job.job_id, total_steps=job.steps, deadline=job.deadline, arrival=self.now,
+                       mask_ratio=job.ratio, masked_tokens=job.masked_tokens, cached=job.cached,
+                       template_id=job.template_id)
+        if job.cached:
+            usable = w.templates.get(job.template_id)
+            if usable is None:
+                usable = self.now + self.model.template_fetch_seconds(job.steps, self.cfg.fetch_tier)
+                w.templates[job.template_id] = usable
+                while len(w.templates) > self.cfg.host_templates:
+                    w.templates.popitem(last=False)
+            else:
+                w.templates.move_to_end(job.template_id)
+            w.ready_at[job.job_id] = usable
+        w.sched.add(ej)
+        if not w.busy:
+            self._start_step(w)
+
+    def _on_expire(self, ej: EngineJob, reason: str) -> None:
+        self.jobs[ej.job_id].expired = reason
+
+    def _job_seconds(self, w: SimWorker, ej: EngineJob) -> float:
+        cached = ej.cached and w.ready_at.get(ej.job_id, math.inf) <= self.now
+        return self.model.job_seconds(mask_ratio=ej.mask_ratio, masked_tokens=ej.masked_tokens, cached=cached)
+
+    def _start_step(self, w: SimWorker) -> None:
+        batch, _ = w.sched.schedule()
+        if not batch:
+            w.busy = False
+            self._publish(w)
+            return
+        predicted = self.model.intercept + sum(self._job_seconds(w, j) for j in batch)
+        sigma = self.cfg.noise
+        dur = predicted * (float(self.rng.lognormal(-sigma * sigma / 2, sigma)) if sigma else 1.0)
+        w.busy, w.batch = True, batch
+        w.busy_s += dur
+        self.steps += 1
+        self._at(self.now + dur, self._end_step, w)
+
+    def _end_step(self, w: SimWorker) -> None:
+        for ej in w.sched.complete_step(w.batch):
+            self.jobs[ej.job_id].finish = self.now + self.cfg.finalize_s
+            w.ready_at.pop(ej.job_id, None)
+        self._publish(w)
+        self._start_step(w)
+
+    def _publish(self, w: SimWorker) -> None:
+        """What ``RedisEngineHooks.on_step`` writes; visible jobs leave the dispatcher's in-flight."""
+        def load(ej: EngineJob) -> JobLoad:
+            return JobLoad(ej.job_id, ej.remaining, ej.mask_ratio, ej.masked_tokens, ej.cached, ej.template_id)
+
+        st = w.state
+        st.running = [load(j) for j in w.sched.running if j.remaining > 0]
+        st.waiting = [load(j) for j in w.sched.waiting]
+        st.templates = frozenset(w.templates)
+        st.updated = self.now
+        st.touch()
+        if st.inflight:
+            arrived = {j.job_id for j in w.sched.jobs()}
+            st.inflight = [j for j in st.inflight
+                           if j.job_id not in arrived and self.jobs[j.job_id].finish is None
+                           and not self.jobs[j.job_id].expired]

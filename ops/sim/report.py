@@ -1,0 +1,91 @@
+"""Statistics, markdown tables and plots of simulation runs; section-wise updates of a report."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ops.sim.workload import SimJob
+
+
+def summarize(jobs: Sequence[SimJob], *, warmup_fraction: float = 0.1) -> dict[str, float]:
+    """Latency stats over completed jobs after warm-up; SLO attainment over all measured jobs."""
+    measured = [j for j in jobs if j.index >= int(len(jobs) * warmup_fraction)]
+    done = [j for j in measured if j.finish is not None]
+    lat = np.array([j.finish - j.arrival for j in done]) if done else np.array([np.nan])  # type: ignore[operator]
+    slowdown = np.array([(j.finish - j.arrival) / j.alone_s for j in done]) if done else np.array([np.nan])  # type: ignore[operator]
+    met = sum(1 for j in done if j.finish <= j.deadline)  # type: ignore[operator]
+    span = max(j.finish for j in done) - min(j.arrival for j in measured) if done else float("nan")  # type: ignore[type-var]
+    return {
+        "jobs": float(len(measured)), "completed": float(len(done)),
+        "expired": float(sum(1 for j in measured if j.expired)),
+        "mean_s": float(np.mean(lat)), "p50_s": float(np.percentile(lat, 50)),
+        "p95_s": float(np.percentile(lat, 95)), "p99_s": float(np.percentile(lat, 99)),
+        "mean_slowdown": float(np.mean(slowdown)), "p95_slowdown": float(np.percentile(slowdown, 95)),
+        "slo_attainment": met / len(measured) if measured else float("nan"),
+        "throughput": len(done) / span if done and span > 0 else float("nan"),
+    }
+
+
+def fmt_s(v: float) -> str:
+    return f"{v:.1f}" if v >= 10 else f"{v:.2f}" if v >= 1 else f"{v * 1e3:.0f} ms"
+
+
+def policy_table(results: list[dict[str, Any]], workers: int, trace: str, policies: Sequence[str]) -> str:
+    """One table: rows = load, columns = policy (mean / P95 / SLO)."""
+    rows = [r for r in results if r["workers"] == workers and r["trace"] == trace and not r.get("slo_admission")]
+    loads = sorted({r["load"] for r in rows})
+    head = "| load | " + " | ".join(f"{p} mean / P95 / SLO" for p in policies) + " | mask_aware vs least_requests P95 |"
+    out = [head, "|" + "---|" * (len(policies) + 2)]
+    for load in loads:
+        cells = []
+        by = {r["policy"]: r for r in rows if r["load"] == load}
+        for p in policies:
+            s = by.get(p, {}).get("stats")
+            cells.append(f"{fmt_s(s['mean_s'])} / {fmt_s(s['p95_s'])} / {s['slo_attainment'] * 100:.0f}%" if s else "-")
+        gain = "-"
+        if "mask_aware" in by and "least_requests" in by:
+            a, b = by["mask_aware"]["stats"]["p95_s"], by["least_requests"]["stats"]["p95_s"]
+            gain = f"{(1 - a / b) * 100:.1f}% lower" if a <= b else f"{(a / b - 1) * 100:.1f}% higher"
+        out.append(f"| {load:.0%} | " + " | ".join(cells) + f" | {gain} |")
+    return "\n".join(out)
+
+
+def plot_p95(results: list[dict[str, Any]], workers: int, traces: Sequence[str], policies: Sequence[str],
+             out: Path, metric: str = "p95_s", ylabel: str = "P95 latency (s)") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(traces), figsize=(4.2 * len(traces), 3.6), squeeze=False)
+    for ax, trace in zip(axes[0], traces):
+        for p in policies:
+            pts = sorted((r["load"], r["stats"][metric]) for r in results
+                         if r["workers"] == workers and r["trace"] == trace and r["policy"] == p
+                         and not r.get("slo_admission"))
+            if pts:
+                ax.plot([x * 100 for x, _ in pts], [y for _, y in pts], marker="o", ms=3, label=p)
+        ax.set_title(f"{trace}, {workers} workers", fontsize=9)
+        ax.set_xlabel("load (% of capacity)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def replace_section(path: Path, name: str, text: str) -> None:
+    """Replace ``<!-- name:begin -->...<!-- name:end -->`` in ``path`` (append if missing)."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = f"{begin}\n{text.rstrip()}\n{end}"
+    old = path.read_text() if path.exists() else ""
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    new = pattern.sub(lambda _: block, old) if pattern.search(old) else (old.rstrip() + "\n\n" + block + "\n").lstrip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(new)

@@ -1,0 +1,96 @@
+"""Simulated workload: Poisson arrivals, trace mask ratios, templates, deadlines.
+
+Capacity is what a cluster of continuously batching workers completes per second at saturation
+(every worker always running a full batch of jobs drawn from the trace): with the linear step
+model a worker finishes ``B / (steps * (intercept + B * E[job step seconds]))`` jobs per second.
+``load`` scales the arrival rate to that capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from app.costmodel import CostModel, min_service_seconds
+from ops.sim.traces import load_trace
+
+
+@dataclass
+class WorkloadSpec:
+    trace: str
+    load: float  # fraction of cluster capacity
+    workers: int
+    jobs: int = 2000
+    steps: int = 30
+    max_batch: int = 8
+    uncached_fraction: float = 0.05  # templates never warmed: full compute
+    templates: int = 200
+    zipf: float = 1.1
+    slo_factor: float = 10.0  # deadline = arrival + factor * (job alone on an idle worker)
+    prepare_s: float = 0.0  # CPU stage before the job reaches its GPU worker
+    finalize_s: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class SimJob:
+    index: int
+    arrival: float
+    ratio: float
+    steps: int
+    cached: bool
+    template_id: str
+    masked_tokens: tuple[int, ...]
+    deadline: float
+    alone_s: float
+    worker: str = ""
+    finish: float | None = None
+    expired: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def job_id(self) -> str:
+        return f"j{self.index}"
+
+
+def job_step_seconds(model: CostModel, ratio: float, cached: bool) -> float:
+    return model.job_seconds(mask_ratio=ratio, cached=cached)
+
+
+def capacity(model: CostModel, spec: WorkloadSpec, samples: int = 20000) -> float:
+    """Jobs per second of the whole cluster at saturation (module docstring)."""
+    rng = np.random.default_rng(spec.seed + 17)
+    trace = load_trace(spec.trace)
+    ratios = trace[rng.integers(0, len(trace), samples)]
+    cached = rng.random(samples) >= spec.uncached_fraction
+    ratios = ratios[ratios > 0.0]  # empty masks never reach a GPU worker
+    cached = cached[: len(ratios)]
+    mean_g = float(np.mean([job_step_seconds(model, r, c) for r, c in zip(ratios, cached)]))
+    per_worker = spec.max_batch / (spec.steps * (model.intercept + spec.max_batch * mean_g))
+    return spec.workers * per_worker
+
+
+def generate(model: CostModel, spec: WorkloadSpec) -> list[SimJob]:
+    """Jobs with Poisson arrivals at ``load * capacity``; deterministic for a seed."""
+    rng = np.random.default_rng(spec.seed)
+    rate = spec.load * capacity(model, spec)
+    trace = load_trace(spec.trace)
+    gaps = rng.exponential(1.0 / rate, spec.jobs)
+    arrivals = np.cumsum(gaps)
+    ratios = trace[rng.integers(0, len(trace), spec.jobs)]
+    cached_draw = rng.random(spec.jobs) >= spec.uncached_fraction
+    ranks = np.arange(1, spec.templates + 1, dtype=np.float64)
+    popularity = ranks ** -spec.zipf
+    popularity /= popularity.sum()
+    templates = rng.choice(spec.templates, size=spec.jobs, p=popularity)
+    jobs = []
+    for i in range(spec.jobs):
+        ratio = float(ratios[i])
+        cached = bool(cached_draw[i]) and ratio < 1.0
+        alone = min_service_seconds(model, spec.steps, mask_ratio=ratio, cached=cached)
+        total_alone = alone + spec.prepare_s + spec.finalize_s
+        jobs.append(SimJob(index=i, arrival=float(arrivals[i]), ratio=ratio, steps=spec.steps, cached=cached,
+                           template_id=f"t{int(templates[i])}", masked_tokens=model.arch.tokens_from_ratio(ratio),
+                           deadline=float(arrivals[i]) + spec.slo_factor * total_alone, alone_s=total_alone))
+    return jobs
