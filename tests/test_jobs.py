@@ -7,6 +7,7 @@ import time
 import pytest
 
 from app.jobs import JobParams, JobStatus, JobStore
+from tests.support.dispatch import run_until_routed
 
 pytestmark = pytest.mark.integration
 
@@ -93,7 +94,6 @@ def test_dispatcher_routes_round_robin_and_skips_cancelled(redis_server, store: 
 
 
 def test_dispatcher_restart_rereads_unacknowledged_entries(redis_server, store: JobStore) -> None:  # type: ignore[no-untyped-def]
-    import threading
 
     from app.celery_app import make_celery
     from app.dispatcher import Dispatcher
@@ -106,15 +106,5 @@ def test_dispatcher_restart_rereads_unacknowledged_entries(redis_server, store: 
     # A dispatcher read the entry and died before routing/acknowledging it.
     store.r.xreadgroup(settings.intake_group, "d1", {settings.intake_stream: ">"}, count=10)
     assert store.status(job_id) == JobStatus.QUEUED
-    stop = threading.Event()
-    thread = threading.Thread(target=dispatcher.run, args=(stop, 100))
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while store.status(job_id) != JobStatus.ROUTED and time.monotonic() < deadline:
-            time.sleep(0.02)
-    finally:
-        stop.set()
-        thread.join(5)
-    assert store.status(job_id) == JobStatus.ROUTED
+    assert run_until_routed(dispatcher, store, job_id) == JobStatus.ROUTED
     assert store.r.xpending(settings.intake_stream, settings.intake_group)["pending"] == 0

@@ -4,7 +4,6 @@ XAUTOCLAIM takeover of a dead dispatcher's entries; decision latency with 64 wor
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
@@ -19,6 +18,7 @@ from app.routing import (
     make_policy,
     make_router,
 )
+from tests.support.dispatch import run_until_routed
 
 
 def small_model(intercept: float = 0.01, fetch_bw: float = 1e9) -> CostModel:
@@ -244,17 +244,7 @@ def test_xautoclaim_takes_over_a_dead_dispatchers_entries(redis_server, redis_cl
     got = redis_client.xreadgroup("dispatchers", "dead", {"stencil:jobs": ">"}, count=10)
     assert got and store.status(job_id) == JobStatus.QUEUED
     time.sleep(0.3)  # idle longer than the claim threshold
-    stop = threading.Event()
-    thread = threading.Thread(target=alive.run, args=(stop, 100))
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while store.status(job_id) != JobStatus.ROUTED and time.monotonic() < deadline:
-            time.sleep(0.02)
-    finally:
-        stop.set()
-        thread.join(5)
-    assert store.status(job_id) == JobStatus.ROUTED
+    assert run_until_routed(alive, store, job_id) == JobStatus.ROUTED
     assert redis_client.xpending("stencil:jobs", "dispatchers")["pending"] == 0
     consumers = {c["name"].decode(): c["pending"] for c in redis_client.xinfo_consumers("stencil:jobs", "dispatchers")}
     assert consumers.get("dead", 0) == 0
