@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from app.jobs import JobParams
+
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -51,15 +53,15 @@ class ManifestError(ValueError):
 
 @dataclass(frozen=True)
 class Defaults:
-    """Values for columns a row leaves empty (CLI flags)."""
+    """Values for columns a row leaves empty (CLI flags); the service's own job defaults."""
 
-    prompt: str = ""
-    negative_prompt: str = ""
-    steps: int = 20
-    guidance: float = 7.5
-    strength: float = 1.0
-    seed: int = 0
-    priority: int = 0
+    prompt: str = JobParams.prompt
+    negative_prompt: str = JobParams.negative_prompt
+    steps: int = JobParams.steps
+    guidance: float = JobParams.guidance
+    strength: float = JobParams.strength
+    seed: int = JobParams.seed
+    priority: int = JobParams.priority
 
 
 @dataclass
@@ -586,32 +588,10 @@ def _warm_params(params: dict[str, Any]) -> dict[str, Any]:
             "cfg": params["guidance"] > 1.0}
 
 
-def load_warm_template() -> Callable[..., Any] | None:
-    """``workers.maskaware.warm_template`` if it exists (imported lazily: it pulls in torch)."""
-    import importlib
-
-    try:
-        module = importlib.import_module("workers.maskaware")
-    except ImportError:
-        return None
-    return getattr(module, "warm_template", None)
-
-
 def _warm_via_client(client: Any, template_id: str, params: dict[str, Any]) -> Any:
     """The service's warm-up job (``StencilClient.warm_template``); returns its handle."""
     return client.warm_template(template_id, steps=params["steps"], guidance=params["guidance"],
                                 strength=params["strength"])
-
-
-def resolve_warm(client: Any) -> Callable[[Any, str, dict[str, Any]], Any] | None:
-    """``workers.maskaware.warm_template(client, template, params)`` if present, else the client's
-    warm-up job, else None (nothing can warm templates in this build)."""
-    fn = load_warm_template()
-    if fn is not None:
-        return fn
-    if callable(getattr(client, "warm_template", None)):
-        return _warm_via_client
-    return None
 
 
 def run_warm(client: Any, manifest_path: Path | str, *, defaults: Defaults = Defaults(),
@@ -623,12 +603,12 @@ def run_warm(client: Any, manifest_path: Path | str, *, defaults: Defaults = Def
     warm-up runs, so whatever builds caches can find them even if this command cannot warm.
     Warm-ups that return a job handle run at most ``in_flight`` at a time (default as for
     ``edit``) and are waited for; ``<out>/warm.jsonl`` gets one line per intent with its outcome.
-    Raises NotImplementedError (after recording) when nothing can warm templates.
+    ``warm`` replaces the service's warm-up job (tests, other cache builders).
     """
     manifest = Manifest(manifest_path, catalog_id)
     run = CatalogRun(client, manifest, defaults, EditOptions(out_dir=out_dir, progress=False))
     run.out_dir.mkdir(parents=True, exist_ok=True)
-    warm = warm or resolve_warm(client)
+    warm = warm or _warm_via_client
     limit = in_flight or run.limit
     seen: set[str] = set()
     counts = {"intents": 0, "warmed": 0, "failed": 0, "invalid_rows": 0}
@@ -660,19 +640,11 @@ def run_warm(client: Any, manifest_path: Path | str, *, defaults: Defaults = Def
                       "catalog": manifest.identity, "status": "requested"}
             client.redis.hset(WARM_KEY_PREFIX + template_id, digest, json.dumps(intent, sort_keys=True))
             counts["intents"] += 1
-            if warm is None:
-                fh.write(json.dumps(intent, sort_keys=True) + "\n")
-                continue
             pending.append((intent, warm(client, template_id, params)))
             if len(pending) >= limit:
                 settle(fh, *pending.pop(0))
         for intent, handle in pending:
             settle(fh, intent, handle)
-    if warm is None:
-        raise NotImplementedError(
-            "template warm-up is not available in this build (neither workers.maskaware.warm_template nor "
-            f"StencilClient.warm_template exists). Recorded {counts['intents']} warm-up intent(s) in Redis "
-            f"under {WARM_KEY_PREFIX}<template id> and in {run.out_dir / 'warm.jsonl'}.")
     return {"manifest": str(manifest.path), **counts}
 
 
@@ -715,13 +687,9 @@ def cmd_catalog_edit(args: argparse.Namespace) -> int:
 
 
 def cmd_catalog_warm(args: argparse.Namespace) -> int:
-    try:
-        summary = run_warm(_client(), args.manifest, defaults=_defaults(args), catalog_id=args.catalog_id,
-                           out_dir=Path(args.out) if args.out else None, in_flight=args.in_flight,
-                           timeout=args.job_timeout or None)
-    except NotImplementedError as exc:
-        sys.stderr.write(f"stencil catalog warm: {exc}\n")
-        return 2
+    summary = run_warm(_client(), args.manifest, defaults=_defaults(args), catalog_id=args.catalog_id,
+                       out_dir=Path(args.out) if args.out else None, in_flight=args.in_flight,
+                       timeout=args.job_timeout or None)
     sys.stdout.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return 0 if summary["failed"] == 0 else 1
 

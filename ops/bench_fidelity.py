@@ -200,11 +200,15 @@ def main() -> int:
 
             lines.append(f"| {fam} | {trace} | {len(sel)} | {avg('ratio'):.3f} | {avg('ssim'):.3f} | "
                          f"{avg('psnr'):.1f} | {avg('ssim_unmasked'):.3f} | {avg('psnr_unmasked'):.1f} |")
-    out = Path(args.out)
+    write_markdown(Path(args.out), lines)
+    return 0
+
+
+def write_markdown(out: Path, lines: list[str]) -> None:
+    """Write a benchmark's report lines (shared by the in-process benchmarks)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     log.info("wrote %s", out)
-    return 0
 
 
 if __name__ == "__main__":

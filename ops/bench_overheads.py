@@ -22,7 +22,7 @@ import torch
 
 from app.jobs import JobParams
 from app.maskgen import make_mask
-from ops.bench_fidelity import Family
+from ops.bench_fidelity import Family, write_markdown
 
 log = logging.getLogger("bench_overheads")
 
@@ -132,10 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{b / ms:.1f} |")
     lines.append(f"\nPer-job serialization + Redis transfer of the prepared inputs ({nbytes} bytes, safetensors): "
                  f"{ser * 1e3:.2f} ms (pack + SET + GET + unpack).\n")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    log.info("wrote %s", out)
+    write_markdown(Path(args.out), lines)
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -39,6 +40,8 @@ SIZE = 64
 COLUMNS = ["id", "template", "mask", "prompt", "negative_prompt", "steps", "guidance", "strength", "seed",
            "priority"]
 
+
+log = logging.getLogger(__name__)
 
 def _png(path: Path, arr: np.ndarray) -> Path:
     Image.fromarray(arr).save(path)
@@ -280,21 +283,13 @@ def test_cli_registration_and_default_capacity() -> None:
     assert default_in_flight(Settings(gpu_workers="0", max_batch=4)) == 8
 
 
-def test_warm_records_intents_even_when_nothing_can_warm(tmp_path: Path, redis_server,  # type: ignore[no-untyped-def]
-                                                         redis_client) -> None:
-    import workers.maskaware
+def test_warm_records_one_intent_per_template_and_parameters(tmp_path: Path, redis_server,  # type: ignore[no-untyped-def]
+                                                             redis_client) -> None:
     from app.client import StencilClient
 
-    if hasattr(workers.maskaware, "warm_template"):
-        pytest.skip("workers.maskaware.warm_template exists: warm-ups always have an implementation")
-
-    class ClientWithoutWarmUp(StencilClient):
-        warm_template = None  # a build without the service's warm-up job
-
-    client = ClientWithoutWarmUp(Settings(redis_url=redis_server.url, store_dir=tmp_path / "store"))
+    client = StencilClient(Settings(redis_url=redis_server.url, store_dir=tmp_path / "store"))
     manifest = write_catalog(tmp_path / "cat", rows=12)
-    with pytest.raises(NotImplementedError, match="warm-up is not available"):
-        run_warm(client, manifest, out_dir=tmp_path / "out")
+    run_warm(client, manifest, out_dir=tmp_path / "out", warm=lambda c, template, params: None)
     keys = sorted(k.decode() for k in redis_client.scan_iter("stencil:warm:*"))
     assert len(keys) == 4  # 4 distinct template files -> 4 stored templates
     intents = [json.loads(v) for k in keys for v in redis_client.hvals(k)]
@@ -457,5 +452,5 @@ def test_catalog_interrupted_and_resumed_on_the_stack(stack, tmp_path: Path) -> 
     # A third run has nothing to do.
     again = run_edit(client, manifest, options=EditOptions(out_dir=out, progress=False))
     assert again["skipped_done"] == rows and again["submitted"] == again["rewaited"] == 0
-    print(f"\ncatalog: run 1 {len(run1)} rows in {run1_seconds:.1f}s (killed), "
+    log.info(f"catalog: run 1 {len(run1)} rows in {run1_seconds:.1f}s (killed), "
           f"run 2 {rows - len(run1)} rows in {run2_seconds:.1f}s, latency {summary['latency_s']}")

@@ -4,6 +4,7 @@ accepts and the README documents), and its healthchecks work against real proces
 
 from __future__ import annotations
 
+import logging
 import re
 import shlex
 import socket
@@ -23,6 +24,8 @@ CHECK = ROOT / "ops" / "compose_check.sh"
 COMPOSE = ROOT / "docker-compose.yml"
 ENV_EXAMPLE = ROOT / ".env.example"
 
+
+log = logging.getLogger(__name__)
 
 def compose_check(file: Path = COMPOSE, env_file: Path = ENV_EXAMPLE) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(CHECK), "-p", str(file), str(env_file)], capture_output=True, text=True,
@@ -200,7 +203,7 @@ def test_image_contains_what_the_services_run() -> None:
 def run_health(stack, *args: str) -> int:  # type: ignore[no-untyped-def]
     proc = subprocess.run([sys.executable, "-m", "ops.compose.healthcheck", *args], env=stack.env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
-    print(args, proc.returncode, proc.stderr[-500:])
+    log.info("healthcheck %s -> %d %s", args, proc.returncode, proc.stderr[-500:])
     return proc.returncode
 
 

@@ -59,7 +59,12 @@ class Lease:
 
 
 class RedisEngineHooks(EngineHooks):
-    """Publishes progress, renews leases, reads cancellations, publishes worker state."""
+    """Publishes progress, renews leases, reads cancellations, publishes worker state.
+
+    Only the cancellation check (one read per step) runs on the engine thread. Writes are handed
+    to a publisher thread that merges what accumulated since its last round trip, so Redis I/O
+    never lengthens a denoising step.
+    """
 
     def __init__(self, worker_id: str, lease_seconds: float, *, max_batch: int = 8,
                  resident_templates: Any = None) -> None:
@@ -71,37 +76,73 @@ class RedisEngineHooks(EngineHooks):
         self.busy_seconds = 0.0
         self.steps = 0
         self._last_idle_publish = 0.0
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._admits: list[str] = []
+        self._progress: dict[str, tuple[int, int]] = {}
+        self._leases: set[str] = set()
+        self._state_update: dict[str, str] | None = None
+        threading.Thread(target=self._publish_loop, name="stencil-publisher", daemon=True).start()
 
     def cancelled(self, job_ids: list[str]) -> set[str]:
         statuses = ctx.jobs().statuses(job_ids)
         return {j for j, s in statuses.items() if s is None or s.terminal}
 
     def on_admit(self, jobs: list[EngineJob]) -> None:
-        for job in jobs:
-            ctx.jobs().transition(job.job_id, JobStatus.DENOISING,
-                                  expect=(JobStatus.WAITING, JobStatus.ROUTED, JobStatus.PREPARING),
-                                  worker=f"gpu.{self.worker_id}")
+        with self._lock:
+            self._admits += [job.job_id for job in jobs]
+        self._wake.set()
 
     def on_step(self, batch: list[EngineJob], step_seconds: float, waiting: list[EngineJob]) -> None:
         self.last_step_seconds = step_seconds
         self.busy_seconds += step_seconds
         metrics.observe_step(len(batch), sum((j.masked_tokens or (0,))[0] for j in batch), step_seconds)
         self.steps += 1
-        r = ctx.redis_client()
-        pipe = r.pipeline(transaction=False)
-        for job in batch:
-            pipe.hset(ctx.jobs().key(job.job_id),
-                      mapping={"progress_step": job.steps_done, "progress_total": job.total_steps})
-        for job in batch + waiting:
-            pipe.pexpire(LEASE_PREFIX + job.job_id, self.lease_ms)
-        pipe.hset(WORKER_STATE_PREFIX + self.worker_id, mapping=self._state(batch, waiting))
-        pipe.execute()
+        state = self._state(batch, waiting)
+        with self._lock:
+            self._progress.update({job.job_id: (job.steps_done, job.total_steps) for job in batch})
+            self._leases.update(job.job_id for job in batch + waiting)
+            self._state_update = state
+        self._wake.set()
 
     def on_idle(self, waiting: list[EngineJob]) -> None:
         now = time.monotonic()
         if now - self._last_idle_publish > 1.0:
             self._last_idle_publish = now
-            ctx.redis_client().hset(WORKER_STATE_PREFIX + self.worker_id, mapping=self._state([], waiting))
+            with self._lock:
+                self._state_update = self._state([], waiting)
+            self._wake.set()
+
+    def _publish_loop(self) -> None:
+        while True:
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            with self._lock:
+                admits, self._admits = self._admits, []
+                progress, self._progress = self._progress, {}
+                leases, self._leases = self._leases, set()
+                state, self._state_update = self._state_update, None
+            try:
+                self._publish(admits, progress, leases, state)
+            except Exception:  # Redis hiccup: the next round publishes newer values
+                log.exception("publishing engine state failed")
+
+    def _publish(self, admits: list[str], progress: dict[str, tuple[int, int]], leases: set[str],
+                 state: dict[str, str] | None) -> None:
+        for job_id in admits:
+            ctx.jobs().transition(job_id, JobStatus.DENOISING,
+                                  expect=(JobStatus.WAITING, JobStatus.ROUTED, JobStatus.PREPARING),
+                                  worker=f"gpu.{self.worker_id}")
+        if not (progress or leases or state):
+            return
+        pipe = ctx.redis_client().pipeline(transaction=False)
+        for job_id, (step, total) in progress.items():
+            pipe.hset(ctx.jobs().key(job_id), mapping={"progress_step": step, "progress_total": total})
+        for job_id in leases:
+            pipe.pexpire(LEASE_PREFIX + job_id, self.lease_ms)
+        if state is not None:
+            pipe.hset(WORKER_STATE_PREFIX + self.worker_id, mapping=state)
+        pipe.execute()
 
     def _state(self, batch: list[EngineJob], waiting: list[EngineJob]) -> dict[str, str]:
         def view(jobs: list[EngineJob]) -> str:
