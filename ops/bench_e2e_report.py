@@ -107,10 +107,11 @@ def plots(report: dict, out: Path) -> list[str]:
     curve = report.get("batch_curve")
     if curve:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for name, points in curve.items():
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("throughput (denoising steps x jobs / s)")
+        for engine in dict.fromkeys(r["engine"] for r in curve):
+            points = sorted((r["batch"], r["jobs_per_s"]) for r in curve if r["engine"] == engine)
+            ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=engine)
+        ax.set_xlabel("batch size (jobs)")
+        ax.set_ylabel("throughput (jobs / s of denoising)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -124,6 +125,9 @@ def write_report(report: dict, out: Path) -> Path:
     files = plots(report, out)
     args = report["args"]
     cmd = "python -m ops.bench_e2e" + (" --quick" if args.get("quick") else "") + f" --trace {args['trace']}"
+    for flag, default in (("systems", None), ("size", 256), ("unet_hidden", "64,128"), ("jobs", None)):
+        if flag in args and args[flag] != default and (default is not None or flag == "systems"):
+            cmd += f" --{flag.replace('_', '-')} {args[flag]}"
     text = [f"# End-to-end benchmark ({args['trace']} trace)\n",
             f"Command: `{cmd} --out {args['out']}` on {report['machine']}, "
             f"{args['workers']} workers per system, max batch {args['max_batch']}, {args['steps']} steps, "
@@ -131,6 +135,14 @@ def write_report(report: dict, out: Path) -> Path:
             f"took {report['elapsed_s']:.0f} s. Stock capacity (closed loop): {report['capacity_stock']:.3f} jobs/s.\n",
             "## Results\n", table(report), "\n## Claims\n", "\n".join(claims(report)) + "\n",
             "\n## Plots\n", "\n".join(f"![{f}]({f})" for f in files) + "\n"]
+    if report.get("batch_curve"):
+        from ops.bench_batch_curve import curve_table
+
+        text += ["\n## Throughput vs batch size (in process, same model and size)\n",
+                 "Jobs per second of denoising (`ops/bench_batch_curve.py`; the stock pipeline's call includes "
+                 "its text encoding and VAE work). The gain column says what a step of B jobs saves over B steps "
+                 "of one job; continuous batching can only beat static batching by what batching saves plus the "
+                 "waiting it avoids.\n", curve_table(report["batch_curve"]) + "\n"]
     if report.get("overheads"):
         text += ["\n## Overheads\n", "\n".join(f"- {k}: {v}" for k, v in report["overheads"].items()) + "\n"]
     path = out / "README.md"
