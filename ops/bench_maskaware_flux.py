@@ -5,21 +5,28 @@ a Flux-architecture ``FluxTransformer2DModel`` of the real class with Flux's hea
 Fill channel layout. Caches come from a real record-mode warm-up forward of the same inputs
 (never zero-filled); masks are blobs and rectangles of the requested token ratio (never raster
 prefixes). Configurations are timed interleaved, round-robin, and medians are reported, because
-this machine is shared. Also reported: the token-count bound ``(N + T) / (m + T)`` (text tokens are
-always computed), a least-squares line of step time vs ratio, and a text-length sweep.
+this machine is shared. Every run first checks masked-token outputs against full compute (aborts
+above ``--tol``). Also reported: speedup against the stock forward and against the mask-aware code
+at ratio 1 (same packed code, every token computed: isolates what skipping tokens buys), the
+token-count bound ``(N + T) / (m + T)`` (text tokens are always computed), a least-squares line of
+step time vs ratio, and a text-length sweep.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_maskaware_flux --out docs/bench/maskaware_flux_results.md
+    HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_maskaware_flux --threads 1 --clock cpu --out /tmp/fbench.md
+    # 4096 image tokens (64x64 = 1024x1024 px, real Flux's count at that size):
+    HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_maskaware_flux --side 64 --kv-formats raw --text-sweep ""
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -105,12 +112,16 @@ def run_ratio_table(args: argparse.Namespace, s: Setup) -> list[str]:
         configs.append((fmt, r, groups, s))
     times: dict[int, list[float]] = {i: [] for i in range(len(configs))}
     full_out = _forward(s, None)[1]
+    worst = 0.0
     for i, (fmt, r, groups, fs) in enumerate(configs):        # untimed pass: allocator, correctness
         out = _forward(fs, groups)[1]
         if groups is not None:
             err = max(float((out[k] - full_out[k])[g.token_mask].abs().max()) if g.token_mask.any() else 0.0
                       for k, g in enumerate(groups))
             log.info("check %s r=%.2f: max |masked - full| at masked tokens = %.2e", fmt, r, err)
+            if not err <= args.tol:
+                raise RuntimeError(f"mask-aware output differs from full compute by {err:.3e} at r={r}")
+            worst = max(worst, err)
     for rnd in range(args.rounds):
         for i, (_, _, groups, fs) in enumerate(configs):
             times[i].append(_forward(fs, groups)[0])
@@ -118,19 +129,26 @@ def run_ratio_table(args: argparse.Namespace, s: Setup) -> list[str]:
     med = {i: statistics.median(v) * 1e3 for i, v in times.items()}
     t_full = med[0]
     n, t = s.n_tokens, s.text_len
-    lines = ["| kv_format | ratio (tokens) | step ms (median) | min ms | speedup | token bound (N+T)/(m+T) |",
-             "|---|---|---|---|---|---|",
-             f"| full compute | 1.000 | {t_full:.1f} | {min(times[0]) * 1e3:.1f} | 1.00 | 1.00 |"]
+    # The mask-aware path at ratio 1 (every token computed through the same packed code) is a second
+    # reference: time(r=1) / time(r) isolates what skipping tokens buys from how the packed code
+    # compares with the stock forward.
+    packed_full = next((med[i] for i, c in enumerate(configs) if c[2] is not None and c[1] >= 1.0), None)
+    lines = ["| kv_format | ratio (tokens) | step ms (median) | min ms | speedup vs stock full | "
+             "speedup vs own r=1 | token bound (N+T)/(m+T) |",
+             "|---|---|---|---|---|---|---|",
+             f"| full compute (stock) | 1.000 | {t_full:.1f} | {min(times[0]) * 1e3:.1f} | 1.00 | - | 1.00 |"]
     xs, ys = [], []
     for i, (_, _, groups, _) in enumerate(configs[1:], start=1):
         m = statistics.mean(int(g.token_mask.sum()) for g in groups)
         xs.append(m / n)
         ys.append(med[i])
+        own = f"{packed_full / med[i]:.2f}" if packed_full else "-"
         lines.append(f"| {fmt} | {m / n:.3f} | {med[i]:.1f} | {min(times[i]) * 1e3:.1f} | "
-                     f"{t_full / med[i]:.2f} | {(n + t) / (m + t):.2f} |")
+                     f"{t_full / med[i]:.2f} | {own} | {(n + t) / (m + t):.2f} |")
     slope, intercept, r2 = _fit(xs, ys)
     lines += ["", f"Linear fit ({fmt}), step ms = slope * ratio + intercept: slope {slope:.1f} ms, "
-                  f"intercept {intercept:.1f} ms, R^2 {r2:.4f} (intercept / full = {intercept / t_full:.3f})."]
+                  f"intercept {intercept:.1f} ms, R^2 {r2:.4f} (intercept / full = {intercept / t_full:.3f}). "
+                  f"Max |mask-aware - full| at masked tokens, all ratios: {worst:.2e}."]
     return lines
 
 
@@ -142,7 +160,10 @@ def run_text_sweep(args: argparse.Namespace, model: torch.nn.Module, ctrl: MaskA
         s = _setup(args, model, ctrl, t)
         masks = _masks(args, args.sweep_ratio)
         groups = [RowGroup(1, "masked", token_mask=mk, cache=c) for mk, c in zip(masks, s.caches)]
-        _forward(s, None), _forward(s, groups)
+        full_out, out = _forward(s, None)[1], _forward(s, groups)[1]
+        err = max(float((out[k] - full_out[k])[mk].abs().max()) for k, mk in enumerate(masks))
+        if not err <= args.tol:
+            raise RuntimeError(f"mask-aware output differs from full compute by {err:.3e} at T={t}")
         tf, tm = [], []
         for _ in range(args.sweep_rounds):
             tf.append(_forward(s, None)[0])
@@ -152,6 +173,65 @@ def run_text_sweep(args: argparse.Namespace, model: torch.nn.Module, ctrl: MaskA
         n = s.n_tokens
         lines.append(f"| {t} | {f:.1f} | {m_:.1f} | {f / m_:.2f} | {(n + t) / (m + t):.2f} |")
         log.info("text sweep T=%d: full %.1f ms, masked %.1f ms, speedup %.2f", t, f, m_, f / m_)
+    return lines
+
+
+def _load_impl(path: str) -> ModuleType:
+    """Another implementation of ``workers/maskaware/flux.py`` (e.g. an older commit's), as its own module."""
+    spec = importlib.util.spec_from_file_location("bench_flux_baseline_impl", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot load {path}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod          # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_ab(args: argparse.Namespace, model: torch.nn.Module, fmt: str) -> list[str]:
+    """Paired A/B: the same step on two identical models (same seed), one with the baseline
+    implementation's hooks, one with this one's, timed alternately (stock full, A, B per round) so
+    both see the same machine load; per-round ratios, medians reported."""
+    impl = _load_impl(args.ab)
+    model_a = build_flux_transformer(args.seed, num_layers=args.double, num_single_layers=args.single,
+                                     attention_head_dim=args.head_dim, num_attention_heads=args.heads,
+                                     joint_attention_dim=args.joint_dim, pooled_projection_dim=768)
+    ctrl_a = impl.MaskAwareFlux(model_a, kv_format=fmt)
+    ctrl_b = MaskAwareFlux(model, kv_format=fmt)
+    kwargs = _inputs(args, args.text_len)
+    caches = []
+    for mdl, ctrl, rg in ((model_a, ctrl_a, impl.RowGroup), (model, ctrl_b, RowGroup)):
+        with ctrl.batch([rg(1, "record") for _ in range(args.batch)]) as ctx:
+            mdl(**kwargs)
+        caches.append(list(ctx.recorded))
+    sa = Setup(model_a, ctrl_a, kwargs, caches[0], args.side * args.side, args.text_len, _CLOCK[args.clock])
+    sb = Setup(model, ctrl_b, kwargs, caches[1], args.side * args.side, args.text_len, _CLOCK[args.clock])
+    lines = [f"Paired A/B, kv_format={fmt}: A = `{args.ab}`, B = this tree; {args.rounds} rounds of "
+             "(stock full, A, B) per ratio, medians of per-round values.", "",
+             "| ratio | full ms | A ms | B ms | A speedup | B speedup | B time / A time |",
+             "|---|---|---|---|---|---|---|"]
+    full_out = _forward(sb, None)[1]
+    for r in args.ratios:
+        masks = _masks(args, r)
+        ga = [impl.RowGroup(1, "masked", token_mask=m, cache=c) for m, c in zip(masks, sa.caches)]
+        gb = [RowGroup(1, "masked", token_mask=m, cache=c) for m, c in zip(masks, sb.caches)]
+        for s_, g in ((sa, ga), (sb, gb)):
+            out = _forward(s_, g)[1]
+            err = max(float((out[k] - full_out[k])[m].abs().max()) if m.any() else 0.0 for k, m in enumerate(masks))
+            if not err <= args.tol:
+                raise RuntimeError(f"A/B: output differs from full compute by {err:.3e} at r={r}")
+        tf, ta, tb = [], [], []
+        for _ in range(args.rounds):
+            tf.append(_forward(sb, None)[0])
+            ta.append(_forward(sa, ga)[0])
+            tb.append(_forward(sb, gb)[0])
+        med = statistics.median
+        m_ = statistics.mean(int(m.sum()) for m in masks) / sa.n_tokens
+        lines.append(f"| {m_:.3f} | {med(tf) * 1e3:.1f} | {med(ta) * 1e3:.1f} | {med(tb) * 1e3:.1f} | "
+                     f"{med([f / a for f, a in zip(tf, ta)]):.2f} | {med([f / b for f, b in zip(tf, tb)]):.2f} | "
+                     f"{med([b / a for a, b in zip(ta, tb)]):.3f} |")
+        log.info("A/B r=%.2f done", r)
+    ctrl_a.remove()
+    ctrl_b.remove()
     return lines
 
 
@@ -176,6 +256,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clock", choices=sorted(_CLOCK), default=None,
                    help="cpu = thread CPU time (default with --threads 1: robust on a shared machine), wall otherwise")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tol", type=float, default=1e-4,
+                   help="abort if masked-token outputs differ from full compute by more than this")
+    p.add_argument("--ab", default=None, metavar="FLUX_PY",
+                   help="instead of the tables: paired A/B against another flux.py, e.g. "
+                        "`git show 2c0d50d:workers/maskaware/flux.py > /tmp/flux_prev.py`")
     p.add_argument("--out", default=None, help="write the result tables (markdown) here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -199,6 +284,10 @@ def main(argv: list[str] | None = None) -> None:
               f"torch threads {args.threads}, clock {args.clock}, {args.rounds} interleaved rounds (median).", ""]
     log.info("%s", " ".join(header))
     lines = list(header)
+    if args.ab:
+        for k, fmt in enumerate(fmts):
+            lines += ([""] if k else []) + run_ab(args, model, fmt)
+        fmts = []
     for k, fmt in enumerate(fmts):     # one controller installed at a time; each run has its own baseline
         ctrl = MaskAwareFlux(model, kv_format=fmt)
         if k:

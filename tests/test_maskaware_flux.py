@@ -347,6 +347,49 @@ def test_edge_cases_and_guards(world) -> None:
     assert torch.equal(tr(**kw).sample, full)
 
 
+def test_token_wise_layers_see_only_selected_tokens(world) -> None:
+    """The claim behind the speedup: every token-wise linear and norm runs on the m selected image
+    tokens (+ T text tokens), never on all N; also exact without text tokens (T = 0)."""
+    tr, ctrl = world["tr"], world["ctrl"]
+    j = world["jobs"][0]                                   # small_rect, ratio ~0.03
+    m, n = int(j.token_mask.sum()), j.token_mask.numel()
+    for text_len in (TEXT_LEN, 0):
+        kw = _one_step_kwargs(j, 2)
+        kw["encoder_hidden_states"] = kw["encoder_hidden_states"][:, :text_len]
+        kw["txt_ids"] = kw["txt_ids"][:text_len]
+        full = tr(**kw).sample
+        with ctrl.batch([RowGroup(1, "record")]) as ctx:
+            tr(**kw)
+        rows: dict[str, int] = {}
+
+        def count(name: str):
+            def hook(_mod: torch.nn.Module, args: tuple) -> None:
+                rows[name] = max(rows.get(name, 0), args[0].reshape(-1, args[0].shape[-1]).shape[0])
+            return hook
+
+        handles = [mod.register_forward_pre_hook(count(name)) for name, mod in tr.named_modules()
+                   if isinstance(mod, (torch.nn.Linear, torch.nn.LayerNorm, torch.nn.RMSNorm))
+                   and name.startswith(("transformer_blocks", "single_transformer_blocks", "norm_out"))
+                   and ".norm1.linear" not in name and ".norm1_context.linear" not in name
+                   and ".norm.linear" not in name and name != "norm_out.linear"]
+        try:
+            with ctrl.batch([RowGroup(1, "masked", j.token_mask, ctx.recorded[0])]) as mctx:
+                out = tr(**kw).sample
+        finally:
+            for h in handles:
+                h.remove()
+        assert float((out - full)[0][j.token_mask].abs().max()) <= TOL
+        heads = tr.config.num_attention_heads
+        # qk-norms see [tokens, heads, head_dim]; the cached keys' norm sees the n - m cached tokens
+        limit = {name: (max(m + text_len, n - m) * heads if ".attn.norm_" in name else m + text_len) for name in rows}
+        over = {name: r for name, r in rows.items() if r > limit[name]}
+        assert not over, over
+        # (x_embedder / proj_out are called by the hooks themselves: their pre-hooks see placeholders)
+        assert mctx.image_tokens_computed == m and rows["norm_out.norm"] == m
+        assert rows["single_transformer_blocks.0.proj_mlp"] == m + text_len
+        assert rows["transformer_blocks.0.attn.to_q"] == m
+
+
 def test_cache_nbytes_matches_recorded(world) -> None:
     tr, caches = world["tr"], world["caches"]
     n = world["jobs"][0].token_mask.numel()
@@ -393,8 +436,9 @@ def test_tiny_pipeline_runs_and_round_trips(tmp_path) -> None:
     loaded = FluxFillPipeline.from_pretrained(tmp_path)
     loaded.set_progress_bar_config(disable=True)
     again = loaded(generator=torch.Generator().manual_seed(0), **kwargs).images
-    assert np.array_equal(out, again)
+    # same weights, new allocations: the BLAS may round differently (seen: 1e-7), never more
+    np.testing.assert_allclose(again, out, rtol=0, atol=1e-5)
     ctrl = MaskAwareFlux(loaded.transformer)   # installed but idle: the stock pipeline is unchanged
     idle = loaded(generator=torch.Generator().manual_seed(0), **kwargs).images
     ctrl.remove()
-    assert np.array_equal(out, idle)
+    assert np.array_equal(again, idle)

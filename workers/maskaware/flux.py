@@ -40,12 +40,16 @@ Semantics
   template. Rows of one call share N and the text length T (the stock forward takes one dense
   ``[B, N, C]`` input and one ``img_ids``).
 - Token-wise layers run once over the ragged pack of all rows' selected image tokens (text as a
-  dense ``[rows, T, D]`` block; single blocks pack text and image together); adaptive-norm
-  modulation is gathered through a token-to-row index. Attention runs per row (SDPA): queries =
-  its text + selected image tokens, keys/values = its text + all N image tokens, the unmasked ones
-  from the cache copied into a per-call buffer with the fresh ones scattered in -- cached tensors
-  are only read. Raw cached K get qk-norm + RoPE at their own positions; query RoPE is gathered at
-  the selected tokens' original positions.
+  dense ``[rows, T, D]`` block in double blocks; the single blocks keep text and image as one
+  ``[rows*T + M, D]`` pack, built once and updated in place). Adaptive-norm modulation and gated
+  residuals are applied per row segment in place (one fused pass, no gathered ``[M, D]`` tensors).
+  Attention runs per row (SDPA): queries = its text + selected image tokens; keys/values = its
+  text + its fresh selected tokens + the N - m unmasked tokens gathered from the cache, in that
+  order (attention without a mask does not depend on key order, so nothing is scattered and
+  nothing is written twice) into per-call buffers -- cached tensors are only read. RoPE is
+  applied at each token's ORIGINAL position (cos/sin for the text, each row's selected and each
+  row's cached positions are computed once per call), as one complex multiply written straight
+  into the buffers. Raw cached K get qk-norm + RoPE there; ``roped`` cached K are copied as is.
 - Ratio 1 (or a full/record group) is full compute; ratio 0 skips the row (its text tokens only
   matter through masked image tokens) and returns the cached output.
 - Masked-token outputs equal full compute (to float rounding) when the cache was recorded from the
@@ -65,8 +69,11 @@ Design notes
   and resolution anyway) and skips the qk-norm + RoPE of every cached key per block and job (the
   main fixed cost at small ratios); docs/bench/maskaware_flux.md measures both. ``raw`` stays the
   default because DESIGN 2 specifies it. Add ``kv_format`` to the activation store's cache key.
-- Cached keys are RoPE'd with one complex multiply (Flux rotates (even, odd) channel pairs), one
-  pass instead of diffusers' five; results are the same in the tests (bit-identical so far).
+- RoPE is one complex multiply (Flux rotates (even, odd) channel pairs), one pass instead of
+  diffusers' five; the single blocks write attention output and MLP activations straight into
+  proj_out's input (no concatenation). These make the packed path at ratio 1 slightly cheaper
+  than the stock forward; docs/bench/maskaware_flux.md reports speedups against both.
+  Masked-token outputs match full compute to ~1e-6 (float summation order), not bit for bit.
 """
 
 from __future__ import annotations
@@ -151,6 +158,17 @@ class _Row:
     crow: int = 0                 # row index inside its group (cache tensors are [rows or 1, N, C])
     off: int = 0                  # offset of this row's tokens in the packed image state
     active: int = -1              # index among rows that compute anything
+    unsel: torch.Tensor | None = None   # sorted positions taken from the cache (sel is not None)
+
+
+@dataclass
+class _Rot:
+    """RoPE at one set of token positions: cos/sin [S, hd]; ``freqs`` complex64 [S, 1, hd/2] (the same
+    rotation as one complex multiply) or None when cos/sin are not pairwise repeated."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    freqs: torch.Tensor | None
 
 
 class _Plan:
@@ -165,11 +183,11 @@ class _Plan:
         self.img: torch.Tensor | None = None          # [M, D] packed image tokens
         self.txt: torch.Tensor | None = None          # [Ba, T, D] text tokens of active rows
         self.T = 0
-        self._rope_src: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._rope_img: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._freqs: torch.Tensor | None = None
-        self._freqs_src: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.tok: torch.Tensor | None = None          # [Ba*T + M, D] text + image pack (single blocks)
+        self._rot_src: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rot_all: torch.Tensor | None = None
+        self._rots: dict[tuple[Any, ...], _Rot] = {}
+        self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._moved: dict[int, torch.Tensor] = {}
         self._rec: list[dict[str, list[torch.Tensor]] | None] = [
             {} if g.mode == "record" else None for g in ctx.groups]
@@ -178,19 +196,20 @@ class _Plan:
     def _build(self) -> None:
         r = 0
         for gi, g in enumerate(self.ctx.groups):
-            sel, cache = None, None
+            sel, unsel, cache = None, None, None
             if g.mode == "masked":
                 mask = g.token_mask.to(self.device).flatten().bool()
                 if mask.numel() != self.N:
                     raise ValueError(f"group {gi}: token mask has {mask.numel()} tokens, model input has {self.N}")
                 if not bool(mask.all()):
                     sel = torch.nonzero(mask).flatten()
+                    unsel = torch.nonzero(~mask).flatten()
                     cache = g.cache
                     if sel.numel() > 0:
                         self._check_cache(gi, g.rows, cache)
             for crow in range(g.rows):
                 m = self.N if sel is None else int(sel.numel())
-                self.rows.append(_Row(r, gi, sel, m, cache, g.mode == "record", crow))
+                self.rows.append(_Row(r, gi, sel, m, cache, g.mode == "record", crow, unsel=unsel))
                 r += 1
         off, a = 0, 0
         for row in self.rows:
@@ -200,6 +219,7 @@ class _Plan:
                 row.active = a
                 a += 1
         self.active = [row for row in self.rows if row.m > 0]
+        self.img_segs = [(row.active, row.off, row.off + row.m) for row in self.active]
         self.M = off
         self.all_active = len(self.active) == self.B
         self.active_idx = torch.tensor([row.row for row in self.active], dtype=torch.long, device=self.device)
@@ -207,11 +227,9 @@ class _Plan:
         if pos:
             self.img_pos = torch.cat(pos)
             self.img_flat = torch.cat([p + row.row * self.N for p, row in zip(pos, self.active)])
-            self.img_arow = torch.cat([torch.full((row.m,), row.active, dtype=torch.long, device=self.device)
-                                       for row in self.active])
         else:
             empty = torch.zeros(0, dtype=torch.long, device=self.device)
-            self.img_pos, self.img_flat, self.img_arow = empty, empty, empty
+            self.img_pos, self.img_flat = empty, empty
         self.identity = self.all_active and all(row.sel is None for row in self.rows)
         self.ctx.image_tokens_computed = self.M
         self.ctx.image_tokens_total = self.B * self.N
@@ -241,29 +259,56 @@ class _Plan:
             t = self._moved[id(t)]
         return t[row.crow if t.shape[0] > 1 else 0]
 
-    def image_rope(self, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE cos/sin gathered at every packed image token's ORIGINAL position (text comes first)."""
-        if self._rope_src is not rope:
-            pos = (self.img_pos + self.T).to(rope[0].device)
-            self._rope_img, self._rope_src = (rope[0][pos], rope[1][pos]), rope
-        return self._rope_img
+    def rot(self, rope: tuple[torch.Tensor, torch.Tensor], key: tuple[Any, ...],
+            pos: torch.Tensor | slice) -> _Rot:
+        """RoPE at rope rows ``pos`` (text first, so image token i is row T + i), computed once per call
+        and position set: the text, a row's computed tokens, a row's cached tokens."""
+        if self._rot_src is not rope:
+            cos, sin = rope
+            pairs = (cos.shape[-1] % 2 == 0 and torch.equal(cos[:, 0::2], cos[:, 1::2])
+                     and torch.equal(sin[:, 0::2], sin[:, 1::2]))
+            self._rot_all = (torch.complex(cos[:, 0::2].float(), sin[:, 0::2].float())[:, None, :]
+                             if pairs else None)
+            self._rot_src, self._rots = rope, {}
+        r = self._rots.get(key)
+        if r is None:
+            if isinstance(pos, torch.Tensor):
+                pos = pos.to(rope[0].device)
+            freqs = None if self._rot_all is None else self._rot_all[pos]
+            r = self._rots[key] = _Rot(rope[0][pos], rope[1][pos], freqs)
+        return r
 
-    def image_freqs(self, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
-        """RoPE of all N image positions as complex64 [N, 1, hd/2] (None if not pairwise-repeated)."""
-        if self._freqs_src is not rope:
-            cos, sin = rope[0][self.T:], rope[1][self.T:]
-            pairs = torch.equal(cos[:, 0::2], cos[:, 1::2]) and torch.equal(sin[:, 0::2], sin[:, 1::2])
-            self._freqs = (torch.complex(cos[:, 0::2].float(), sin[:, 0::2].float())[:, None, :]
-                           if pairs else None)
-            self._freqs_src = rope
-        return self._freqs
+    def row_rots(self, rope: tuple[torch.Tensor, torch.Tensor], row: _Row) -> tuple[_Rot, _Rot | None]:
+        """(RoPE at the row's computed tokens, RoPE at its cached tokens or None)."""
+        T = self.T
+        if row.sel is None:
+            return self.rot(rope, ("all",), slice(T, T + self.N)), None
+        return (self.rot(rope, ("sel", row.row), row.sel + T),
+                self.rot(rope, ("unsel", row.row), row.unsel + T))
 
-    def kv_buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-call [T+N, H, hd] key/value buffers, reused by every row and block (SDPA copies out)."""
-        if self._bufs is None or self._bufs[0].shape[1:] != like.shape[1:] or self._bufs[0].dtype != like.dtype:
-            shape = (self.T + self.N, *like.shape[1:])
-            self._bufs = (like.new_empty(shape), like.new_empty(shape))
+    def attn_buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-call query [T + max m, H, hd] and key/value [T + N, H, hd] buffers, reused by every row
+        and block (attention copies its output out before the next row writes them)."""
+        if self._bufs is None or self._bufs[1].shape[1:] != like.shape[1:] or self._bufs[1].dtype != like.dtype:
+            kv = (self.T + self.N, *like.shape[1:])
+            q = (self.T + max(row.m for row in self.active), *like.shape[1:])
+            self._bufs = (like.new_empty(q), like.new_empty(kv), like.new_empty(kv))
         return self._bufs
+
+    def modulate_(self, y: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, base: int = 0) -> torch.Tensor:
+        """In place: ``y * (1 + scale) + shift`` with each row's own modulation, per packed image segment
+        (starting at ``base``); one fused pass, no gathered [M, D] modulation tensors."""
+        s1 = 1 + scale
+        for a, lo, hi in self.img_segs:
+            seg = y[base + lo:base + hi]
+            torch.addcmul(shift[a], seg, s1[a], out=seg)
+        return y
+
+    def gated_add_(self, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, base: int = 0) -> torch.Tensor:
+        """In place: ``x + gate * y`` per packed image segment (starting at ``base``)."""
+        for a, lo, hi in self.img_segs:
+            x[base + lo:base + hi].addcmul_(y[base + lo:base + hi], gate[a])
+        return x
 
     def record(self, name: str, suffix: str, t: torch.Tensor) -> None:
         """Keep an image-token tensor of record rows (each a full, ordered segment of the pack)."""
@@ -271,6 +316,11 @@ class _Plan:
             if row.record:
                 seg = t[row.off:row.off + row.m].detach().flatten(1).clone()  # don't pin the whole pack
                 self._rec[row.group].setdefault(f"{name}.{suffix}", []).append(seg)
+
+    def record_row(self, row: _Row, name: str, suffix: str, t: torch.Tensor) -> None:
+        """Keep one record row's full, ordered image-token tensor [N, ...]."""
+        if row.record:
+            self._rec[row.group].setdefault(f"{name}.{suffix}", []).append(t.detach().flatten(1).clone())
 
     def recorded(self) -> list[dict[str, torch.Tensor] | None]:
         """Per group: name -> [rows, N, C] (fresh tensors, owned by the caller)."""
@@ -308,79 +358,75 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return apply_rotary_emb(x, (cos, sin), sequence_dim=1)
 
 
-def _rope_into(x: torch.Tensor, freqs: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-               out: torch.Tensor) -> None:
-    """``_rope`` written straight into ``out``. Flux's RoPE rotates (even, odd) channel pairs, i.e. it
-    is a complex multiply: with ``freqs`` (complex64 [S, 1, hd/2]) that is one pass over x instead of
-    five -- it runs on every cached key of every masked row, so it matters at small ratios."""
-    if freqs is None or x.dtype != torch.float32:
-        out.copy_(_rope(x, cos, sin))
+def _rope_to(x: torch.Tensor, rot: _Rot, out: torch.Tensor) -> None:
+    """``_rope(x)`` written straight into ``out`` ([S, H, hd]). Flux's RoPE rotates (even, odd) channel
+    pairs, i.e. it is a complex multiply: one pass over x instead of diffusers' five, and no copy."""
+    if x.shape[0] == 0:
         return
-    torch.mul(torch.view_as_complex(x.unflatten(-1, (-1, 2))), freqs,
+    if rot.freqs is None or x.dtype != torch.float32 or out.dtype != torch.float32:
+        out.copy_(_rope(x, rot.cos, rot.sin))
+        return
+    if x.stride(-1) != 1 or x.stride(-2) % 2:
+        x = x.contiguous()
+    torch.mul(torch.view_as_complex(x.unflatten(-1, (-1, 2))), rot.freqs,
               out=torch.view_as_complex(out.unflatten(-1, (-1, 2))))
-
-
-def _fill_image_kv(plan: _Plan, row: _Row, attn: Any, name: str, rope: tuple[torch.Tensor, torch.Tensor],
-                   key: torch.Tensor, value: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Image part of a row's keys/values: fresh tokens scattered over the template's cached ones.
-
-    ``k`` is normed + RoPE'd, ``v`` raw, both [m, H, hd]. Raw cached K get qk-norm and RoPE here
-    (token-wise, so norming/roping before or after the scatter is the same). The cache is only
-    read: everything is written into the per-call buffers.
-    """
-    T = plan.T
-    img_k, img_v = key[T:], value[T:]
-    if row.sel is None:
-        img_k.copy_(k)
-        img_v.copy_(v)
-        return
-    hd = attn.head_dim
-    ck = plan.cached(row, f"{name}.{plan.k_key}", k).unflatten(-1, (-1, hd))
-    if plan.kv_format == "raw":
-        _rope_into(attn.norm_k(ck), plan.image_freqs(rope), rope[0][T:], rope[1][T:], img_k)
-    else:
-        img_k.copy_(ck)
-    img_v.copy_(plan.cached(row, f"{name}.v", v).unflatten(-1, (-1, hd)))
-    img_k.index_copy_(0, row.sel, k)
-    img_v.index_copy_(0, row.sel, v)
 
 
 def _attend(plan: _Plan, attn: Any, name: str, rope: tuple[torch.Tensor, torch.Tensor],
             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            tq: torch.Tensor, tk: torch.Tensor, tv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Joint attention, SDPA per row. q, k: [M, H, hd] normed image tokens, v: [M, H, hd];
-    tq, tk: [Ba, T, H, hd] normed text, tv: [Ba, T, H, hd]. Returns (image [M, D], text [Ba, T, D])."""
+            tq: torch.Tensor, tk: torch.Tensor, tv: torch.Tensor,
+            img_out: torch.Tensor, txt_out: torch.Tensor) -> None:
+    """Joint attention, SDPA per row, written into ``img_out`` [M, H*hd] and ``txt_out`` [Ba, T, H*hd]
+    (may be column slices of a wider buffer).
+
+    q, k: [M, H, hd] qk-normed image tokens (no RoPE yet), v: [M, H, hd]; tq, tk, tv: [Ba, T, H, hd]
+    (tq, tk normed). Per row the query is [text, computed tokens] and the keys/values are
+    [text, computed tokens, cached tokens] -- attention without a mask is invariant to the order of
+    its keys, so the fresh keys are RoPE'd straight into the buffer and the cached ones are gathered
+    once (only the N - m unmasked ones: nothing is written twice, no scatter). Raw cached K get the
+    qk-norm and RoPE at their own positions. The cache is only read.
+    """
     T = plan.T
-    cos_i, sin_i = plan.image_rope(rope)
-    q, k = _rope(q, cos_i, sin_i), _rope(k, cos_i, sin_i)
-    tq, tk = _rope(tq, rope[0][:T], rope[1][:T]), _rope(tk, rope[0][:T], rope[1][:T])
-    if plan.kv_format == "roped":
-        plan.record(name, K_SUFFIX["roped"], k)
+    heads, hd = q.shape[1], q.shape[2]
+    qb, kb, vb = plan.attn_buffers(q)
+    txt_rot = plan.rot(rope, ("txt",), slice(0, T))
     backend = getattr(attn.processor, "_attention_backend", None)
-    img_out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    txt_out = tq.new_empty(tq.shape[0], T, tq.shape[2] * tq.shape[3])
-    key, value = plan.kv_buffers(k)
     for row in plan.active:
-        seg, a = slice(row.off, row.off + row.m), row.active
-        key[:T] = tk[a]
-        value[:T] = tv[a]
-        _fill_image_kv(plan, row, attn, name, rope, key, value, k[seg], v[seg])
-        query = torch.cat([tq[a], q[seg]])
-        out = dispatch_attention_fn(query[None], key[None], value[None], backend=backend)
-        out = out.flatten(2, 3)[0].to(query.dtype)
-        txt_out[a] = out[:T]
-        img_out[seg] = out[T:]
-    return img_out, txt_out
+        a, m = row.active, row.m
+        seg = slice(row.off, row.off + m)
+        rot, cached_rot = plan.row_rots(rope, row)
+        query = qb[:T + m]
+        if T:
+            _rope_to(tq[a], txt_rot, query[:T])
+            _rope_to(tk[a], txt_rot, kb[:T])
+            vb[:T].copy_(tv[a])
+        _rope_to(q[seg], rot, query[T:])
+        _rope_to(k[seg], rot, kb[T:T + m])
+        vb[T:T + m].copy_(v[seg])
+        if row.sel is not None:
+            ck = plan.cached(row, f"{name}.{plan.k_key}", k)               # [N, C]
+            if plan.kv_format == "raw":
+                _rope_to(attn.norm_k(ck.index_select(0, row.unsel).unflatten(-1, (heads, hd))),
+                         cached_rot, kb[T + m:])
+            else:
+                torch.index_select(ck, 0, row.unsel, out=kb[T + m:].flatten(1))
+            torch.index_select(plan.cached(row, f"{name}.v", v), 0, row.unsel, out=vb[T + m:].flatten(1))
+        elif plan.kv_format == "roped":
+            plan.record_row(row, name, K_SUFFIX["roped"], kb[T:])
+        out = dispatch_attention_fn(query[None], kb[None], vb[None], backend=backend)[0]   # [T+m, H, hd]
+        if T:
+            txt_out[a].unflatten(-1, (heads, hd)).copy_(out[:T])
+        img_out[seg].unflatten(-1, (heads, hd)).copy_(out[T:])
 
 
 def double_block_forward(block: FluxTransformerBlock, name: str, plan: _Plan, temb: torch.Tensor,
                          rope: tuple[torch.Tensor, torch.Tensor]) -> None:
     """``FluxTransformerBlock.forward`` on the packed state (updates ``plan.img`` / ``plan.txt``)."""
-    x, c, idx = plan.img, plan.txt, plan.img_arow
+    x, c = plan.img, plan.txt
     temb = plan.rows_modulation(temb)
     emb = block.norm1.linear(block.norm1.silu(temb))
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-    xn = block.norm1.norm(x) * (1 + scale_msa[idx]) + shift_msa[idx]
+    xn = plan.modulate_(block.norm1.norm(x), scale_msa, shift_msa)
     cn, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(c, emb=temb)
 
     attn = block.attn
@@ -390,17 +436,18 @@ def double_block_forward(block: FluxTransformerBlock, name: str, plan: _Plan, te
         plan.record(name, "k", k)
     plan.record(name, "v", v)
     tq, tk, tv = _added_qkv(attn, cn)
-    img_attn, txt_attn = _attend(
-        plan, attn, name, rope,
-        attn.norm_q(q.unflatten(-1, (-1, hd))), attn.norm_k(k.unflatten(-1, (-1, hd))), v.unflatten(-1, (-1, hd)),
-        attn.norm_added_q(tq.unflatten(-1, (-1, hd))), attn.norm_added_k(tk.unflatten(-1, (-1, hd))),
-        tv.unflatten(-1, (-1, hd)))
+    img_attn = q.new_empty(q.shape)
+    txt_attn = tq.new_empty(tq.shape)
+    _attend(plan, attn, name, rope,
+            attn.norm_q(q.unflatten(-1, (-1, hd))), attn.norm_k(k.unflatten(-1, (-1, hd))), v.unflatten(-1, (-1, hd)),
+            attn.norm_added_q(tq.unflatten(-1, (-1, hd))), attn.norm_added_k(tk.unflatten(-1, (-1, hd))),
+            tv.unflatten(-1, (-1, hd)), img_attn, txt_attn)
 
     attn_out = attn.to_out[1](attn.to_out[0](img_attn))
     ctx_out = attn.to_add_out(txt_attn)
-    x = x + gate_msa[idx] * attn_out
-    xn = block.norm2(x) * (1 + scale_mlp[idx]) + shift_mlp[idx]
-    x = x + gate_mlp[idx] * block.ff(xn)
+    plan.gated_add_(x, gate_msa, attn_out)                  # x is this call's own pack: in place is safe
+    xn = plan.modulate_(block.norm2(x), scale_mlp, shift_mlp)
+    plan.gated_add_(x, gate_mlp, block.ff(xn))
 
     c = c + c_gate_msa.unsqueeze(1) * ctx_out
     cn = block.norm2_context(c) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
@@ -413,21 +460,32 @@ def double_block_forward(block: FluxTransformerBlock, name: str, plan: _Plan, te
 def single_block_forward(block: FluxSingleTransformerBlock, name: str, plan: _Plan, temb: torch.Tensor,
                          rope: tuple[torch.Tensor, torch.Tensor]) -> None:
     """``FluxSingleTransformerBlock.forward`` on the packed state: text and image tokens share weights,
-    so they run as one token pack (text rows first, then the ragged image tokens)."""
-    c, x = plan.txt, plan.img
-    ba, T, D = c.shape
+    so they run as one token pack ``plan.tok`` (text rows first, then the ragged image tokens), built
+    once at the first single block and updated in place."""
+    ba, T, D = plan.txt.shape
     nt = ba * T
-    tok = torch.cat([c.reshape(nt, D), x])
-    tidx = torch.cat([torch.arange(ba, device=x.device).repeat_interleave(T), plan.img_arow])
+    if plan.tok is None:
+        plan.tok = torch.cat([plan.txt.reshape(nt, D), plan.img])
+    tok = plan.tok
     temb = plan.rows_modulation(temb)
     emb = block.norm.linear(block.norm.silu(temb))
     shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
-    h = block.norm.norm(tok) * (1 + scale_msa[tidx]) + shift_msa[tidx]
-    mlp = block.act_mlp(block.proj_mlp(h))
+    h = block.norm.norm(tok)
+    if T:
+        ht = h[:nt].view(ba, T, D)
+        torch.addcmul(shift_msa[:, None], ht, (1 + scale_msa)[:, None], out=ht)
+    plan.modulate_(h, scale_msa, shift_msa, base=nt)
 
     attn = block.attn
     hd = attn.head_dim
     q, k, v = _qkv(attn, h)
+    width = q.shape[-1]
+    # proj_out's input [attention output, MLP activations] is written in place: no concatenation.
+    cat = h.new_empty(h.shape[0], width + block.proj_mlp.out_features)
+    if type(block.act_mlp) is torch.nn.GELU:
+        torch._C._nn.gelu(block.proj_mlp(h), approximate=block.act_mlp.approximate, out=cat[:, width:])
+    else:
+        cat[:, width:] = block.act_mlp(block.proj_mlp(h))
     if plan.kv_format == "raw":
         plan.record(name, "k", k[nt:])
     plan.record(name, "v", v[nt:])
@@ -435,15 +493,18 @@ def single_block_forward(block: FluxSingleTransformerBlock, name: str, plan: _Pl
     k = attn.norm_k(k.unflatten(-1, (-1, hd)))
     v = v.unflatten(-1, (-1, hd))
     heads = q.shape[1]
-    img_attn, txt_attn = _attend(plan, attn, name, rope, q[nt:], k[nt:], v[nt:],
-                                 q[:nt].reshape(ba, T, heads, hd), k[:nt].reshape(ba, T, heads, hd),
-                                 v[:nt].reshape(ba, T, heads, hd))
+    _attend(plan, attn, name, rope, q[nt:], k[nt:], v[nt:],
+            q[:nt].view(ba, T, heads, hd), k[:nt].view(ba, T, heads, hd), v[:nt].reshape(ba, T, heads, hd),
+            cat[nt:, :width], cat[:nt, :width].unflatten(0, (ba, T)))
 
-    attn_out = torch.cat([txt_attn.reshape(nt, img_attn.shape[1]), img_attn])
-    tok = tok + gate_msa[tidx] * block.proj_out(torch.cat([attn_out, mlp], dim=1))
+    y = block.proj_out(cat)
+    if T:
+        tok[:nt].view(ba, T, D).addcmul_(y[:nt].view(ba, T, D), gate_msa[:, None])
+    plan.gated_add_(tok, gate_msa, y, base=nt)
     if tok.dtype == torch.float16:
-        tok = tok.clip(-65504, 65504)
-    plan.txt, plan.img = tok[:nt].view(ba, T, D), tok[nt:]
+        tok.clamp_(-65504, 65504)
+    plan.txt = tok[:nt].view(ba, T, D)
+    plan.img = tok[nt:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,7 +556,7 @@ class _XEmbedHook(_Hook):
             return self.fn_ref.original_forward(hidden_states)
         B, N, C = hidden_states.shape
         flat = hidden_states.reshape(B * N, C)
-        plan.img = self.fn_ref.original_forward(flat if plan.identity else flat[plan.img_flat])
+        plan.img = self.fn_ref.original_forward(flat if plan.identity else flat.index_select(0, plan.img_flat))
         return plan.img.new_zeros(()).expand(B, N, module.out_features)
 
 
@@ -538,8 +599,7 @@ class _NormOutHook(_Hook):
             cond = plan.rows_modulation(conditioning_embedding)
             emb = module.linear(module.silu(cond).to(plan.img.dtype))
             scale, shift = torch.chunk(emb, 2, dim=1)
-            idx = plan.img_arow
-            plan.img = module.norm(plan.img) * (1 + scale)[idx] + shift[idx]
+            plan.img = plan.modulate_(module.norm(plan.img), scale, shift)
         return x
 
 
