@@ -8,6 +8,9 @@ arrivals whose mask ratios come from each public trace, at loads relative to the
 capacity, and reports mean / P95 latency and SLO attainment per policy (tables and PNG plots
 into the markdown report's ``sim`` section and ``docs/bench/``). ``--slo-study`` adds runs with
 SLO-aware admission on; ``--decision-bench`` measures routing decision latency with 64 workers.
+``--references ideal_pooled central_fcfs`` adds ideal reference clusters run on the same jobs
+(``ops/sim/bounds.py``); ``--prepare-s`` and ``--view-refresh-ms`` model the CPU prepare stage and
+the dispatcher's view refresh (the same for every policy).
 Deterministic for a seed (step-time noise and arrivals are seeded; no wall clock is read by the
 simulation itself).
 """
@@ -25,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from app.costmodel import CostModel
-from app.routing import POLICIES, make_policy
+from app.routing import POLICIES, POLICY_VARIANTS, make_policy
+from ops.sim.bounds import REFERENCES, apply_reference
 from ops.sim.cluster import Cluster, ClusterConfig
 from ops.sim.report import plot_p95, policy_table, replace_section, summarize
 from ops.sim.traces import TRACES
@@ -37,27 +41,46 @@ log = logging.getLogger("ops.simulate")
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """One simulation: (cost model, trace, workers, load, policy, slo_admission) -> stats."""
     model = CostModel.load(case["cost_model"])
+    prepare_s = case.get("prepare_s", 0.0)
     spec = WorkloadSpec(trace=case["trace"], load=case["load"], workers=case["workers"], jobs=case["jobs"],
                         steps=case["steps"], max_batch=case["max_batch"], slo_factor=case["slo_factor"],
-                        uncached_fraction=case["uncached_fraction"], seed=case["seed"])
+                        uncached_fraction=case["uncached_fraction"], prepare_s=prepare_s, seed=case["seed"])
     jobs = generate(model, spec)
-    cfg = ClusterConfig(workers=case["workers"], max_batch=case["max_batch"], slo_admission=case["slo_admission"],
-                        noise=case["noise"], host_templates=case["host_templates"], seed=case["seed"])
-    cluster = Cluster(model, cfg, make_policy(case["policy"], model))
     start = time.perf_counter()
-    cluster.run(jobs)
+    if case["policy"] in REFERENCES:  # not a router: what an ideal cluster does with the same jobs
+        if prepare_s:
+            raise ValueError("reference clusters assume prepare_s = 0")
+        apply_reference(case["policy"], jobs, case["workers"], case["max_batch"])
+        stats = summarize(jobs)
+        stats["decision_p99_ms"], stats["utilization"], steps = 0.0, float("nan"), 0
+    else:
+        cfg = ClusterConfig(workers=case["workers"], max_batch=case["max_batch"], slo_admission=case["slo_admission"],
+                            noise=case["noise"], host_templates=case["host_templates"], prepare_s=prepare_s,
+                            view_refresh_s=case.get("view_refresh_s", 0.0), seed=case["seed"])
+        cluster = Cluster(model, cfg, make_policy(case["policy"], model))
+        cluster.run(jobs)
+        stats = summarize(jobs)
+        decisions = sorted(cluster.decision_s)
+        stats["decision_p99_ms"] = decisions[int(0.99 * (len(decisions) - 1))] * 1e3 if decisions else 0.0
+        stats["utilization"] = sum(w.busy_s for w in cluster.workers) / (len(cluster.workers) * max(
+            j.finish for j in jobs if j.finish is not None))  # type: ignore[type-var]
+        steps = cluster.steps
     wall = time.perf_counter() - start
-    stats = summarize(jobs)
-    decisions = sorted(cluster.decision_s)
-    stats["decision_p99_ms"] = decisions[int(0.99 * (len(decisions) - 1))] * 1e3 if decisions else 0.0
-    stats["utilization"] = sum(w.busy_s for w in cluster.workers) / (len(cluster.workers) * max(
-        j.finish for j in jobs if j.finish is not None))  # type: ignore[type-var]
+    stats["floor_p95_s"] = service_floor_p95(jobs)
     out = {k: case[k] for k in ("trace", "workers", "load", "policy", "slo_admission", "seed")}
-    out.update(stats=stats, capacity_jobs_s=capacity(model, spec), wall_s=wall, steps=cluster.steps)
+    out.update(stats=stats, capacity_jobs_s=capacity(model, spec), wall_s=wall, steps=steps)
     log.info("%-11s %2d workers load %.0f%% %-20s slo=%d: mean %.2f s P95 %.2f s SLO %.1f%% expired %d (%.1f s)",
              case["trace"], case["workers"], case["load"] * 100, case["policy"], case["slo_admission"],
              stats["mean_s"], stats["p95_s"], stats["slo_attainment"] * 100, stats["expired"], wall)
     return out
+
+
+def service_floor_p95(jobs: list[Any]) -> float:
+    """P95 of the measured jobs' time alone on an idle worker: no policy's P95 can be lower."""
+    import numpy as np
+
+    measured = [j.alone_s if j.ratio > 0 else 0.0 for j in jobs if j.index >= int(len(jobs) * 0.1)]
+    return float(np.percentile(measured, 95)) if measured else float("nan")
 
 
 def jobs_for(args: argparse.Namespace, workers: int) -> int:
@@ -86,12 +109,13 @@ def cases(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     base = {"cost_model": str(args.cost_model), "steps": args.steps, "max_batch": args.max_batch,
             "slo_factor": args.slo_factor, "uncached_fraction": args.uncached_fraction, "noise": args.noise,
-            "host_templates": args.host_templates, "seed": 0}
+            "host_templates": args.host_templates, "prepare_s": args.prepare_s,
+            "view_refresh_s": args.view_refresh_ms / 1000.0, "seed": 0}
     out = []
     for workers in args.workers:
         for trace in args.traces:
             for load in args.loads:
-                for policy in args.policies:
+                for policy in list(args.policies) + list(args.references):
                     out.append(dict(base, trace=trace, workers=workers, load=load, policy=policy,
                                     slo_admission=False, jobs=jobs_for(args, workers)))
     if args.slo_study:
@@ -107,8 +131,18 @@ def _cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
+def shown_policies(args: argparse.Namespace) -> list[str]:
+    """Policies in the canonical order, then variants and reference clusters as given."""
+    known = [p for p in POLICIES if p in args.policies]
+    return known + [p for p in args.policies if p not in known] + list(args.references)
+
+
 def render(results: list[dict[str, Any]], args: argparse.Namespace, model: CostModel, plots: list[str]) -> str:
-    policies = [p for p in POLICIES if p in args.policies]
+    policies = shown_policies(args)
+    view_text = (f"worker state re-read at most every {args.view_refresh_ms:g} ms" if args.view_refresh_ms
+                 else "every publish at once")
+    if args.prepare_s:
+        view_text += f", prepare stage {args.prepare_s:g} s (routed jobs are counted in flight meanwhile)"
     what = "projected" if model.meta.get("projected") else "fitted"
     lines = [
         f"## Cluster simulation with the {what} `{model.model_id}` cost model", "",
@@ -125,7 +159,12 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, model: CostM
         f"- Load = arrival rate / cluster capacity; capacity = jobs per second with every worker running "
         f"full batches of trace jobs. SLO: deadline = arrival + {args.slo_factor:g} x the job's time alone "
         "on an idle worker; attainment = share of jobs finished by their deadline.",
-        "- Cells: mean / P95 latency (arrival to denoised) / SLO attainment.", ""]
+        f"- Dispatcher view: {view_text}; every policy sees the same view.",
+        "- Cells: mean / P95 latency (arrival to denoised) / SLO attainment.",
+        *(["- References (not routers; `ops/sim/bounds.py`, same jobs, each job's time alone): `ideal_pooled` = the "
+           "cluster as one perfectly balanced processor-sharing pool with migration (up to max batch jobs per worker, "
+           "no job faster than alone); `central_fcfs` = one central FCFS queue, one job per worker. Service floor "
+           "P95 = P95 of each job's time alone on an idle worker."] if args.references else []), ""]
     for workers in args.workers:
         for trace in args.traces:
             lines += [f"### {trace}, {workers} workers", "", policy_table(results, workers, trace, policies), ""]
@@ -189,7 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, nargs="+", default=[8, 64])
     p.add_argument("--loads", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.8, 0.9])
     p.add_argument("--traces", nargs="+", default=sorted(TRACES))
-    p.add_argument("--policies", nargs="+", default=list(POLICIES))
+    p.add_argument("--policies", nargs="+", default=list(POLICIES),
+                   help=f"routing policies ({', '.join(POLICIES + POLICY_VARIANTS)})")
+    p.add_argument("--references", nargs="*", default=[], choices=sorted(REFERENCES),
+                   help="ideal reference clusters run on the same jobs (ops/sim/bounds.py)")
+    p.add_argument("--prepare-s", type=float, default=0.0, help="CPU prepare stage before a job reaches its worker")
+    p.add_argument("--view-refresh-ms", type=float, default=0.0,
+                   help="dispatcher re-reads worker state at most this often (0 = sees every publish)")
     p.add_argument("--jobs-per-worker", type=int, default=150)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--max-batch", type=int, default=8)
@@ -239,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         folder = args.plots or args.out.parent
         folder.mkdir(parents=True, exist_ok=True)
-        policies = [q for q in POLICIES if q in args.policies]
+        policies = shown_policies(args)
         for workers in args.workers:
             path = folder / f"dispatch_p95_{workers}w{args.tag}.png"
             plot_p95(results, workers, args.traces, policies, path)

@@ -106,6 +106,71 @@ def test_mask_aware_accounts_for_a_full_batch_queue() -> None:
     assert router.choose(demand(0.1), view(full, busy)) == "busy"
 
 
+def test_marginal_variant_charges_the_delay_inflicted_on_co_batched_jobs() -> None:
+    """Both workers finish the new job at the same predicted time, but on ``long`` it shares 10
+    steps with the running job (slowing it by 10 x its step seconds) and on ``short`` only 5:
+    the paper's cost ties, the marginal cost (``mask_aware_marginal``) prefers ``short``."""
+    model = small_model(intercept=0.0)
+    plain, marginal = make_policy("mask_aware", model), make_policy("mask_aware_marginal", model)
+    assert isinstance(plain, MaskAwareRouter) and isinstance(marginal, MaskAwareRouter)
+    assert marginal.name == "mask_aware_marginal"
+
+    def state(wid: str, g: float, rem: int) -> WorkerState:
+        return WorkerState(wid, running=[JobLoad(f"{wid}.r", rem, 0.5, step_seconds=g)])
+
+    mine = JobLoad("n", 10, 0.5, step_seconds=1.0)
+    long, short = state("long", 1.0, 10), state("short", 2.0, 5)
+    assert plain.cost(mine, long, 0.0) == pytest.approx(20.0)
+    assert plain.cost(mine, short, 0.0) == pytest.approx(20.0)
+    assert marginal.cost(mine, long, 0.0) == pytest.approx(30.0)
+    assert marginal.cost(mine, short, 0.0) == pytest.approx(25.0)
+
+
+@pytest.mark.parametrize("policy", ["mask_aware", "mask_aware_marginal"])
+def test_mask_aware_pruned_choice_equals_evaluating_every_worker(policy: str) -> None:
+    """``choose`` skips workers by a lower bound; it must pick exactly what evaluating ``cost`` on
+    every worker in the rotating order picks (ties included), on random views with idle, busy and
+    queueing workers, templates, and partly warm per-state caches."""
+    import random
+
+    rnd = random.Random(5)
+    model = small_model(fetch_bw=1e6)
+    router, brute = make_policy(policy, model), make_policy(policy, model)
+    assert isinstance(router, MaskAwareRouter) and isinstance(brute, MaskAwareRouter)
+    n = 0
+
+    def jobs(k: int, prefix: str) -> list[JobLoad]:
+        nonlocal n
+        out = []
+        for _ in range(k):
+            n += 1
+            out.append(JobLoad(f"{prefix}{n}", rnd.choice([1, 2, 5, 10, 20]), rnd.choice([0.02, 0.1, 0.3, 0.9]),
+                               cached=rnd.random() > 0.2, template_id=f"t{rnd.randrange(4)}"))
+        return out
+
+    def worker(wid: str) -> WorkerState:
+        mb = rnd.choice([2, 4, 8])
+        if rnd.random() < 0.3:
+            return WorkerState(wid, max_batch=mb, templates=frozenset({"t0"}) if rnd.random() < 0.5 else frozenset())
+        return WorkerState(wid, running=jobs(rnd.randrange(mb + 1), "r"), waiting=jobs(rnd.randrange(3), "w"),
+                           inflight=jobs(rnd.randrange(2), "i"), max_batch=mb,
+                           templates=frozenset(f"t{rnd.randrange(4)}" for _ in range(2)))
+
+    v = view(*(worker(str(k)) for k in range(12)))
+    for step in range(300):
+        if step % 7 == 0:  # a refresh: some workers change (new state objects), others keep theirs
+            v = view(*(worker(w.worker_id) if rnd.random() < 0.5 else w for w in v.workers.values()))
+        d = JobDemand(f"new{step}", rnd.choice([10, 20]), rnd.choice([0.02, 0.1, 0.3]),
+                      template_id=rnd.choice(["", "t0", "t1"]))
+        mine = JobLoad.from_demand(d)
+        fetch_s = model.template_fetch_seconds(d.steps, brute.fetch_tier) if d.template_id else 0.0
+        order = brute._rot.order(v.candidates())
+        expected = min(order, key=lambda w: (brute.cost(mine, w, fetch_s), w.n_jobs)).worker_id
+        got = router.choose(d, v)
+        assert got == expected, step
+        v.assign(got, d)
+
+
 def test_mask_aware_cache_affinity() -> None:
     """Identical load: the worker that holds the template (or has a job of it coming) wins by the
     predicted fetch time; without a template both tie and rotation spreads the choice."""

@@ -42,6 +42,10 @@ class ClusterConfig:
     fetch_tier: str = "local"
     prepare_s: float = 0.0
     finalize_s: float = 0.0
+    # 0: the dispatcher sees every publish at once; > 0: it re-reads the workers' state at most this
+    # often (``LiveWorkerView.refresh_s``, 0.05 s in production) and adds its own routing
+    # decisions to that snapshot until a publish shows them (every policy sees the same view).
+    view_refresh_s: float = 0.0
     seed: int = 0
 
 
@@ -73,6 +77,9 @@ class Cluster:
         self.workers = [self._make_worker(str(i), predictor) for i in range(cfg.workers)]
         self.by_id = {w.wid: w for w in self.workers}
         self.view = WorkerView(w.state for w in self.workers)
+        self._snap: WorkerView | None = None  # what the dispatcher last read (view_refresh_s > 0)
+        self._snap_at = -math.inf
+        self._snap_src: dict[str, int] = {}  # worker -> stamp of the published state it copies
         self.decision_s: list[float] = []
         self.steps = 0
 
@@ -109,12 +116,39 @@ class Cluster:
                 return
         demand = JobDemand(job.job_id, job.steps, job.ratio, job.masked_tokens, job.cached, job.template_id,
                            deadline=job.deadline)
+        view = self._dispatcher_view()
         start = time.perf_counter()
-        wid = self.policy.choose(demand, self.view)
+        wid = self.policy.choose(demand, view)
         self.decision_s.append(time.perf_counter() - start)
         self.view.assign(wid, demand)
+        if view is not self.view:
+            view.assign(wid, demand)
+            self._snap_src[wid] = self.by_id[wid].state.stamp
         job.worker = wid
         self._at(self.now + self.cfg.prepare_s, self._enqueue, job, self.by_id[wid])
+
+    def _dispatcher_view(self) -> WorkerView:
+        """The live states, or (``view_refresh_s`` > 0) a snapshot re-read at most that often: between
+        reads the dispatcher only adds its own decisions, as ``LiveWorkerView`` does."""
+        if self.cfg.view_refresh_s <= 0:
+            return self.view
+        if self._snap is not None and self.now - self._snap_at < self.cfg.view_refresh_s:
+            return self._snap
+        old = self._snap.workers if self._snap is not None else {}
+        states = []
+        for w in self.workers:
+            st = w.state
+            prev = old.get(w.wid)
+            if prev is not None and self._snap_src.get(w.wid) == st.stamp:
+                states.append(prev)  # unchanged since the last read (keeps the routers' per-state caches)
+                continue
+            self._snap_src[w.wid] = st.stamp
+            states.append(WorkerState(st.worker_id, running=list(st.running), waiting=list(st.waiting),
+                                      inflight=list(st.inflight), templates=st.templates,
+                                      last_step_seconds=st.last_step_seconds, updated=st.updated,
+                                      max_batch=st.max_batch, alive=st.alive))
+        self._snap, self._snap_at = WorkerView(states), self.now
+        return self._snap
 
     # -- workers ----------------------------------------------------------------------------
     def _enqueue(self, job: SimJob, w: SimWorker) -> None:

@@ -35,23 +35,33 @@ def fmt_s(v: float) -> str:
     return f"{v:.1f}" if v >= 10 else f"{v:.2f}" if v >= 1 else f"{v * 1e3:.0f} ms"
 
 
+def _vs(a: float, b: float) -> str:
+    return f"{(1 - a / b) * 100:.1f}% lower" if a <= b else f"{(a / b - 1) * 100:.1f}% higher"
+
+
 def policy_table(results: list[dict[str, Any]], workers: int, trace: str, policies: Sequence[str]) -> str:
-    """One table: rows = load, columns = policy (mean / P95 / SLO)."""
+    """One table: rows = load, columns = policy (mean / P95 / SLO), then P95 comparisons."""
     rows = [r for r in results if r["workers"] == workers and r["trace"] == trace and not r.get("slo_admission")]
     loads = sorted({r["load"] for r in rows})
+    ideal = "ideal_pooled" in policies
     head = "| load | " + " | ".join(f"{p} mean / P95 / SLO" for p in policies) + " | mask_aware vs least_requests P95 |"
-    out = [head, "|" + "---|" * (len(policies) + 2)]
+    if ideal:
+        head += " ideal_pooled vs least_requests P95 | service floor P95 |"
+    out = [head, "|" + "---|" * (len(policies) + 2 + 2 * ideal)]
     for load in loads:
         cells = []
         by = {r["policy"]: r for r in rows if r["load"] == load}
         for p in policies:
             s = by.get(p, {}).get("stats")
             cells.append(f"{fmt_s(s['mean_s'])} / {fmt_s(s['p95_s'])} / {s['slo_attainment'] * 100:.0f}%" if s else "-")
-        gain = "-"
-        if "mask_aware" in by and "least_requests" in by:
-            a, b = by["mask_aware"]["stats"]["p95_s"], by["least_requests"]["stats"]["p95_s"]
-            gain = f"{(1 - a / b) * 100:.1f}% lower" if a <= b else f"{(a / b - 1) * 100:.1f}% higher"
-        out.append(f"| {load:.0%} | " + " | ".join(cells) + f" | {gain} |")
+        lr = by.get("least_requests", {}).get("stats", {}).get("p95_s")
+        gain = _vs(by["mask_aware"]["stats"]["p95_s"], lr) if "mask_aware" in by and lr else "-"
+        line = f"| {load:.0%} | " + " | ".join(cells) + f" | {gain} |"
+        if ideal:
+            best = _vs(by["ideal_pooled"]["stats"]["p95_s"], lr) if "ideal_pooled" in by and lr else "-"
+            floor = next((r["stats"]["floor_p95_s"] for r in by.values() if "floor_p95_s" in r["stats"]), None)
+            line += f" {best} | {fmt_s(floor) if floor is not None else '-'} |"
+        out.append(line)
     return "\n".join(out)
 
 
@@ -69,7 +79,10 @@ def plot_p95(results: list[dict[str, Any]], workers: int, traces: Sequence[str],
                          if r["workers"] == workers and r["trace"] == trace and r["policy"] == p
                          and not r.get("slo_admission"))
             if pts:
-                ax.plot([x * 100 for x, _ in pts], [y for _, y in pts], marker="o", ms=3, label=p)
+                ref = p in ("ideal_pooled", "central_fcfs")
+                ax.plot([x * 100 for x, _ in pts], [y for _, y in pts], marker="" if ref else "o", ms=3, label=p,
+                        linestyle=":" if ref else "-", color="0.4" if p == "ideal_pooled" else
+                        "0.7" if ref else None)
         ax.set_title(f"{trace}, {workers} workers", fontsize=9)
         ax.set_xlabel("load (% of capacity)")
         ax.set_ylabel(ylabel)

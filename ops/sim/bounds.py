@@ -1,0 +1,90 @@
+"""Reference clusters that no immediate-dispatch router can be compared against unfairly.
+
+They answer "how much could *any* routing policy cut?" on the very same jobs (arrivals, sizes):
+
+- ``pooled_ps``: the cluster as one perfectly balanced pool. Every job that is present runs at
+  once (up to ``max_batch`` per worker), the total rate of ``workers`` workers is shared equally,
+  and no job runs faster than alone on one worker. This is what a router would get if it could
+  move jobs between workers at every instant; with linear step times and no intercept (the CPU
+  fits here) each worker is a processor-sharing server, so this is the ideal of balancing.
+- ``central_fcfs``: one central first-come-first-served queue, each worker runs one job at a time
+  (``M/G/c``). Different discipline (no co-batching), shown because with step times linear in
+  the batch and no intercept, batching buys no throughput and FCFS has a shorter tail.
+
+Both use each job's time alone (``SimJob.alone_s``, no step noise, caches resident), so they are
+references, not strict bounds of the simulated cluster.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+
+from ops.sim.workload import SimJob
+
+
+def pooled_ps(jobs: Sequence[SimJob], workers: int, max_batch: int) -> dict[int, float]:
+    """Finish time per job index in the pooled processor-sharing reference (module docstring)."""
+    arrivals = sorted((j for j in jobs if j.ratio > 0.0), key=lambda j: j.arrival)
+    slots = workers * max_batch
+    active: dict[int, float] = {}  # job index -> remaining seconds of work (at rate 1)
+    queue: deque[SimJob] = deque()
+    finish: dict[int, float] = {}
+    t, i = 0.0, 0
+    while i < len(arrivals) or active or queue:
+        while queue and len(active) < slots:
+            j = queue.popleft()
+            active[j.index] = j.alone_s
+        rate = min(1.0, workers / len(active)) if active else 0.0
+        t_arr = arrivals[i].arrival if i < len(arrivals) else float("inf")
+        t_fin = t + min(active.values()) / rate if active else float("inf")
+        t_next = min(t_arr, t_fin)
+        if active:
+            spent = (t_next - t) * rate
+            for k in active:
+                active[k] -= spent
+        t = t_next
+        for k in [k for k, left in active.items() if left <= 1e-9]:
+            del active[k]
+            finish[k] = t
+        if t_arr <= t_fin and i < len(arrivals):
+            queue.append(arrivals[i])
+            i += 1
+    for j in jobs:
+        if j.ratio <= 0.0:  # empty mask: never reaches a GPU worker (as in the cluster)
+            finish[j.index] = j.arrival
+    return finish
+
+
+def central_fcfs(jobs: Sequence[SimJob], workers: int) -> dict[int, float]:
+    """Finish time per job index with one central FCFS queue and one job per worker."""
+    free = [0.0] * workers
+    finish: dict[int, float] = {}
+    for j in sorted(jobs, key=lambda j: j.arrival):
+        if j.ratio <= 0.0:
+            finish[j.index] = j.arrival
+            continue
+        start = max(heapq.heappop(free), j.arrival)
+        finish[j.index] = start + j.alone_s
+        heapq.heappush(free, finish[j.index])
+    return finish
+
+
+REFERENCES = {"ideal_pooled": "pooled_ps", "central_fcfs": "central_fcfs"}
+
+
+def apply_reference(name: str, jobs: Sequence[SimJob], workers: int, max_batch: int) -> None:
+    """Fill ``finish`` of every job as the reference cluster ``name`` would."""
+    if name == "ideal_pooled":
+        fin = pooled_ps(jobs, workers, max_batch)
+    elif name == "central_fcfs":
+        fin = central_fcfs(jobs, workers)
+    else:
+        raise ValueError(f"unknown reference {name!r}; known: {sorted(REFERENCES)}")
+    for j in jobs:
+        j.finish = fin[j.index]
+        j.worker = ""
+
+
+__all__ = ["REFERENCES", "apply_reference", "central_fcfs", "pooled_ps"]
