@@ -31,7 +31,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     handle = client.submit(template=template, mask=Path(args.mask), prompt=args.prompt,
                            negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
                            strength=args.strength, seed=args.seed, priority=args.priority,
-                           deadline=args.deadline, idempotency_key=args.idempotency_key)
+                           deadline=args.deadline, idempotency_key=args.idempotency_key,
+                           keep_unmasked=args.keep_unmasked)
     sys.stdout.write(handle.id + "\n")
     if args.wait:
         return _wait(handle, args.timeout, args.out)
@@ -76,9 +77,10 @@ def cmd_template_warm(args: argparse.Namespace) -> int:
 
 
 def cmd_model_save(args: argparse.Namespace) -> int:
-    from workers.models.tiny_sd import save_pipeline
+    from app.settings import Settings
+    from workers.models.loader import save_embedded
 
-    save_pipeline(args.dir, seed=args.seed)
+    save_embedded(args.model or Settings.from_env().model_id, args.dir, seed=args.seed)
     return 0
 
 
@@ -168,7 +170,7 @@ def cmd_flower(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from app.demo import run_demo
 
-    return run_demo(jobs=args.jobs, out_dir=Path(args.out), steps=args.steps)
+    return run_demo(jobs=args.jobs, out_dir=Path(args.out), steps=args.steps, keep_unmasked=not args.raw)
 
 
 def _run_ops(module: str, argv: list[str]) -> int:
@@ -187,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mask", required=True, help="mask image file (white = edit)")
     s.add_argument("--prompt", default="")
     s.add_argument("--negative-prompt", default="")
+    s.add_argument("--keep-unmasked", action="store_true",
+                   help="paste the template back outside the mask (exact template pixels there)")
     s.add_argument("--steps", type=int, default=20)
     s.add_argument("--guidance", type=float, default=7.5)
     s.add_argument("--strength", type=float, default=1.0)
@@ -231,9 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_template_warm)
 
     m = sub.add_parser("model", help="model utilities").add_subparsers(dest="mcmd", required=True)
-    s = m.add_parser("save", help="write the embedded default model as a diffusers pipeline folder")
+    s = m.add_parser("save", help="write an embedded model (default: STENCIL_MODEL_ID) as a diffusers pipeline folder")
     s.add_argument("dir")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--model", default="", help="tiny-sd-inpaint-trained | tiny-sd-inpaint (random init) | "
+                   "tiny-flux-fill (random init); default: the configured model id")
+    s.add_argument("--seed", type=int, default=0, help="random-init models only")
     s.set_defaults(func=cmd_model_save)
 
     s = sub.add_parser("gpu-worker", help="start a GPU worker (one engine) for queue gpu.<id>")
@@ -271,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--jobs", type=int, default=4)
     s.add_argument("--out", default="demo-out")
     s.add_argument("--steps", type=int, default=20)
+    s.add_argument("--raw", action="store_true",
+                   help="return the model's decoded output everywhere (no template paste-back outside the mask)")
     s.set_defaults(func=cmd_demo)
 
     for name, module, text in (("profile", "ops.profile", "fit the dispatcher's cost model on this device"),

@@ -129,8 +129,11 @@ class StencilClient:
                negative_prompt: str = "", steps: int = 20, guidance: float = 7.5, strength: float = 1.0,
                seed: int = 0, priority: int = 0, deadline: float | None = None,
                idempotency_key: str | None = None, width: int | None = None,
-               height: int | None = None) -> JobHandle:
+               height: int | None = None, keep_unmasked: bool = False) -> JobHandle:
         """Submit an edit. ``template`` is a stored template id (str) or an image to upload.
+
+        ``keep_unmasked`` pastes the template back outside the mask (exact template pixels there);
+        off, the result is what ``StableDiffusionInpaintPipeline`` returns.
 
         ``deadline`` is absolute (epoch seconds). Parameters are validated by the service: bad
         values give a ``failed`` job with a reason, not an exception here.
@@ -139,7 +142,7 @@ class StencilClient:
                            guidance=float(guidance), strength=float(strength), seed=int(seed),
                            priority=int(priority), deadline=deadline,
                            template_id=template if isinstance(template, str) else "",
-                           width=width, height=height)
+                           width=width, height=height, keep_unmasked=bool(keep_unmasked))
         job_id = new_job_id()
         if idempotency_key:
             existing = self.redis.get("stencil:idem:" + idempotency_key)

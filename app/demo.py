@@ -2,7 +2,9 @@
 
 Starts an embedded stack, submits N edits of images that ship with scikit-image through the
 Python client, with masks of different shapes and sizes, waits, writes the result PNGs and
-``summary.json``, prints a table, and shuts everything down. Exit status 1 if any job failed.
+``summary.json`` (and ``strips/``: template | mask | result side by side), prints a table, and
+shuts everything down. Exit status 1 if any job failed. The default model is the trained
+``tiny-sd-inpaint-trained``, so the fills are real (small-model) edits, not noise.
 """
 
 from __future__ import annotations
@@ -13,14 +15,21 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
 
 from app.maskgen import SHAPES, make_mask
 
 log = logging.getLogger(__name__)
 
-PROMPTS = ["a red scarf", "a cup of coffee", "a cat", "an astronaut", "a green hat", "flowers"]
+# Captions the trained default model was trained with (ops/train_tiny_sd.py), one per job; the
+# first four match the four templates in order, so the fills continue what the template shows.
+PROMPTS = ["an astronaut", "a cat", "a cup of coffee", "a rocket", "a brick wall", "grass"]
 RATIOS = [0.05, 0.15, 0.3, 0.5, 0.1, 0.25]
+# The small trained model's text conditioning is weak: at SD's usual 7.5 classifier-free guidance
+# over-saturates colours (unmasked-region PSNR to the template 15.7 dB vs 17.1 dB at 3.0, measured
+# on chelsea, 20 steps); 3.0 still exercises the two-row CFG layout.
+GUIDANCE = 3.0
 
 
 def demo_templates(size: int = 128) -> list[tuple[str, Image.Image]]:
@@ -38,7 +47,22 @@ def demo_templates(size: int = 128) -> list[tuple[str, Image.Image]]:
     return out
 
 
-def run_demo(jobs: int, out_dir: Path, steps: int = 20, timeout: float = 600.0) -> int:
+def strip(template: Image.Image, mask: np.ndarray, result: Image.Image) -> Image.Image:
+    """template | mask (edited area tinted) | result, side by side: what changed, at a glance."""
+    w, h = template.size
+    base = np.asarray(template.convert("RGB"), dtype=np.float32)
+    tint = base.copy()
+    tint[mask] = 0.35 * tint[mask] + 0.65 * np.array([255.0, 0.0, 255.0])
+    out = Image.new("RGB", (3 * w + 8, h), (255, 255, 255))
+    out.paste(template.convert("RGB"), (0, 0))
+    out.paste(Image.fromarray(tint.astype(np.uint8)), (w + 4, 0))
+    out.paste(result.convert("RGB").resize((w, h)), (2 * w + 8, 0))
+    return out
+
+
+def run_demo(jobs: int, out_dir: Path, steps: int = 20, timeout: float = 600.0, keep_unmasked: bool = True) -> int:
+    """Edits keep the template's pixels outside the mask (``keep_unmasked``), as an editing product
+    does; ``keep_unmasked=False`` shows the small model's raw decoded output everywhere."""
     from app.client import StencilClient
     from app.embedded import EmbeddedStack
 
@@ -54,11 +78,11 @@ def run_demo(jobs: int, out_dir: Path, steps: int = 20, timeout: float = 600.0) 
             ratio = RATIOS[i % len(RATIOS)]
             mask = make_mask(ratio, image.size, SHAPES[i % len(SHAPES)], seed=i)
             handle = client.submit(template=image, mask=mask, prompt=PROMPTS[i % len(PROMPTS)],
-                                   steps=steps, guidance=7.5, seed=1000 + i)
-            handles.append((handle, name, float(mask.mean()), time.time()))
+                                   steps=steps, guidance=GUIDANCE, seed=1000 + i, keep_unmasked=keep_unmasked)
+            handles.append((handle, name, float(mask.mean()), time.time(), image, mask))
         rows = []
         failed = 0
-        for i, (handle, name, ratio, submitted) in enumerate(handles):
+        for i, (handle, name, ratio, submitted, image, mask) in enumerate(handles):
             rec = handle.wait(timeout)
             row = {"id": handle.id, "template": name, "status": rec.status.value,
                    "mask_ratio": round(ratio, 4), "error": rec.error,
@@ -67,6 +91,8 @@ def run_demo(jobs: int, out_dir: Path, steps: int = 20, timeout: float = 600.0) 
                 path = out_dir / f"job{i:02d}_{name}.png"
                 path.write_bytes(handle.result_bytes())
                 row["output"] = str(path)
+                (out_dir / "strips").mkdir(exist_ok=True)
+                strip(image, mask, Image.open(path)).save(out_dir / "strips" / path.name)
             else:
                 failed += 1
             rows.append(row)

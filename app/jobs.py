@@ -43,7 +43,7 @@ TERMINAL = frozenset({JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED, Job
 # Fields a client sets at submission (everything else is written by the service).
 PARAM_FIELDS = (
     "kind", "template_id", "prompt", "negative_prompt", "steps", "guidance", "strength", "seed",
-    "priority", "deadline", "width", "height",
+    "priority", "deadline", "width", "height", "keep_unmasked",
 )
 
 # KEYS[1] = job hash. ARGV: new status, now, ttl, expected current statuses (",a,b," or ""),
@@ -82,6 +82,9 @@ class JobParams:
     width: int | None = None
     height: int | None = None
     kind: str = "edit"  # edit | warm (a template warm-up that records activations)
+    # Paste the template back outside the mask after decoding (diffusers' ``apply_overlay``): the
+    # VAE round trip and the model never touch unmasked pixels. Off = the stock pipeline's output.
+    keep_unmasked: bool = False
 
     def to_fields(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -109,6 +112,7 @@ class JobParams:
             width=opt_int(fields.get("width")),
             height=opt_int(fields.get("height")),
             kind=fields.get("kind") or "edit",
+            keep_unmasked=(fields.get("keep_unmasked") or "").lower() in ("1", "true", "yes"),
         )
 
     def validate(self, max_steps: int) -> str | None:

@@ -46,9 +46,12 @@ class Settings:
     activations_bucket: str = ""
     activations_dir: Path = Path()
 
-    # Model: a diffusers StableDiffusionInpaintPipeline folder; empty = embedded default.
+    # Model: a diffusers StableDiffusionInpaintPipeline folder; empty = the embedded model
+    # ``model_id``: "tiny-sd-inpaint-trained" (default; trained on scikit-image's images, ships in
+    # workers/models/trained/), or the random-init "tiny-sd-inpaint" / "tiny-flux-fill" (noise
+    # outputs; for unit tests and speed benchmarks).
     model_dir: str = ""
-    model_id: str = "tiny-sd-inpaint"
+    model_id: str = "tiny-sd-inpaint-trained"
     device: str = "cpu"
     # torch intra-op threads per worker process (0 = torch's default). On a small machine that
     # runs several workers, 1 avoids oversubscription (10-20x slowdowns measured on 2 cores).
@@ -67,6 +70,10 @@ class Settings:
     mask_dilation: int = 0  # dilate token masks by this many tokens (fewer seams, more compute)
     host_cache_bytes: int = 2 * 1024**3  # host-RAM tier budget per GPU worker
     prefetch_steps: int = 8  # steps of a job's template cache fetched ahead (from routing on)
+    # Per-unit load/compute plan for steps not wholly resident (workers/engine/runner_base.py):
+    # plan | all (wait for every unit: pipelining) | resident (never wait) | step (per-step rule)
+    cache_plan: str = "plan"
+    cache_plan_max_wait_s: float = 5.0  # a planned load not there by then: compute fully
     auto_warm: bool = True  # an edit of a template without cache triggers its warm-up
     warm_prompt: str = ""
     warm_seed: int = 0

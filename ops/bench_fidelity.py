@@ -43,14 +43,13 @@ class Family:
         """The scheduler config as a saved folder holds it (with its class name)."""
         return {**dict(self.pipe.scheduler.config), "_class_name": type(self.pipe.scheduler).__name__}
 
-    def __init__(self, name: str, activations: ActivationStore) -> None:
+    def __init__(self, name: str, activations: ActivationStore, sd_model: str = "tiny-sd-inpaint-trained") -> None:
         self.name = name
         if name == "sd":
             from workers.engine.sd_runner import SDRunner
             from workers.maskaware.unet import MaskAwareUNet
-            from workers.models.tiny_sd import build_pipeline
 
-            self.pipe = build_pipeline(0)
+            self.pipe = load_sd_pipeline(sd_model)
             model = self.pipe.unet.eval()
             self.size, self.layout = 128, "kv+y"
             self.runner_full = SDRunner(model, self.scheduler_config)
@@ -104,6 +103,29 @@ class Family:
                                 guidance="cfg2" if meta["do_cfg"] else "single", layout=self.layout)
 
 
+def load_sd_pipeline(model: str):  # type: ignore[no-untyped-def]
+    """The SD pipeline to measure: an embedded model id (saved to a temporary home) or a folder.
+    Fidelity of the random-init model measures noise against noise, so the default is the trained one."""
+    from diffusers import StableDiffusionInpaintPipeline
+
+    from app.settings import Settings
+    from workers.models.loader import ensure_model_dir
+
+    if Path(model).is_dir():
+        folder = Path(model)
+    else:
+        folder = ensure_model_dir(Settings.from_env(home=Path(tempfile.mkdtemp(prefix="stencil-fid-home-")),
+                                                   model_dir="", model_id=model))
+    pipe = StableDiffusionInpaintPipeline.from_pretrained(folder, safety_checker=None, feature_extractor=None,
+                                                          requires_safety_checker=False, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+# Edit prompts: captions the trained model knows, none of them the warm-up prompt ("").
+EDIT_PROMPTS = ["a cat", "an astronaut", "grass", "a brick wall", "the moon", "a cup of coffee", "a rocket"]
+
+
 def run(runner: Any, jobs: list[tuple[dict, dict]]) -> list[dict]:
     """Run jobs to completion in one continuous-batching engine (in process)."""
     engine = Engine(runner, BatchScheduler(max_batch=4))
@@ -116,21 +138,22 @@ def run(runner: Any, jobs: list[tuple[dict, dict]]) -> list[dict]:
 
 def metrics(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> dict[str, float]:
     ssim_full, ssim_map = structural_similarity(a, b, channel_axis=2, data_range=255, full=True)
-    keep = ~mask
     out = {"ssim": float(ssim_full), "psnr": float(peak_signal_noise_ratio(a, b, data_range=255))}
-    if keep.any():
-        out["ssim_unmasked"] = float(ssim_map[keep].mean())
-        err = ((a[keep].astype(float) - b[keep].astype(float)) ** 2).mean()
-        out["psnr_unmasked"] = float(10 * np.log10(255**2 / err)) if err > 0 else float("inf")
+    for region, sel in (("unmasked", ~mask), ("masked", mask)):
+        if sel.any():
+            out[f"ssim_{region}"] = float(ssim_map[sel].mean())
+            err = ((a[sel].astype(float) - b[sel].astype(float)) ** 2).mean()
+            out[f"psnr_{region}"] = float(10 * np.log10(255**2 / err)) if err > 0 else float("inf")
     return out
 
 
-def bench_family(name: str, traces: list[str], n: int, steps: int, seed: int) -> list[dict[str, Any]]:
+def bench_family(name: str, traces: list[str], n: int, steps: int, seed: int,
+                 sd_model: str = "tiny-sd-inpaint-trained", edit_seed: int = -1) -> list[dict[str, Any]]:
     from app.demo import demo_templates
 
     tmp = tempfile.mkdtemp(prefix="stencil-fid-")
     activations = ActivationStore(LocalStore(tmp))
-    fam = Family(name, activations)
+    fam = Family(name, activations, sd_model)
     guidance = 7.5 if name == "sd" else 30.0
     templates = [img.resize((fam.size, fam.size)) for _n, img in demo_templates(128)]
     # Warm-ups the way production runs them: empty mask, the warm prompt and seed.
@@ -152,8 +175,9 @@ def bench_family(name: str, traces: list[str], n: int, steps: int, seed: int) ->
                              seed=int(rng.integers(1 << 30)))
             if mask.mean() == 0 or mask.mean() == 1:
                 continue  # empty: the template is returned; full: equals full compute by construction
-            params = JobParams(prompt=str(rng.choice(["a red scarf", "a hat", "flowers"])),
-                               seed=int(rng.integers(1 << 30)), steps=steps, guidance=guidance)
+            job_seed = int(rng.integers(1 << 30))
+            params = JobParams(prompt=str(rng.choice(EDIT_PROMPTS)),
+                               seed=job_seed if edit_seed < 0 else edit_seed, steps=steps, guidance=guidance)
             tensors, meta = fam.prepare(templates[t], mask, params)
             full = run(fam.runner_full, [(tensors, dict(meta))])[0]
             ma_meta = dict(meta, cache_mode="masked", cache_key=fam.key(f"t{t}", params, meta).to_dict())
@@ -173,21 +197,29 @@ def main() -> int:
     p.add_argument("--n", type=int, default=12, help="edits per trace")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sd-model", default="tiny-sd-inpaint-trained",
+                   help="embedded model id or a pipeline folder (Flux is always the random-init tiny model)")
+    p.add_argument("--edit-seed", type=int, default=-1,
+                   help="diagnosis only: give every edit this seed (0 = the warm-up's); -1 = a random seed per edit")
     p.add_argument("--out", default="docs/bench/fidelity.md")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
     for fam in args.families.split(","):
-        rows += bench_family(fam, args.traces.split(","), args.n, args.steps, args.seed)
+        rows += bench_family(fam, args.traces.split(","), args.n, args.steps, args.seed, args.sd_model, args.edit_seed)
     lines = ["# Fidelity: mask-aware vs full compute (prompt and seed differ from the warm-up)\n",
              f"Command: `python -m ops.bench_fidelity --families {args.families} --traces {args.traces} "
-             f"--n {args.n} --steps {args.steps}` ({time.monotonic() - t0:.0f} s). Models: the embedded "
-             "random-init tiny models (SD inpaint 128x128, Flux Fill 64x64); warm-ups use an empty mask, "
-             "prompt \"\" and seed 0, edits other prompts and seeds. Ratios 0 and 1 are skipped (exact by "
-             "construction).\n",
-             "| family | trace | edits | mean mask ratio | SSIM | PSNR dB | SSIM unmasked | PSNR unmasked dB |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"--n {args.n} --steps {args.steps} --sd-model {args.sd_model}"
+             + (f" --edit-seed {args.edit_seed}" if args.edit_seed >= 0 else "")
+             + f"` ({time.monotonic() - t0:.0f} s). "
+             f"Models: SD = `{args.sd_model}` (128x128), Flux = the random-init tiny Flux Fill (64x64); "
+             "warm-ups use an empty mask, prompt \"\" and seed 0, edits other prompts "
+             f"({', '.join(EDIT_PROMPTS)}) and seeds. Ratios 0 and 1 are skipped (exact by construction). "
+             "Each column compares the mask-aware result with the full-compute result of the same job.\n",
+             "| family | trace | edits | mean mask ratio | SSIM | PSNR dB | SSIM unmasked | PSNR unmasked dB "
+             "| SSIM in mask | PSNR in mask dB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for fam in args.families.split(","):
         for trace in args.traces.split(","):
             sel = [r for r in rows if r["family"] == fam and r["trace"] == trace]
@@ -199,7 +231,8 @@ def main() -> int:
                 return float(np.mean(vals)) if vals else float("nan")
 
             lines.append(f"| {fam} | {trace} | {len(sel)} | {avg('ratio'):.3f} | {avg('ssim'):.3f} | "
-                         f"{avg('psnr'):.1f} | {avg('ssim_unmasked'):.3f} | {avg('psnr_unmasked'):.1f} |")
+                         f"{avg('psnr'):.1f} | {avg('ssim_unmasked'):.3f} | {avg('psnr_unmasked'):.1f} | "
+                         f"{avg('ssim_masked'):.3f} | {avg('psnr_masked'):.1f} |")
     write_markdown(Path(args.out), lines)
     return 0
 

@@ -11,6 +11,9 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Tests run on the random-init embedded model (same UNet shape as the trained default, smaller
+# VAE, no copy of the committed weights); tests/test_trained_model.py selects the trained one.
+os.environ.setdefault("STENCIL_MODEL_ID", "tiny-sd-inpaint")
 torch.set_num_threads(1)  # the workers the tests start need the other core
 
 from app.embedded import EmbeddedStack, RedisServer  # noqa: E402

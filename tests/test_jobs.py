@@ -108,3 +108,15 @@ def test_dispatcher_restart_rereads_unacknowledged_entries(redis_server, store: 
     assert store.status(job_id) == JobStatus.QUEUED
     assert run_until_routed(dispatcher, store, job_id) == JobStatus.ROUTED
     assert store.r.xpending(settings.intake_stream, settings.intake_group)["pending"] == 0
+
+
+def test_params_round_trip_through_record_fields() -> None:
+    """Every parameter survives the Redis hash (strings only), including the booleans and Nones."""
+    from app.jobs import JobParams
+
+    params = JobParams(prompt="a hat", steps=7, guidance=3.0, strength=0.8, seed=9, priority=2, deadline=123.5,
+                       template_id="t1", width=64, height=96, kind="edit", keep_unmasked=True)
+    assert JobParams.from_fields(params.to_fields()) == params
+    plain = JobParams(prompt="x")
+    assert JobParams.from_fields(plain.to_fields()) == plain
+    assert JobParams.from_fields(plain.to_fields()).keep_unmasked is False

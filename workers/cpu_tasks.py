@@ -132,7 +132,7 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
     meta = dict(prepared.meta, empty=empty, mask_ratio=prepared.mask_ratio)
     cache_fields = _cache_plan(job_id, params, meta, prepared.mask_ratio) if not empty else {}
     tensors = dict(prepared.tensors)
-    if empty:
+    if empty or params.keep_unmasked:
         tensors["processed_image"] = prepared.processed_image
     ctx.blobs().put(job_id, "inputs", pack(tensors, meta))
     jobs.transition(job_id, JobStatus.WAITING, mask_ratio=f"{prepared.mask_ratio:.6f}",
@@ -216,6 +216,20 @@ def _trigger_warm(params: JobParams, meta: dict[str, Any], digest: str) -> None:
     log.info("template %s has no cache for this key: warm-up job %s submitted", params.template_id, warm_id)
 
 
+def _overlay_template(pipe: Any, job_id: str, image: Any) -> Any:
+    """The decoded edit inside the mask, the template's exact pixels outside (the mask the model saw)."""
+    from PIL import Image
+
+    from workers.sd_inputs import image_from_processed
+
+    inputs, _ = unpack(ctx.blobs().get(job_id, "inputs") or b"")
+    if "processed_image" not in inputs or "pixel_mask" not in inputs:
+        raise RuntimeError("keep_unmasked needs the prepared template and mask, which are missing")
+    template = image_from_processed(pipe, inputs["processed_image"])
+    mask = Image.fromarray(inputs["pixel_mask"].numpy().astype("uint8") * 255, mode="L")
+    return pipe.image_processor.apply_overlay(mask, template, image)
+
+
 @app.task(name="stencil.finalize", bind=True, autoretry_for=TRANSIENT, retry_backoff=True, max_retries=5)
 def finalize(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
     from workers.sd_inputs import decode_latents, image_from_processed
@@ -244,6 +258,8 @@ def finalize(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
                                             int(rec.fields["width"]))
             else:
                 image = decode_latents(pipe, tensors["latents"])
+            if rec.params.keep_unmasked:
+                image = _overlay_template(pipe, job_id, image)
         key = result_key(job_id)
         ctx.object_store().put(key, encode_png(image))
     if jobs.transition(job_id, JobStatus.DONE, result_key=key, ts_end=repr(time.time())):

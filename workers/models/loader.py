@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import diffusers
 import torch
@@ -38,19 +38,16 @@ def ensure_model_dir(settings: Settings) -> Path:
     path = settings.home / "models" / settings.model_id
     if (path / "model_index.json").is_file():
         return path
+    if settings.model_id not in EMBEDDED_MODELS:
+        raise FileNotFoundError(f"no model folder configured and no embedded model named "
+                                f"{settings.model_id!r} (known: {sorted(EMBEDDED_MODELS)})")
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (path / "model_index.json").is_file():
-            from workers.models.tiny_sd import save_pipeline
-
-            builders = {"tiny-sd-inpaint": save_pipeline, "tiny-flux-fill": _save_tiny_flux}
-            if settings.model_id not in builders:
-                raise FileNotFoundError(f"no model folder configured and no embedded model named "
-                                        f"{settings.model_id!r} (known: {sorted(builders)})")
             tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-model-"))
             try:
-                builders[settings.model_id](tmp)
+                save_embedded(settings.model_id, tmp)
                 if path.exists():
                     shutil.rmtree(path)
                 os.replace(tmp, path)
@@ -60,10 +57,51 @@ def ensure_model_dir(settings: Settings) -> Path:
     return path
 
 
-def _save_tiny_flux(out: Path) -> None:
+def _save_tiny_sd(out: Path, seed: int = 0) -> None:
+    from workers.models.tiny_sd import save_pipeline
+
+    save_pipeline(out, seed=seed)
+
+
+def _save_tiny_flux(out: Path, seed: int = 0) -> None:
     from workers.models.tiny_flux import save_flux_fill_pipeline
 
-    save_flux_fill_pipeline(out)
+    save_flux_fill_pipeline(out, seed=seed)
+
+
+# The trained default ships in the repository (ops/train_tiny_sd.py wrote it): a few MB of
+# safetensors in save_pretrained layout, copied into the home like the built ones are saved.
+TRAINED_DIR = Path(__file__).resolve().parent / "trained"
+
+
+def _copy_trained(name: str) -> Callable[[Path, int], None]:
+    def copy(out: Path, seed: int = 0) -> None:
+        src = TRAINED_DIR / name
+        if not (src / "model_index.json").is_file():
+            raise FileNotFoundError(f"trained model folder {src} is missing (train it: python -m ops.train_tiny_sd)")
+        shutil.copytree(src, out, dirs_exist_ok=True)
+
+    return copy
+
+
+# Embedded models by id. The random-init ones stay for unit tests and speed benchmarks (their
+# outputs are noise); the trained one is the default so that the demo and fidelity show real edits.
+EMBEDDED_MODELS: dict[str, Callable[[Path, int], None]] = {
+    "tiny-sd-inpaint-trained": _copy_trained("tiny-sd-inpaint-trained"),
+    "tiny-sd-inpaint": _save_tiny_sd,
+    "tiny-flux-fill": _save_tiny_flux,
+}
+
+
+def save_embedded(model_id: str, out: str | Path, seed: int = 0) -> Path:
+    """Write embedded model ``model_id`` as a diffusers folder (``seed``: random-init models only)."""
+    if model_id not in EMBEDDED_MODELS:
+        raise ValueError(f"no embedded model named {model_id!r} (known: {sorted(EMBEDDED_MODELS)})")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    EMBEDDED_MODELS[model_id](out, seed)
+    log.info("embedded model %s written to %s", model_id, out)
+    return out
 
 
 FAMILIES = {"StableDiffusionInpaintPipeline": "sd", "StableDiffusionXLInpaintPipeline": "sd",

@@ -67,15 +67,15 @@ def build_unet(seed: int = 0, *, hidden: tuple[int, ...] = (32, 64), cross_dim: 
     )
 
 
-def build_vae(seed: int = 0) -> AutoencoderKL:
-    """Four-level VAE: 8x spatial downscale, 4 latent channels, as SD's."""
+def build_vae(seed: int = 0, *, block_out_channels: tuple[int, ...] = (16, 16, 32, 32)) -> AutoencoderKL:
+    """Four-level VAE: 8x spatial downscale, 4 latent channels, as SD's (wider for the trained model)."""
     torch.manual_seed(seed)
     return AutoencoderKL(
         in_channels=3,
         out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * 4,
         up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(16, 16, 32, 32),
+        block_out_channels=block_out_channels,
         latent_channels=4,
         norm_num_groups=16,
         layers_per_block=1,
