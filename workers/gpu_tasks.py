@@ -174,7 +174,8 @@ def get_engine() -> Engine:
             if s.mask_aware:
                 cache_options = {"caches": StepCacheProvider(ctx.activations(), s.host_cache_bytes),
                                  "recorder": CacheRecorder(ctx.activations()),
-                                 "dilation": s.mask_dilation, "prefetch_steps": s.prefetch_steps}
+                                 "dilation": s.mask_dilation, "prefetch_steps": s.prefetch_steps,
+                                 "cache_plan": s.cache_plan, "max_wait_s": s.cache_plan_max_wait_s}
             if ctx.model_family() == "flux":
                 from workers.engine.flux_runner import FluxRunner
                 from workers.maskaware.flux import MaskAwareFlux
@@ -268,8 +269,12 @@ def denoise(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
         used = out["masked_steps"] + out["fallback_steps"]
         jobs.update(job_id, ts_denoised=repr(time.time()), cache_mode=out["mode"],
                     masked_steps=out["masked_steps"], fallback_steps=out["fallback_steps"],
-                    # Share of steps whose cache fetch was hidden (resident when the step ran).
-                    fetch_hidden=f"{out['masked_steps'] / used:.3f}" if used else "")
+                    # Share of steps whose cache fetch was hidden (wholly resident when the step
+                    # ran); masked_steps also counts steps the plan ran partly from the cache.
+                    fetch_hidden=f"{out.get('resident_steps', out['masked_steps']) / used:.3f}" if used else "",
+                    # Share of (step, plan unit) computations that used the cache.
+                    cached_unit_share=("" if out.get("cached_unit_share") is None
+                                       else f"{out['cached_unit_share']:.3f}"))
         return prep
     finally:
         lease.release()

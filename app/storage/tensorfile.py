@@ -255,6 +255,37 @@ def read_tensor(
     return _to_tensor(store.get(key, info.start, info.end), info, name)
 
 
+def read_tensors(
+    store: ObjectStore, key: str, names: list[str], header: TensorHeader | None = None
+) -> dict[str, torch.Tensor]:
+    """Read several tensors with one ranged GET per contiguous run of their bytes.
+
+    Why: a plan unit's tensors (one transformer's K/V/Y) sit next to each other in the file
+    (names share a prefix and the layout is sorted by name), so a unit costs one request, not
+    one per tensor; each tensor is still verified by its own hash.
+    """
+    header = header or read_header(store, key)
+    infos = []
+    for name in names:
+        info = header.tensors.get(name)
+        if info is None:
+            raise KeyError(f"{key}: no tensor {name!r}")
+        infos.append((info.start, info.end, name, info))
+    infos.sort()
+    out: dict[str, torch.Tensor] = {}
+    i = 0
+    while i < len(infos):
+        j = i
+        while j + 1 < len(infos) and infos[j + 1][0] == infos[j][1]:
+            j += 1
+        begin, end = infos[i][0], infos[j][1]
+        data = memoryview(store.get(key, begin, end))
+        for start, stop, name, info in infos[i : j + 1]:
+            out[name] = _to_tensor(data[start - begin : stop - begin], info, name)
+        i = j + 1
+    return {name: out[name] for name in names}
+
+
 def read_all(store: ObjectStore, key: str) -> dict[str, torch.Tensor]:
     """One GET of the whole object, every tensor verified."""
     try:
@@ -274,4 +305,5 @@ __all__ = [
     "read_all",
     "read_header",
     "read_tensor",
+    "read_tensors",
 ]

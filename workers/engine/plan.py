@@ -276,6 +276,63 @@ def plan_optimal(
     return _plan("optimal", blocks, decisions, lead_s, exact)
 
 
+# -- online cost model -------------------------------------------------------------------------
+
+
+class UnitCostModel:
+    """Per-unit compute time as a function of the token rows the unit computes, learned online.
+
+    Why this shape: a unit's time is dominated by its token-wise layers (linear in computed rows)
+    plus attention (rows x all keys) and fixed full-map work; batch size and mask ratio only enter
+    through the computed rows. Measurements are kept as an EMA of (rows, seconds) per unit and
+    half-octave bucket of rows; a prediction interpolates linearly between the nearest buckets
+    (proportionally from the nearest one at either end). No measurement for a unit -> None: the
+    caller must not plan with guesses. Pure state, no clock: the engine feeds it.
+    """
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = alpha
+        self._buckets: dict[str, dict[int, tuple[float, float]]] = {}
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return int(round(2 * math.log2(max(rows, 1))))
+
+    def observe(self, unit: str, rows: int, seconds: float) -> None:
+        if rows <= 0 or not (seconds >= 0 and math.isfinite(seconds)):
+            return
+        per = self._buckets.setdefault(unit, {})
+        b = self.bucket(rows)
+        if b in per:
+            r0, s0 = per[b]
+            a = self.alpha
+            per[b] = ((1 - a) * r0 + a * rows, (1 - a) * s0 + a * seconds)
+        else:
+            per[b] = (float(rows), float(seconds))
+
+    def predict(self, unit: str, rows: int) -> float | None:
+        per = self._buckets.get(unit)
+        if not per:
+            return None
+        if rows <= 0:
+            return 0.0
+        points = sorted(per.values())
+        lo = [p for p in points if p[0] <= rows]
+        hi = [p for p in points if p[0] >= rows]
+        if lo and hi:
+            (r0, s0), (r1, s1) = lo[-1], hi[0]
+            if r1 == r0:
+                return s0
+            return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+        r, sec = (lo[-1] if lo else hi[0])
+        return sec * rows / r
+
+    def units(self) -> list[str]:
+        return list(self._buckets)
+
+
 # -- baselines ---------------------------------------------------------------------------------
 
 
@@ -383,6 +440,7 @@ __all__ = [
     "StepPlan",
     "Tier",
     "UNAVAILABLE",
+    "UnitCostModel",
     "compare",
     "plan_all_full",
     "plan_brute_force",

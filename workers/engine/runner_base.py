@@ -11,12 +11,29 @@ the job's state counts such steps.
 A step is transactional: new latents are committed only after every job's update succeeded, and
 scheduler/generator state is rolled back on failure, so the engine can retry job by job to
 isolate a failing job exactly.
+
+The load/compute plan (``cache_plan``, DESIGN.md pitfall 10). With a model that exposes plan
+units (``MaskAwareUNet.units``: one per ``Transformer2DModel``) and a provider that loads them
+block by block, a masked job whose step is not wholly resident does not simply fall back:
+- ``"plan"`` (default): before the step, ``plan_optimal`` decides per unit whether the batch's
+  non-resident jobs wait for that unit's load (cached compute) or compute it fully, from the
+  online cost model (``UnitCostModel``: measured seconds per unit as a function of computed
+  token rows, which covers batch size and mask ratio) and the store's measured bandwidth and
+  latency; resident units are always used, units the plan skips are computed fully. Until the
+  cost model has seen a unit (or the store's bandwidth is unknown) it behaves like ``resident``.
+- ``"all"``: wait for every unit's load (block-wise pipelining; a baseline).
+- ``"resident"``: use what is resident, never wait (per unit).
+- ``"step"``: the per-step rule only (whole step resident or full compute).
+Waiting is bounded: a unit that is not there by the step's deadline is computed fully, so a slow
+or failed store can never stall the loop for long, and the result is correct either way.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import math
+import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -25,10 +42,65 @@ from typing import Any
 import torch
 
 from workers.engine.job import EngineJob
-from workers.engine.template_cache import CacheRecorder, StepCacheProvider
+from workers.engine.plan import RESIDENT, UNAVAILABLE, BlockCost, StepPlan, Tier, UnitCostModel, plan_optimal
+from workers.engine.template_cache import CacheRecorder, StepCacheProvider, UnitCache
 from workers.maskaware.activation_store import TemplateCacheKey
 
 log = logging.getLogger(__name__)
+
+CACHE_PLANS = ("plan", "all", "resident", "step")
+
+
+@dataclass
+class PlanJob:
+    """One job's rows as the plan sees them (see ``unit_costs``)."""
+
+    rows: int
+    token_mask: Any = None  # None: computes every token of every unit
+    slot: tuple[str, int] | None = None  # (cache digest, step) it loads from, if pending
+    resident: set[str] | None = None  # pending jobs: units already resident; None: all resident
+
+
+GAP = "gap:"  # plan blocks for the compute between units (ResNets, convs): always computed
+
+
+def unit_costs(ctrl: Any, cost: UnitCostModel, jobs: list[PlanJob], latent_hw: tuple[int, int],
+               store: Tier | None) -> list[BlockCost] | None:
+    """The plan's input for one step of a batch: per unit, the batch's time if the pending jobs
+    use the cache (after loading what is not resident) or compute fully, and the bytes to load
+    (deduplicated per cache slot); before each unit a fixed block for the other compute since the
+    previous one (loads overlap with it too). None if any time is unknown (never plan with
+    guesses)."""
+    blocks = []
+    batch_rows = sum(j.rows for j in jobs)
+    for u in ctrl.units:
+        gap = cost.predict(GAP + u, batch_rows)
+        if gap is None:
+            return None
+        blocks.append(BlockCost(GAP + u, gap, gap, 0, UNAVAILABLE))
+        n = ctrl.unit_tokens(u, latent_hw)
+        base = extra_cached = extra_full = nbytes = 0
+        slots: set[tuple[str, int]] = set()
+        for j in jobs:
+            if j.token_mask is None:
+                base += j.rows * n
+                continue
+            m = j.rows * j.token_mask.count(n)
+            if j.resident is None or u in j.resident:
+                base += m
+                continue
+            extra_cached += m
+            extra_full += j.rows * n
+            if j.slot not in slots:
+                slots.add(j.slot)  # type: ignore[arg-type]
+                nbytes += ctrl.unit_nbytes(u, latent_hw, j.rows)
+        cached = cost.predict(u, base + extra_cached)
+        full = cost.predict(u, base + extra_full)
+        if cached is None or full is None:
+            return None
+        tier = RESIDENT if nbytes == 0 else (store if store is not None else UNAVAILABLE)
+        blocks.append(BlockCost(u, cached, full, nbytes, tier))
+    return blocks
 
 
 @dataclass
@@ -52,16 +124,39 @@ class JobState:
         return 1
 
 
+def observe_context(cost: UnitCostModel, ctx: Any) -> None:
+    """Feed one mask-aware call's measured unit times (minus load waits) and the compute between
+    units to the cost model."""
+    for unit, seconds in ctx.unit_seconds.items():
+        rows = ctx.unit_tokens.get(unit)
+        if rows:
+            cost.observe(unit, rows, seconds - ctx.unit_wait.get(unit, 0.0))
+    for unit, seconds in getattr(ctx, "unit_gap", {}).items():
+        cost.observe(GAP + unit, ctx.total_rows, seconds)
+
+
 class BaseRunner(ABC):
     """Cache-mode bookkeeping and the transactional step; subclasses run the model."""
 
     def __init__(self, maskaware: Any = None, caches: StepCacheProvider | None = None,
-                 recorder: CacheRecorder | None = None, dilation: int = 0, prefetch_steps: int = 4) -> None:
+                 recorder: CacheRecorder | None = None, dilation: int = 0, prefetch_steps: int = 4,
+                 cache_plan: str = "plan", max_wait_s: float = 5.0) -> None:
+        if cache_plan not in CACHE_PLANS:
+            raise ValueError(f"cache_plan must be one of {CACHE_PLANS}, got {cache_plan!r}")
         self.maskaware = maskaware
         self.caches = caches
         self.recorder = recorder
         self.dilation = dilation
         self.prefetch_steps = prefetch_steps
+        self.cache_plan = cache_plan
+        self.max_wait_s = max_wait_s
+        self.unit_cost = UnitCostModel()
+        self.last_plan: StepPlan | None = None
+        self.last_ctx: Any = None  # the mask-aware context of the last step (set by _forward)
+        self._units_on = (cache_plan != "step" and hasattr(maskaware, "units")
+                          and hasattr(caches, "set_units") and hasattr(caches, "unit_status"))
+        if self._units_on:
+            caches.set_units({u: maskaware.unit_tensor_names(u) for u in maskaware.units})  # type: ignore[union-attr]
 
     # -- family-specific -------------------------------------------------------------------------
     @abstractmethod
@@ -122,16 +217,89 @@ class BaseRunner(ABC):
             st.extra["fallback_pending"] = True
         return self._row_group(st.rows, "full")
 
+    def _plan_groups(self, batch: list[EngineJob], groups: list[Any]) -> list[Any]:
+        """Per-unit plan for masked jobs whose step is not wholly resident (module doc)."""
+        pending = []
+        for i, job in enumerate(batch):
+            st: JobState = job.state
+            if st.mode == "masked" and st.extra.get("fallback_pending"):
+                resident, failed = self.caches.unit_status(st.cache_key, job.steps_done)  # type: ignore[union-attr]
+                if not failed:
+                    pending.append((i, resident))
+        if not pending:
+            return groups
+        pending_idx = {i for i, _ in pending}
+        plan_jobs = []
+        for i, job in enumerate(batch):
+            st = job.state
+            if getattr(groups[i], "mode", "full") == "masked":
+                plan_jobs.append(PlanJob(st.rows, st.token_masks))
+            elif i not in pending_idx:
+                plan_jobs.append(PlanJob(st.rows))
+        for i, resident in pending:
+            st = batch[i].state
+            plan_jobs.append(PlanJob(st.rows, st.token_masks, (st.cache_key.digest(), batch[i].steps_done), resident))
+        units = self.maskaware.units
+        latent_hw = (int(batch[0].state.latents.shape[-2]), int(batch[0].state.latents.shape[-1]))
+        chosen: set[str]
+        self.last_plan = None
+        if self.cache_plan == "all":
+            chosen, deadline = set(units), time.monotonic() + self.max_wait_s
+        else:
+            chosen, deadline = set(), -math.inf
+            blocks = None
+            if self.cache_plan == "plan":
+                blocks = unit_costs(self.maskaware, self.unit_cost, plan_jobs, latent_hw,
+                                    self.caches.store_tier())  # type: ignore[union-attr]
+            if blocks is not None:
+                plan = plan_optimal(blocks)
+                self.last_plan = plan
+                chosen = {b.name for b, use in zip(blocks, plan.use_cache) if use and not b.name.startswith(GAP)}
+                # Bounded wait: the plan's own prediction with generous slack for model error.
+                deadline = time.monotonic() + min(self.max_wait_s, 0.05 + 2 * plan.predicted_s)
+        names = self.maskaware.tensor_names()
+        requested: list[tuple[TemplateCacheKey, int, list[str]]] = []
+        seen: set[tuple[str, int]] = set()
+        for i, resident in pending:
+            job, st = batch[i], batch[i].state
+            want = [u for u in units if u in chosen and u not in resident]
+            slot = (st.cache_key.digest(), job.steps_done)
+            if want and slot not in seen:
+                seen.add(slot)
+                requested.append((st.cache_key, job.steps_done, want))
+            cache = UnitCache(self.caches, st.cache_key, job.steps_done, names,  # type: ignore[arg-type]
+                              wait_units=want, deadline=deadline)
+            st.extra["unit_cache"] = cache
+            groups[i] = self._row_group(st.rows, "masked", st.token_masks, cache)
+        for u in units:  # one queue in block order across the batch's caches (the copy stream)
+            for key, step, want in requested:
+                if u in want:
+                    self.caches.load_units(key, step, [u])  # type: ignore[union-attr]
+        return groups
+
+    def _observe_units(self) -> None:
+        """Feed the measured per-unit compute times (minus load waits) to the cost model."""
+        ctx = self.last_ctx
+        if ctx is None or not getattr(ctx, "unit_seconds", None):
+            return
+        observe_context(self.unit_cost, ctx)
+
     # -- the step ------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, batch: list[EngineJob]) -> None:
         """One denoising step for every job of ``batch`` in a single denoiser call."""
         if not batch:
             return
-        for job in batch:
+        for job in batch:  # a retried step starts clean
             job.state.extra.pop("fallback_pending", None)
+            job.state.extra.pop("unit_cache", None)
         groups = [self._group(job) for job in batch] if self.maskaware is not None else None
+        if groups is not None and self._units_on:
+            groups = self._plan_groups(batch, groups)
+        self.last_ctx = None
         output, recorded = self._forward(batch, groups)
+        if self._units_on:
+            self._observe_units()
         updates: list[tuple[JobState, torch.Tensor]] = []
         snapshots = [(job.state, dict(job.state.scheduler.__dict__), job.state.generator.get_state())
                      for job in batch]
@@ -161,7 +329,20 @@ class BaseRunner(ABC):
         for i, job in enumerate(batch):
             st: JobState = job.state
             if st.mode == "masked":
-                if st.extra.pop("fallback_pending", False):
+                units = st.extra.pop("unit_cache", None)
+                pending = st.extra.pop("fallback_pending", False)
+                n_units = len(getattr(self.maskaware, "units", ()))
+                if units is not None:  # planned step: partly cached (or all units computed fully)
+                    used = len(units.used)
+                    pending = used == 0
+                    st.extra["cached_units"] = st.extra.get("cached_units", 0) + used
+                    st.extra["wait_s"] = st.extra.get("wait_s", 0.0) + units.waited_s
+                    st.extra["missed_units"] = st.extra.get("missed_units", 0) + len(units.missed)
+                elif not pending:  # the whole step was resident: its fetch was hidden
+                    st.extra["cached_units"] = st.extra.get("cached_units", 0) + n_units
+                    st.extra["resident_steps"] = st.extra.get("resident_steps", 0) + 1
+                st.extra["total_units"] = st.extra.get("total_units", 0) + n_units
+                if pending:
                     st.fallback_steps += 1
                 else:
                     st.masked_steps += 1
@@ -188,9 +369,14 @@ class BaseRunner(ABC):
 
     def result(self, job: EngineJob) -> dict[str, Any]:
         st: JobState = job.state
+        total = st.extra.get("total_units", 0)
         return {"latents": st.latents, "commit": st.commit, "mode": st.mode,
                 "masked_steps": st.masked_steps, "fallback_steps": st.fallback_steps,
-                "note": st.extra.get("cache_note", "")}
+                "note": st.extra.get("cache_note", ""),
+                # Share of (step, unit) computations that used the cache; 0..1, "" if none.
+                "cached_unit_share": (st.extra.get("cached_units", 0) / total) if total else None,
+                "resident_steps": st.extra.get("resident_steps", 0),
+                "load_wait_s": st.extra.get("wait_s", 0.0)}
 
 
 def _step_kwargs(scheduler: Any, generator: torch.Generator) -> dict[str, Any]:

@@ -99,6 +99,7 @@ class SDRunner(BaseRunner):
             return self.unet(*args, **kwargs)[0], []
         with self.maskaware.batch(groups) as ctx:
             out = self.unet(*args, **kwargs)[0]
+        self.last_ctx = ctx  # per-unit timings for the plan's cost model
         return out, list(ctx.recorded)
 
     def _guided(self, job: EngineJob, rows: torch.Tensor) -> torch.Tensor:

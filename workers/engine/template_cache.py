@@ -1,11 +1,24 @@
 """Template activations for the engine: host-RAM tier over the object store, fetched ahead.
 
 ``StepCacheProvider`` serves one (template cache, step) at a time to the runner without ever
-blocking the denoising loop: ``ready`` returns the tensors if they are resident in host RAM and
-otherwise starts fetching them and returns None (the runner then computes that job's step fully,
-which is always correct). Fetches are deduplicated per (cache digest, step), so jobs sharing a
-template share one copy (DESIGN.md pitfall 7), and run on a small thread pool. A step that failed
-to load (missing, corrupt, store down) is remembered and never retried in a tight loop.
+blocking the denoising loop on a whole step: ``ready`` returns the tensors if they are resident
+in host RAM and otherwise starts fetching them and returns None. Fetches are deduplicated per
+(cache digest, step), so jobs sharing a template share one copy (DESIGN.md pitfall 7), and run on
+a small thread pool. A step that failed to load (missing, corrupt, store down) is remembered and
+never retried in a tight loop.
+
+Block-wise loading (the plan, ``workers/engine/plan.py``). With ``set_units`` (the mask-aware
+model's plan units, in execution order, and the tensor names of each), a step is fetched unit by
+unit with one ranged GET per unit (header first), and units already fetched are visible while the
+rest are still in flight (``unit_status``). The engine's plan may then ask for the units it wants
+*now*: ``load_units`` queues them on one loader thread (the copy stream: on CPU it only sleeps
+on the store, so it overlaps with compute), in block order, ahead of background prefetch, and
+``acquire`` waits for one unit until a deadline (False = compute that unit fully). Background
+prefetch reads all units nobody has claimed yet in one ranged GET per contiguous run (one
+request latency per step); whatever fetches a unit first, the other path skips it; a step whose
+units are all fetched is assembled into the host-RAM LRU as one entry. The provider measures
+the store's bandwidth and per-request latency from its own fetches (EMA) for the plan's load
+times (``store_tier``).
 
 ``CacheRecorder`` writes a warm-up's per-step activations in order on a background thread and
 commits the manifest last, so a partly written cache is never visible.
@@ -14,20 +27,40 @@ commits the manifest last, so a partly written cache is never visible.
 from __future__ import annotations
 
 import logging
+import math
+import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
 from app import metrics
 from app.storage.hostcache import HostCache
+from app.storage.tensorfile import TensorHeader
+from workers.engine.plan import Tier
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
 
 log = logging.getLogger(__name__)
 
 StepTensors = dict[str, torch.Tensor]
+Slot = tuple[str, int]
+
+
+@dataclass
+class _Fill:
+    """A step being fetched unit by unit: what has arrived so far."""
+
+    key: TemplateCacheKey
+    step: int
+    obj: str | None = None
+    header: TensorHeader | None = None
+    units: dict[str, StepTensors] = field(default_factory=dict)
+    loading: set[str] = field(default_factory=set)
+    error: BaseException | None = None
+    header_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class StepCacheProvider:
@@ -36,35 +69,268 @@ class StepCacheProvider:
         self.activations = activations
         self.host: HostCache[StepTensors] = HostCache(budget_bytes)
         self._pool = ThreadPoolExecutor(fetch_threads, thread_name_prefix="stencil-fetch")
-        self._inflight: set[tuple[str, int]] = set()
-        self._failed: dict[tuple[str, int], float] = {}
+        self._inflight: set[Slot] = set()
+        self._failed: dict[Slot, float] = {}
         self._templates: dict[str, str] = {}  # cache digest -> template id
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self.retry_after_s = retry_after_s
         self.fetch_seconds = 0.0
         self.fetched_bytes = 0
+        # Block-wise loading (enabled by ``set_units``).
+        self._units: dict[str, list[str]] | None = None
+        self._fills: dict[Slot, _Fill] = {}
+        self._demand: queue.Queue[tuple[TemplateCacheKey, int, str] | None] = queue.Queue()
+        self._demand_pending = 0  # queued + in-flight demand loads (``drain``)
+        self._loader: threading.Thread | None = None
+        self._closed = False
+        # Measured store link (EMA over this provider's own requests).
+        self._bw_ema: float | None = None
+        self._lat_ema: float | None = None
+        self.ema_alpha = 0.3
+        self.load_log: list[tuple[Slot, str, float, float, int]] = []  # (slot, unit, start, end, bytes)
 
+    # -- configuration -----------------------------------------------------------------------
+    def set_units(self, units: Mapping[str, Sequence[str]]) -> None:
+        """Enable unit-wise fetching: ``{unit: tensor names}`` in execution order."""
+        self._units = {u: list(names) for u, names in units.items()}
+        if self._loader is None:
+            self._loader = threading.Thread(target=self._demand_loop, name="stencil-copy", daemon=True)
+            self._loader.start()
+
+    @property
+    def unit_names(self) -> list[str]:
+        return list(self._units or {})
+
+    # -- measurement ---------------------------------------------------------------------------
+    def _observe(self, nbytes: int, seconds: float, request: bool = True) -> None:
+        with self._lock:
+            self.fetch_seconds += seconds
+            self.fetched_bytes += nbytes
+            a = self.ema_alpha
+            if nbytes == 0 or nbytes < 64 * 1024:  # small requests: latency
+                self._lat_ema = seconds if self._lat_ema is None else (1 - a) * self._lat_ema + a * seconds
+            else:
+                lat = self._lat_ema or 0.0
+                bw = nbytes / max(seconds - (lat if request else 0.0), 1e-6)
+                self._bw_ema = bw if self._bw_ema is None else (1 - a) * self._bw_ema + a * bw
+
+    def store_tier(self) -> Tier | None:
+        """The object store as a plan tier, from measured fetches (None before any)."""
+        with self._lock:
+            if self._bw_ema is None:
+                return None
+            return Tier("store", self._bw_ema, self._lat_ema or 0.0)
+
+    # -- whole-step fetches (background prefetch) --------------------------------------------------
     def _fetch(self, key: TemplateCacheKey, step: int) -> StepTensors:
         start = time.perf_counter()
         tensors = self.activations.read_step(key, step)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        with self._lock:
-            self.fetch_seconds += time.perf_counter() - start
-            self.fetched_bytes += nbytes
+        self._observe(nbytes, time.perf_counter() - start, request=False)
         metrics.observe_cache("store", True, nbytes)
         return tensors
 
-    def _run(self, key: TemplateCacheKey, step: int, slot: tuple[str, int]) -> None:
+    def _run(self, key: TemplateCacheKey, step: int, slot: Slot) -> None:
         try:
-            self.host.get_or_fetch(slot, lambda: self._fetch(key, step))
+            if self._units is None:
+                self.host.get_or_fetch(slot, lambda: self._fetch(key, step))
+            else:
+                self._fill_all(key, step, slot)
         except Exception as exc:  # missing/corrupt/unreachable: this step computes fully
             log.warning("activation cache %s step %d unavailable: %s", slot[0], step, exc)
-            with self._lock:
+            with self._cond:
                 self._failed[slot] = time.monotonic()
+                fill = self._fills.pop(slot, None)
+                if fill is not None:
+                    fill.error = exc
+                self._cond.notify_all()
         finally:
             with self._lock:
                 self._inflight.discard(slot)
 
+    # -- unit-wise fetches -----------------------------------------------------------------------
+    def _fill_for(self, key: TemplateCacheKey, step: int) -> _Fill:
+        slot = (key.digest(), step)
+        with self._lock:
+            fill = self._fills.get(slot)
+            if fill is None:
+                fill = self._fills[slot] = _Fill(key, step)
+            return fill
+
+    def _header(self, fill: _Fill) -> tuple[str, TensorHeader]:
+        with fill.header_lock:
+            if fill.header is None:
+                t0 = time.perf_counter()
+                fill.obj, fill.header = self.activations.step_header(fill.key, fill.step)
+                self._observe(0, (time.perf_counter() - t0) / 2)  # two small GETs: manifest, header
+            assert fill.obj is not None
+            return fill.obj, fill.header
+
+    def _load_unit(self, fill: _Fill, slot: Slot, unit: str) -> bool:
+        """Fetch one unit unless present or being fetched; True if this call fetched it."""
+        assert self._units is not None
+        with self._lock:
+            if unit in fill.units or unit in fill.loading or fill.error is not None:
+                return False
+            fill.loading.add(unit)
+        try:
+            obj, header = self._header(fill)
+            t0 = time.perf_counter()
+            tensors = self.activations.read_tensors(obj, header, self._units[unit])
+            t1 = time.perf_counter()
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            self._observe(nbytes, t1 - t0)
+            metrics.observe_cache("store", True, nbytes)
+        except BaseException:
+            with self._cond:
+                fill.loading.discard(unit)
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            fill.loading.discard(unit)
+            fill.units[unit] = tensors
+            self.load_log.append((slot, unit, t0, t1, nbytes))
+            del self.load_log[:-4096]
+            self._cond.notify_all()
+        return True
+
+    def _load_rest(self, fill: _Fill, slot: Slot) -> None:
+        """Fetch every unit nobody has fetched or claimed, in one ranged GET per contiguous run
+        (background prefetch: one request latency per step, not one per unit)."""
+        assert self._units is not None
+        with self._lock:
+            if fill.error is not None:
+                return
+            todo = [u for u in self._units if u not in fill.units and u not in fill.loading]
+            fill.loading.update(todo)
+        if not todo:
+            return
+        try:
+            obj, header = self._header(fill)
+            t0 = time.perf_counter()
+            names = [n for u in todo for n in self._units[u]]
+            tensors = self.activations.read_tensors(obj, header, names)
+            t1 = time.perf_counter()
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            self._observe(nbytes, t1 - t0)
+            metrics.observe_cache("store", True, nbytes)
+        except BaseException:
+            with self._cond:
+                fill.loading.difference_update(todo)
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            for u in todo:
+                fill.loading.discard(u)
+                fill.units[u] = {n: tensors[n] for n in self._units[u]}
+            self.load_log.append((slot, "+".join(todo) if len(todo) < 3 else f"{len(todo)} units", t0, t1, nbytes))
+            del self.load_log[:-4096]
+            self._cond.notify_all()
+
+    def _fill_all(self, key: TemplateCacheKey, step: int, slot: Slot) -> None:
+        assert self._units is not None
+        fill = self._fill_for(key, step)
+        if self._closed:
+            return
+        self._load_rest(fill, slot)
+        with self._cond:  # the demand loader may still be fetching some unit
+            while fill.loading and fill.error is None:
+                self._cond.wait(1.0)
+            if fill.error is not None:
+                raise fill.error
+            tensors = {n: t for unit in self._units for n, t in fill.units[unit].items()}
+        self.host.put(slot, tensors)
+        with self._cond:
+            self._fills.pop(slot, None)
+            self._cond.notify_all()
+
+    def _demand_loop(self) -> None:
+        while True:
+            item = self._demand.get()
+            if item is None:
+                return
+            key, step, unit = item
+            slot = (key.digest(), step)
+            try:
+                if slot not in self.host:
+                    self._load_unit(self._fill_for(key, step), slot, unit)
+            except Exception as exc:
+                log.warning("activation cache %s step %d unit %s unavailable: %s", slot[0], step, unit, exc)
+                with self._cond:
+                    fill = self._fills.pop(slot, None)
+                    if fill is not None:
+                        fill.error = exc
+                    self._failed[slot] = time.monotonic()
+            finally:
+                with self._cond:
+                    self._demand_pending -= 1
+                    self._cond.notify_all()
+
+    def unit_status(self, key: TemplateCacheKey, step: int) -> tuple[set[str], bool]:
+        """(units resident in host RAM now, whether the step is known to be unavailable)."""
+        slot = (key.digest(), step)
+        if slot in self.host:
+            return set(self._units or {}), False
+        with self._lock:
+            failed_at = self._failed.get(slot)
+            if failed_at is not None and time.monotonic() - failed_at < self.retry_after_s:
+                return set(), True
+            fill = self._fills.get(slot)
+            return (set(fill.units) if fill is not None else set()), False
+
+    def load_units(self, key: TemplateCacheKey, step: int, units: Iterable[str], complete: bool = True) -> None:
+        """Queue these units of a step on the copy-stream thread (in the order given); with
+        ``complete`` the rest of the step follows in the background, after the queued loads."""
+        if self._units is None:
+            raise RuntimeError("load_units needs set_units")
+        self._fill_for(key, step)
+        for unit in units:
+            with self._lock:
+                self._demand_pending += 1
+            self._demand.put((key, step, unit))
+        if complete:
+            self.prefetch(key, [step])
+
+    def drain(self, timeout: float = 60.0) -> bool:
+        """Wait until no demand load is queued or running (benchmarks, tests)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._demand_pending > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+        return True
+
+    def forget(self, key: TemplateCacheKey, step: int) -> None:
+        """Drop a step from host RAM and any partial fill (benchmarks: a cold start each trial)."""
+        slot = (key.digest(), step)
+        self.host.invalidate(slot)
+        with self._cond:
+            self._fills.pop(slot, None)
+            self._failed.pop(slot, None)
+
+    def acquire(self, key: TemplateCacheKey, step: int, unit: str, deadline: float) -> StepTensors | None:
+        """One unit's tensors, waiting until ``deadline`` (``time.monotonic``); None = not in time."""
+        slot = (key.digest(), step)
+        with self._cond:
+            while True:
+                whole = self.host.peek(slot)
+                if whole is not None:
+                    assert self._units is not None
+                    return {n: whole[n] for n in self._units[unit]}
+                fill = self._fills.get(slot)
+                if fill is not None and unit in fill.units:
+                    return fill.units[unit]
+                if fill is None or fill.error is not None:
+                    return None  # not being fetched (or failed): never wait for nothing
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(min(left, 0.05))
+
+    # -- public step-level API -------------------------------------------------------------------
     def resident_templates(self) -> set[str]:
         """Templates with at least one step in host RAM (the dispatcher's affinity term)."""
         digests = {slot[0] for slot in self.host.keys()}
@@ -105,8 +371,60 @@ class StepCacheProvider:
             time.sleep(0.005)
         return None
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def close(self, wait: bool = False) -> None:
+        """Stop fetching (queued fetches are dropped; ``wait``: join the running ones)."""
+        self._closed = True
+        self._demand.put(None)
+        self._pool.shutdown(wait=wait, cancel_futures=True)
+        if wait and self._loader is not None:
+            self._loader.join()
+
+
+class UnitCache(Mapping[str, torch.Tensor]):
+    """One job's step cache as the mask-aware model sees it while it is loaded block by block.
+
+    ``acquire_unit`` (asked once per unit by ``MaskAwareUNet``) answers at once for resident units,
+    waits until ``deadline`` for units the plan chose to load, and says False (compute fully) for
+    the rest: a unit whose data is not resident is never waited for unless the plan wants it.
+    """
+
+    def __init__(self, provider: StepCacheProvider, key: TemplateCacheKey, step: int,
+                 names: Sequence[str], wait_units: Iterable[str], deadline: float) -> None:
+        self.provider = provider
+        self.key = key
+        self.step = step
+        self._names = set(names)
+        self.wait_units = set(wait_units)
+        self.deadline = deadline
+        self._tensors: StepTensors = {}
+        self.used: list[str] = []
+        self.missed: list[str] = []
+        self.waited_s = 0.0
+
+    def acquire_unit(self, unit: str) -> bool:
+        t0 = time.monotonic()
+        deadline = self.deadline if unit in self.wait_units else -math.inf
+        got = self.provider.acquire(self.key, self.step, unit, deadline)
+        self.waited_s += time.monotonic() - t0
+        if got is None:
+            if unit in self.wait_units:
+                self.missed.append(unit)
+            return False
+        self._tensors.update(got)
+        self.used.append(unit)
+        return True
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 class CacheRecorder:

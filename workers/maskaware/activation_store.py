@@ -5,7 +5,10 @@ manifest is written *last* by ``commit``: readers require it, so a partly writte
 visible, and ``delete`` removes it first for the same reason. Step objects carry the key in their
 safetensors metadata and the manifest carries the full key, so a cache recorded under another key
 (digest collision, copied or stale objects) is refused rather than silently used. Tensors are read
-with ``safetensors.torch.load`` from bytes; nothing is ever unpickled.
+with ``safetensors.torch.load`` from bytes; nothing is ever unpickled. Step objects are written by
+``app/storage/tensorfile.py`` (plain safetensors plus per-tensor sha256), so the engine can read
+one plan unit's tensors with a ranged GET (``step_header`` + ``read_tensors``) and every read is
+verified; objects written before that (no hashes) still load whole through ``read_step``.
 
 This tier is deliberately small; a host-RAM LRU and S3 go below/above it without changing it.
 """
@@ -21,8 +24,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
+from app.storage import tensorfile
 from app.storage.base import ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -98,7 +101,7 @@ class ActivationStore:
         if not 0 <= step < key.steps:
             raise ValueError(f"step {step} outside 0..{key.steps - 1}")
         meta = {"key": key.canonical(), "step": str(step), "format": str(FORMAT_VERSION)}
-        data = st_save({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, metadata=meta)
+        data = tensorfile.encode({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, meta)
         self.store.put(self.step_object(key, step), data)
         return len(data)
 
@@ -156,7 +159,24 @@ class ActivationStore:
         meta = _st_metadata(data)
         if meta.get("key") != key.canonical() or meta.get("step") != str(step):
             raise CacheKeyMismatch(f"{entry['object']} holds {meta.get('key')} step {meta.get('step')}")
+        if "stencil.format" in meta:
+            return tensorfile.decode(data)
         return st_load(data)
+
+    def step_header(self, key: TemplateCacheKey, step: int) -> tuple[str, tensorfile.TensorHeader]:
+        """(object, verified header) of a committed step, read with ranged GETs only."""
+        entry = self.manifest(key)["steps"].get(str(step))  # type: ignore[union-attr]
+        if entry is None:
+            raise CacheNotFound(f"step {step} not in cache {key.digest()}")
+        obj = str(entry["object"])
+        header = tensorfile.read_header(self.store, obj)
+        if header.metadata.get("key") != key.canonical() or header.metadata.get("step") != str(step):
+            raise CacheKeyMismatch(f"{obj} holds {header.metadata.get('key')} step {header.metadata.get('step')}")
+        return obj, header
+
+    def read_tensors(self, obj: str, header: tensorfile.TensorHeader, names: list[str]) -> dict[str, torch.Tensor]:
+        """Some tensors of a step object (one ranged GET per contiguous run), hash-verified."""
+        return tensorfile.read_tensors(self.store, obj, names, header)
 
     def list_templates(self) -> list[TemplateCacheKey]:
         """Keys of every committed cache under the prefix."""

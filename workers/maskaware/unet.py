@@ -48,6 +48,21 @@ Cache size per template (bytes), ``dtype`` bytes ``s``, ``rows`` = 2 with CFG:
 with ``n_tensors`` = 2 + [block is last in its transformer] for ``"kv+y"`` and 1 for ``"y"``;
 ``N_level`` = tokens at the block's level (latent halved with ceil per down level), ``C`` = width.
 Tensor names: ``"<block path>.k"``, ``"<block path>.v"``, ``"<block path>.y"``.
+
+Units (the granularity of the load/compute plan, ``workers/engine/plan.py``): one unit per
+``Transformer2DModel`` (module path, e.g. ``"down_blocks.1.attentions.0"``), holding the tensors of
+all its blocks. Why not per ``BasicTransformerBlock``: with the ``"kv+y"`` layout an inner block's
+output is not cached, so a block computing all tokens after a masked block would read garbage at
+unmasked tokens; a whole transformer computing fully reads only ``proj_in`` of the full map and
+writes every token of its ``proj_out`` input, so downstream units get correct inputs either way.
+On SD1.x/2.x a unit is exactly one block. A masked group computes every block of the units in
+``RowGroup.full_units`` on all its tokens (its cache for those units is never read, so it need
+not be loaded). If the group's cache has ``acquire_unit(unit) -> bool`` (a cache being loaded
+block by block, ``workers/engine/template_cache.py``), it is asked once per unit, when the unit's
+first block runs; False means "not resident (in time)": the unit computes fully for that group.
+Each ``batch`` context measures the seconds and computed token rows of every unit
+(``ctx.unit_seconds``, ``ctx.unit_tokens``): the engine's online cost model for the plan. On CUDA
+those timings would need a synchronize; on CPU they are exact.
 """
 
 from __future__ import annotations
@@ -56,6 +71,7 @@ import contextlib
 import inspect
 import logging
 import math
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -86,6 +102,7 @@ class RowGroup:
     mode: Mode = "full"
     token_mask: TokenMasks | None = None
     cache: Mapping[str, torch.Tensor] | None = None  # read-only, this group's current step
+    full_units: frozenset[str] = frozenset()  # masked mode: these units compute every token
 
 
 @dataclass
@@ -95,6 +112,7 @@ class _BlockInfo:
     level: int
     needs_y: bool  # a full-map consumer reads this block's unmasked outputs
     signature: inspect.Signature
+    unit: str = ""  # path of the Transformer2DModel holding the block (the plan's granularity)
 
 
 @dataclass
@@ -124,21 +142,48 @@ class BatchContext:
     starts: list[int]
     total_rows: int
     recorded: list[dict[str, torch.Tensor] | None]
-    _plans: dict[tuple[int, str], _Plan] = field(default_factory=dict)
+    _plans: dict[tuple[int, str, frozenset[int]], _Plan] = field(default_factory=dict)
+    unit_full: dict[tuple[int, str], bool] = field(default_factory=dict)  # (group, unit) -> full?
+    unit_seconds: dict[str, float] = field(default_factory=dict)  # measured, per unit
+    unit_tokens: dict[str, int] = field(default_factory=dict)  # token rows computed, per unit
+    unit_wait: dict[str, float] = field(default_factory=dict)  # of unit_seconds: waiting for loads
+    unit_gap: dict[str, float] = field(default_factory=dict)  # other compute before each unit
+    _unit_t0: dict[str, float] = field(default_factory=dict)
+    _last_end: float | None = None
 
-    def plan(self, n: int, device: torch.device) -> _Plan:
-        key = (n, str(device))
+    def forced_full(self, unit: str) -> frozenset[int]:
+        """Masked groups computing every token of ``unit`` (plan choice or cache not resident)."""
+        out = []
+        for g, grp in enumerate(self.groups):
+            if grp.mode != "masked":
+                continue
+            key = (g, unit)
+            if key not in self.unit_full:
+                full = unit in grp.full_units
+                if not full:
+                    acquire = getattr(grp.cache, "acquire_unit", None)
+                    if acquire is not None:
+                        t0 = time.perf_counter()
+                        full = not acquire(unit)
+                        self.unit_wait[unit] = self.unit_wait.get(unit, 0.0) + time.perf_counter() - t0
+                self.unit_full[key] = full
+            if self.unit_full[key]:
+                out.append(g)
+        return frozenset(out)
+
+    def plan(self, n: int, device: torch.device, forced: frozenset[int] = frozenset()) -> _Plan:
+        key = (n, str(device), forced)
         if key not in self._plans:
-            self._plans[key] = self._make_plan(n, device)
+            self._plans[key] = self._make_plan(n, device, forced)
         return self._plans[key]
 
-    def _make_plan(self, n: int, device: torch.device) -> _Plan:
+    def _make_plan(self, n: int, device: torch.device, forced: frozenset[int]) -> _Plan:
         full: list[int] = []
         record: list[tuple[int, int, int]] = []
         masked: list[_MaskedGroup] = []
         empty: list[tuple[int, int, int]] = []
         for g, (grp, s) in enumerate(zip(self.groups, self.starts)):
-            if grp.mode == "masked":
+            if grp.mode == "masked" and g not in forced:
                 assert grp.token_mask is not None
                 m = grp.token_mask.count(n)
                 if m == 0:
@@ -153,6 +198,11 @@ class BatchContext:
         all_full = len(full) == self.total_rows
         rows = None if all_full else torch.tensor(full, dtype=torch.long, device=device)
         return _Plan(rows, record, masked, empty)
+
+    def computed_tokens(self, plan: _Plan, n: int) -> int:
+        """Token rows that enter the token-wise layers of a block under ``plan``."""
+        full_rows = self.total_rows if plan.full_rows is None else int(plan.full_rows.numel())
+        return full_rows * n + sum(mg.rows * mg.m for mg in plan.masked)
 
 
 class _BlockHook(ModelHook):
@@ -221,6 +271,19 @@ def _unet_level(name: str, n_down: int, n_up: int) -> int:
     raise ValueError(f"cannot place block {name} on a UNet level")
 
 
+def _execution_key(name: str) -> tuple[int, ...]:
+    """Sort key of a block path in UNet execution order: down blocks, mid block, up blocks."""
+    parts = name.split(".")
+    stage = {"down_blocks": 0, "mid_block": 1, "up_blocks": 2}.get(parts[0], 3)
+    return (stage, *(int(p) for p in parts[1:] if p.isdigit()))
+
+
+def _unit_of(block_name: str) -> str:
+    """The ``Transformer2DModel`` path of a block path (the block itself if it has none)."""
+    head, sep, _ = block_name.rpartition(".transformer_blocks.")
+    return head if sep else block_name
+
+
 def _level_hw(latent_hw: tuple[int, int], level: int) -> tuple[int, int]:
     h, w = latent_hw
     for _ in range(level):
@@ -279,10 +342,23 @@ class MaskAwareUNet:
             _check_block(name, mod)
             needs_y = kv_source == "recompute" or id(mod) in last_in_transformer
             info = _BlockInfo(name, mod, _unet_level(name, self.num_levels, n_up), needs_y,
-                              inspect.signature(mod.forward))
+                              inspect.signature(mod.forward), _unit_of(name))
             self._blocks.append(info)
         if not self._blocks:
             raise ValueError("model has no BasicTransformerBlock: nothing to make mask-aware")
+        # Execution order (down, mid, up), not registration order (diffusers registers the
+        # mid block last): the plan and the loader walk blocks in the order the UNet runs them.
+        self._blocks.sort(key=lambda b: _execution_key(b.name))
+        self._units: dict[str, list[_BlockInfo]] = {}
+        for info in self._blocks:
+            self._units.setdefault(info.unit, []).append(info)
+        self._timers: list[Any] = [unet.register_forward_pre_hook(self._model_pre)]
+        modules = dict(unet.named_modules())
+        for unit in self._units:
+            if unit in modules:
+                mod = modules[unit]
+                self._timers.append(mod.register_forward_pre_hook(self._unit_pre(unit)))
+                self._timers.append(mod.register_forward_hook(self._unit_post(unit)))
         for info in self._blocks:
             HookRegistry.check_if_exists_or_initialize(info.module).register_hook(
                 _BlockHook(self, info), _BLOCK_HOOK)
@@ -298,6 +374,38 @@ class MaskAwareUNet:
     @property
     def block_names(self) -> list[str]:
         return [b.name for b in self._blocks]
+
+    @property
+    def units(self) -> list[str]:
+        """Plan units (``Transformer2DModel`` paths) in execution order; see the module doc."""
+        return list(self._units)
+
+    def unit_tensor_names(self, unit: str) -> list[str]:
+        """Names of the cached tensors a unit reads (a subset of ``tensor_names``)."""
+        prefix = tuple(f"{b.name}." for b in self._units[unit])
+        return [n for n in self.tensor_names() if n.startswith(prefix)]
+
+    def unit_level(self, unit: str) -> int:
+        return self._units[unit][0].level
+
+    def unit_nbytes(self, unit: str, latent_hw: tuple[int, int], rows: int,
+                    dtype: torch.dtype | None = None) -> int:
+        """Bytes of one unit's cached tensors for one step of ``rows`` rows."""
+        if dtype is None:
+            dtype = next(self.unet.parameters()).dtype
+        elem = torch.empty((), dtype=dtype).element_size()
+        h, w = _level_hw(latent_hw, self.unit_level(unit))
+        total = 0
+        for b in self._units[unit]:
+            c_kv = b.module.attn1.to_k.out_features
+            c_y = b.module.norm1.normalized_shape[0]
+            total += h * w * ((2 * c_kv if self.kv_source == "cache" else 0) + (c_y if b.needs_y else 0))
+        return rows * elem * total
+
+    def unit_tokens(self, unit: str, latent_hw: tuple[int, int]) -> int:
+        """Tokens per row at the unit's level."""
+        h, w = _level_hw(latent_hw, self.unit_level(unit))
+        return h * w
 
     @property
     def cache_layout(self) -> str:
@@ -352,6 +460,9 @@ class MaskAwareUNet:
 
     def remove(self) -> None:
         """Uninstall every hook this controller added."""
+        for handle in self._timers:
+            handle.remove()
+        self._timers = []
         for info in self._blocks:
             info.module._diffusers_hook.remove_hook(_BLOCK_HOOK, recurse=False)
             if self.kv_source == "cache":
@@ -361,6 +472,29 @@ class MaskAwareUNet:
         self._blocks = []
 
     # --- internals ----------------------------------------------------------------------------
+
+    def _model_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if self._ctx is not None:
+            self._ctx._last_end = time.perf_counter()
+
+    def _unit_pre(self, unit: str) -> Any:
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            ctx = self._ctx
+            if ctx is not None:
+                now = time.perf_counter()
+                ctx._unit_t0[unit] = now
+                if ctx._last_end is not None:  # ResNets, convs etc. since the previous unit
+                    ctx.unit_gap[unit] = ctx.unit_gap.get(unit, 0.0) + now - ctx._last_end
+        return pre
+
+    def _unit_post(self, unit: str) -> Any:
+        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+            ctx = self._ctx
+            if ctx is not None and unit in ctx._unit_t0:
+                now = time.perf_counter()
+                ctx.unit_seconds[unit] = ctx.unit_seconds.get(unit, 0.0) + now - ctx._unit_t0.pop(unit)
+                ctx._last_end = now
+        return post
 
     def _validate(self, groups: list[RowGroup]) -> None:
         for info in self._blocks:  # processors may have been swapped since install
@@ -380,7 +514,9 @@ class MaskAwareUNet:
         b, n, _ = h.shape
         if b != ctx.total_rows:
             raise ValueError(f"{info.name}: batch has {b} rows, row groups declare {ctx.total_rows}")
-        plan = ctx.plan(n, h.device)
+        plan = ctx.plan(n, h.device, ctx.forced_full(info.unit))
+        if info.unit not in ctx.unit_tokens:
+            ctx.unit_tokens[info.unit] = ctx.computed_tokens(plan, n)
         if not plan.masked and not plan.empty:
             return self._full_forward(info, original, arguments, plan, ctx)
         out = torch.empty_like(h)
