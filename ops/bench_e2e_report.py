@@ -39,9 +39,11 @@ def claims(report: dict) -> list[str]:
         ok = [k for k in systems[name] if _summary(report, name, k)["p95"] <= base["p95"]
               and _summary(report, name, k)["done"] == _summary(report, name, k)["jobs"]]
         tput = max((_summary(report, name, k)["throughput"] for k in ok), default=float("nan"))
+        equal_p95 = (f"{tput:.3f}/s ({tput / base['throughput']:.2f}x the stock's)" if ok
+                     else "none (P95 above the stock's at every measured rate)")
         lines.append(f"- `{name}`: at that rate mean latency {at['mean']:.2f} s "
                      f"({base['mean'] / at['mean']:.1f}x lower), P95 {at['p95']:.2f} s; highest throughput "
-                     f"with P95 <= the stock's: {tput:.3f}/s ({tput / base['throughput']:.2f}x the stock's).")
+                     f"with P95 <= the stock's: {equal_p95}.")
     if "full-static" in systems and "full-continuous" in systems:
         for key in sorted(systems["full-static"], key=float):
             if key in systems["full-continuous"]:

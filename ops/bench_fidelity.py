@@ -12,6 +12,7 @@ the unmasked region, per model family.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import tempfile
 import time
@@ -27,6 +28,7 @@ from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
 from app.storage import LocalStore
 from ops.bench_e2e import load_trace
+from workers import noise_blend
 from workers.engine.engine import Engine
 from workers.engine.scheduler import BatchScheduler
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider
@@ -148,13 +150,14 @@ def metrics(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> dict[str, float]:
 
 
 def bench_family(name: str, traces: list[str], n: int, steps: int, seed: int,
-                 sd_model: str = "tiny-sd-inpaint-trained", edit_seed: int = -1) -> list[dict[str, Any]]:
+                 sd_model: str = "tiny-sd-inpaint-trained", edit_seed: int = -1,
+                 sd_guidance: float = 7.5) -> list[dict[str, Any]]:
     from app.demo import demo_templates
 
     tmp = tempfile.mkdtemp(prefix="stencil-fid-")
     activations = ActivationStore(LocalStore(tmp))
     fam = Family(name, activations, sd_model)
-    guidance = 7.5 if name == "sd" else 30.0
+    guidance = sd_guidance if name == "sd" else 30.0
     templates = [img.resize((fam.size, fam.size)) for _n, img in demo_templates(128)]
     # Warm-ups the way production runs them: empty mask, the warm prompt and seed.
     for i, image in enumerate(templates):
@@ -182,7 +185,13 @@ def bench_family(name: str, traces: list[str], n: int, steps: int, seed: int,
             full = run(fam.runner_full, [(tensors, dict(meta))])[0]
             ma_meta = dict(meta, cache_mode="masked", cache_key=fam.key(f"t{t}", params, meta).to_dict())
             fam.runner_ma.caches.wait(fam.key(f"t{t}", params, meta), 0, 30)  # type: ignore[union-attr]
-            ma = run(fam.runner_ma, [(tensors, ma_meta)])[0]
+            ma_tensors = dict(tensors)
+            if params.seed != 0:  # as the service does: the warm-up's noise outside the mask
+                warm_t, _ = fam.prepare(templates[t], mask, dataclasses.replace(params, seed=0))
+                blend = noise_blend.blend_sd if name == "sd" else noise_blend.blend_flux
+                ma_tensors["latents"] = blend(tensors["latents"], warm_t["latents"], tensors["pixel_mask"],
+                                              fam.pipe.vae_scale_factor)
+            ma = run(fam.runner_ma, [(ma_tensors, ma_meta)])[0]
             a, b = fam.decode(full["latents"]), fam.decode(ma["latents"])
             pixel_mask = tensors["pixel_mask"].bool().numpy()
             rows.append({"family": name, "trace": trace, "ratio": float(pixel_mask.mean()),
@@ -201,16 +210,19 @@ def main() -> int:
                    help="embedded model id or a pipeline folder (Flux is always the random-init tiny model)")
     p.add_argument("--edit-seed", type=int, default=-1,
                    help="diagnosis only: give every edit this seed (0 = the warm-up's); -1 = a random seed per edit")
+    p.add_argument("--sd-guidance", type=float, default=7.5,
+                   help="classifier-free guidance of SD warm-ups and edits (the demo uses 3.0 on the trained model)")
     p.add_argument("--out", default="docs/bench/fidelity.md")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
     for fam in args.families.split(","):
-        rows += bench_family(fam, args.traces.split(","), args.n, args.steps, args.seed, args.sd_model, args.edit_seed)
+        rows += bench_family(fam, args.traces.split(","), args.n, args.steps, args.seed, args.sd_model, args.edit_seed,
+                             args.sd_guidance)
     lines = ["# Fidelity: mask-aware vs full compute (prompt and seed differ from the warm-up)\n",
              f"Command: `python -m ops.bench_fidelity --families {args.families} --traces {args.traces} "
-             f"--n {args.n} --steps {args.steps} --sd-model {args.sd_model}"
+             f"--n {args.n} --steps {args.steps} --sd-model {args.sd_model} --sd-guidance {args.sd_guidance}"
              + (f" --edit-seed {args.edit_seed}" if args.edit_seed >= 0 else "")
              + f"` ({time.monotonic() - t0:.0f} s). "
              f"Models: SD = `{args.sd_model}` (128x128), Flux = the random-init tiny Flux Fill (64x64); "

@@ -132,6 +132,11 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
     meta = dict(prepared.meta, empty=empty, mask_ratio=prepared.mask_ratio)
     cache_fields = _cache_plan(job_id, params, meta, prepared.mask_ratio) if not empty else {}
     tensors = dict(prepared.tensors)
+    if meta.get("cache_mode") == "masked" and meta.get("noise_seed", params.seed) != params.seed:
+        with failing_job(job_id, "prepare"):
+            tensors["latents"] = _warm_noise_blend(params, int(meta["noise_seed"]), image, mask, tensors,
+                                                   height, width)
+        cache_fields["noise_seed"] = str(meta["noise_seed"])
     if empty or params.keep_unmasked:
         tensors["processed_image"] = prepared.processed_image
     ctx.blobs().put(job_id, "inputs", pack(tensors, meta))
@@ -141,15 +146,17 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
             "mask_ratio": prepared.mask_ratio}
 
 
-def template_cache_key(params: JobParams, meta: dict[str, Any]):  # type: ignore[no-untyped-def]
-    """The key a template's activations are stored under (DESIGN.md: cache validity)."""
+def template_cache_key(params: JobParams, meta: dict[str, Any], noise_seed: int | None = None):  # type: ignore[no-untyped-def]
+    """The key a template's activations are stored under (DESIGN.md: cache validity). The warm-up's
+    noise seed is part of it: an edit must start from that noise outside its mask (``noise_blend``)."""
     from workers.maskaware.activation_store import TemplateCacheKey
 
+    seed = params.seed if noise_seed is None else noise_seed
     return TemplateCacheKey(
         model_id=ctx.model_id(), template_id=params.template_id, height=int(meta["height"]),
         width=int(meta["width"]), scheduler=str(ctx.scheduler_config()["_class_name"]), steps=params.steps,
         strength=float(params.strength), guidance="cfg2" if meta["do_cfg"] else "single",
-        layout=_cache_layout())
+        layout=f"{_cache_layout()}/noise-{seed}")
 
 
 def _cache_layout() -> str:
@@ -180,6 +187,14 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], ratio: flo
         return {"cache_mode": "full", "cache_note": "full mask"}
     try:
         has = ctx.activations().has(key)
+        if not has and params.seed != s.warm_seed:
+            # The production warm-up (STENCIL_WARM_SEED): usable with the warm-up's noise outside
+            # the mask, which prepare blends in (workers/noise_blend.py).
+            alt = template_cache_key(params, meta, s.warm_seed)
+            if ctx.activations().has(alt):
+                key, has = alt, True
+                meta["cache_key"] = key.to_dict()
+                meta["noise_seed"] = s.warm_seed
     except TRANSIENT as exc:
         log.warning("job %s: activation store unreachable (%s); full compute", job_id, exc)
         has = False
@@ -189,8 +204,30 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], ratio: flo
         return {"cache_mode": "masked", "cache_digest": key.digest()}
     meta["cache_mode"] = "full"
     if s.auto_warm:
-        _trigger_warm(params, meta, key.digest())
+        _trigger_warm(params, meta, template_cache_key(params, meta, s.warm_seed).digest())
     return {"cache_mode": "full", "cache_note": "template not warmed"}
+
+
+def _warm_noise_blend(params: JobParams, noise_seed: int, image: Any, mask: Any, tensors: dict[str, Any],
+                      height: int, width: int) -> Any:
+    """The edit's initial latents with the warm-up's noise at the tokens taken from its cache."""
+    import dataclasses
+
+    from workers import noise_blend
+
+    pipe = ctx.cpu_pipeline()
+    warm_params = dataclasses.replace(params, seed=noise_seed)
+    if ctx.model_family() == "flux":
+        from workers.flux_inputs import prepare_flux_job_tensors
+
+        warm = prepare_flux_job_tensors(pipe, ctx.scheduler_config(), image, mask, warm_params, height, width)
+        return noise_blend.blend_flux(tensors["latents"], warm.tensors["latents"], tensors["pixel_mask"],
+                                      pipe.vae_scale_factor)
+    from workers.sd_inputs import prepare_job_tensors
+
+    warm = prepare_job_tensors(pipe, ctx.scheduler_config(), image, mask, warm_params, height, width)
+    return noise_blend.blend_sd(tensors["latents"], warm.tensors["latents"], tensors["pixel_mask"],
+                                pipe.vae_scale_factor)
 
 
 def _send_prefetch(job_id: str, key: dict[str, Any], steps: int) -> None:

@@ -145,6 +145,13 @@ class StepPlan:
     def cached_blocks(self) -> int:
         return sum(self.use_cache)
 
+    def next_lead_s(self, queued_at_s: float = 0.0) -> float:
+        """The next step's ``lead_s`` if its loads are queued at ``queued_at_s`` (relative to this
+        step's compute start) behind this step's: the copy stream is free for the next step from
+        ``max(queued_at_s, copy_free_s)`` until this step's compute ends (0 if it never is)."""
+        free_from = max(queued_at_s, self.copy_free_s)
+        return max(0.0, self.predicted_s - free_from)
+
 
 # -- the execution model -----------------------------------------------------------------------
 

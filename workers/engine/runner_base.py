@@ -189,8 +189,9 @@ class BaseRunner(ABC):
             st.extra["cache_note"] = "mask-aware off on worker"
             return
         key = TemplateCacheKey.from_dict(dict(meta["cache_key"]))  # type: ignore[arg-type]
-        layout = getattr(self.maskaware, "cache_layout", key.layout)
-        if key.layout != layout:
+        base = key.layout.split("/")[0]  # "/noise-<seed>": the warm-up's noise (cpu_tasks)
+        layout = getattr(self.maskaware, "cache_layout", base)
+        if base != layout:
             raise ValueError(f"cache layout {key.layout} does not match the worker's {layout}")
         if key.steps not in (len(st.timesteps) + int(meta["t_start"]), len(st.timesteps)):
             raise ValueError("cache key steps do not match the job")
@@ -211,7 +212,9 @@ class BaseRunner(ABC):
             return self._row_group(st.rows, "record")
         if st.mode == "masked":
             assert self.caches is not None and st.cache_key is not None
-            cache = self.caches.ready(st.cache_key, job.steps_done)
+            # Block-wise loading: the plan queues this step's unit loads before its background
+            # completion (``_plan_groups``), so the copy stream is not raced for the first unit.
+            cache = self.caches.ready(st.cache_key, job.steps_done, fetch=not self._units_on)
             if cache is not None:
                 return self._row_group(st.rows, "masked", st.token_masks, cache)
             st.extra["fallback_pending"] = True
@@ -274,7 +277,9 @@ class BaseRunner(ABC):
         for u in units:  # one queue in block order across the batch's caches (the copy stream)
             for key, step, want in requested:
                 if u in want:
-                    self.caches.load_units(key, step, [u])  # type: ignore[union-attr]
+                    self.caches.load_units(key, step, [u], complete=False)  # type: ignore[union-attr]
+        for i, _resident in pending:  # then the rest of each step in the background
+            self.caches.prefetch(batch[i].state.cache_key, [batch[i].steps_done])  # type: ignore[union-attr]
         return groups
 
     def _observe_units(self) -> None:

@@ -4,8 +4,18 @@
 blocking the denoising loop on a whole step: ``ready`` returns the tensors if they are resident
 in host RAM and otherwise starts fetching them and returns None. Fetches are deduplicated per
 (cache digest, step), so jobs sharing a template share one copy (DESIGN.md pitfall 7), and run on
-a small thread pool. A step that failed to load (missing, corrupt, store down) is remembered and
+a few fetch threads. A step that failed to load (missing, corrupt, store down) is remembered and
 never retried in a tight loop.
+
+Fetch order (earliest need first). Background fetches are served from a priority queue keyed by
+when each (template, step) is expected to be needed, not in request order: jobs share one link,
+and FIFO would make a newly routed job's first steps wait behind a running job's step 20. The
+estimate: for a template whose job is running (``ready`` was called for step ``c`` at time
+``t_c``), step ``s`` is needed at ``t_c + (s - c) * dt``; for one whose job has not started (or stopped stepping),
+at ``request time + start_in_s + s * dt``; ``dt`` is the measured interval between a job's
+consecutive steps (EMA; ``default_step_s`` before any). A queued step is re-keyed when its
+template's job advances (``ready``) or is requested again with an earlier need; a fetch that has
+started is never preempted. Dedup per (template, step) and the never-block behaviour are as before.
 
 Block-wise loading (the plan, ``workers/engine/plan.py``). With ``set_units`` (the mask-aware
 model's plan units, in execution order, and the tensor names of each), a step is fetched unit by
@@ -15,7 +25,9 @@ rest are still in flight (``unit_status``). The engine's plan may then ask for t
 on the store, so it overlaps with compute), in block order, ahead of background prefetch, and
 ``acquire`` waits for one unit until a deadline (False = compute that unit fully). Background
 prefetch reads all units nobody has claimed yet in one ranged GET per contiguous run (one
-request latency per step); whatever fetches a unit first, the other path skips it; a step whose
+request latency per step); units queued on the copy stream are left to it (``claimed``: a
+background completion that starts first must not swallow the plan's first unit into one big GET),
+otherwise whatever fetches a unit first, the other path skips it; a step whose
 units are all fetched is assembled into the host-RAM LRU as one entry. The provider measures
 the store's bandwidth and per-request latency from its own fetches (EMA) for the plan's load
 times (``store_tier``).
@@ -26,6 +38,8 @@ commits the manifest last, so a partly written cache is never visible.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import math
 import queue
@@ -59,17 +73,27 @@ class _Fill:
     header: TensorHeader | None = None
     units: dict[str, StepTensors] = field(default_factory=dict)
     loading: set[str] = field(default_factory=set)
+    claimed: set[str] = field(default_factory=set)  # queued on the copy stream, not started yet
     error: BaseException | None = None
     header_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class StepCacheProvider:
     def __init__(self, activations: ActivationStore, budget_bytes: int, fetch_threads: int = 2,
-                 retry_after_s: float = 30.0) -> None:
+                 retry_after_s: float = 30.0, default_step_s: float = 0.25) -> None:
+        if fetch_threads < 1 or default_step_s <= 0:
+            raise ValueError("fetch_threads must be >= 1 and default_step_s > 0")
         self.activations = activations
         self.host: HostCache[StepTensors] = HostCache(budget_bytes)
-        self._pool = ThreadPoolExecutor(fetch_threads, thread_name_prefix="stencil-fetch")
-        self._inflight: set[Slot] = set()
+        self._inflight: set[Slot] = set()  # queued or running background fetches
+        # Background fetch queue, earliest expected need first (module doc).
+        self._heap: list[tuple[float, int, Slot]] = []
+        self._queued: dict[Slot, tuple[float, TemplateCacheKey, float]] = {}  # slot -> (need, key, start_at)
+        self._seq = itertools.count()
+        self._cursor: dict[str, tuple[int, float]] = {}  # digest -> (step, monotonic time of ``ready``)
+        self.default_step_s = default_step_s
+        self._step_ema: float | None = None
+        self.fetch_order: list[Slot] = []  # background fetches in the order they started (tests, logs)
         self._failed: dict[Slot, float] = {}
         self._templates: dict[str, str] = {}  # cache digest -> template id
         self._lock = threading.Lock()
@@ -89,6 +113,10 @@ class StepCacheProvider:
         self._lat_ema: float | None = None
         self.ema_alpha = 0.3
         self.load_log: list[tuple[Slot, str, float, float, int]] = []  # (slot, unit, start, end, bytes)
+        self._workers = [threading.Thread(target=self._fetch_loop, name=f"stencil-fetch-{i}", daemon=True)
+                         for i in range(fetch_threads)]
+        for w in self._workers:
+            w.start()
 
     # -- configuration -----------------------------------------------------------------------
     def set_units(self, units: Mapping[str, Sequence[str]]) -> None:
@@ -121,6 +149,82 @@ class StepCacheProvider:
             if self._bw_ema is None:
                 return None
             return Tier("store", self._bw_ema, self._lat_ema or 0.0)
+
+    # -- fetch order ---------------------------------------------------------------------------------
+    def step_seconds(self) -> float:
+        """Measured interval between a job's consecutive steps (``default_step_s`` before any)."""
+        return self._step_ema if self._step_ema is not None else self.default_step_s
+
+    def _need_at(self, digest: str, step: int, start_at: float) -> float:
+        """Expected time (``time.monotonic``) the engine needs this step (caller holds the lock)."""
+        dt = self.step_seconds()
+        cursor = self._cursor.get(digest)
+        if cursor is None or time.monotonic() - cursor[1] > max(2.0, 20 * dt):
+            # No job of this template is running (or it stopped stepping): from the request
+            # (or the job's expected start).
+            return start_at + step * dt
+        c, t_c = cursor
+        return t_c + (step - c) * dt
+
+    def _push(self, slot: Slot, key: TemplateCacheKey, start_at: float) -> None:
+        """Queue a background fetch, or move a queued one earlier (caller holds the lock)."""
+        need = self._need_at(slot[0], slot[1], start_at)
+        old = self._queued.get(slot)
+        if old is not None:
+            if old[0] <= need:
+                return
+            start_at = min(start_at, old[2])
+        self._queued[slot] = (need, key, start_at)
+        heapq.heappush(self._heap, (need, next(self._seq), slot))
+        self._cond.notify_all()
+
+    def _advance(self, digest: str, step: int) -> None:
+        """A job of this template is at ``step`` now: measure the step interval, re-key its queue."""
+        now = time.monotonic()
+        with self._lock:
+            cursor = self._cursor.get(digest)
+            if cursor is not None and cursor[0] == step:
+                return
+            if cursor is not None and 0 < step - cursor[0] <= 4:
+                dt = (now - cursor[1]) / (step - cursor[0])
+                self._step_ema = dt if self._step_ema is None else 0.7 * self._step_ema + 0.3 * dt
+            self._cursor[digest] = (step, now)
+            if len(self._cursor) > 1024:  # forget templates nobody has stepped for 10 minutes
+                self._cursor = {d: c for d, c in self._cursor.items() if now - c[1] < 600}
+            for slot, (_need, key, start_at) in list(self._queued.items()):
+                if slot[0] == digest:
+                    need = self._need_at(digest, slot[1], start_at)
+                    self._queued[slot] = (need, key, start_at)
+                    heapq.heappush(self._heap, (need, next(self._seq), slot))
+            if len(self._heap) > 4 * len(self._queued) + 64:  # drop stale entries now and then
+                self._heap = [(n, q, sl) for n, q, sl in self._heap
+                              if sl in self._queued and self._queued[sl][0] == n]
+                heapq.heapify(self._heap)
+            self._cond.notify_all()
+
+    def _fetch_loop(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._closed:
+                        return
+                    if self._heap:
+                        need, _seq, slot = heapq.heappop(self._heap)
+                        entry = self._queued.get(slot)
+                        if entry is None or entry[0] != need:
+                            continue  # stale: re-keyed or already taken
+                        del self._queued[slot]
+                        key = entry[1]
+                        self.fetch_order.append(slot)
+                        del self.fetch_order[:-4096]
+                        break
+                    self._cond.wait(1.0)
+            self._run(key, slot[1], slot)
+
+    def queued(self) -> list[Slot]:
+        """Queued background fetches, the next one first (tests, logs)."""
+        with self._lock:
+            return [slot for _need, slot in sorted((e[0], s) for s, e in self._queued.items())]
 
     # -- whole-step fetches (background prefetch) --------------------------------------------------
     def _fetch(self, key: TemplateCacheKey, step: int) -> StepTensors:
@@ -171,7 +275,9 @@ class StepCacheProvider:
         """Fetch one unit unless present or being fetched; True if this call fetched it."""
         assert self._units is not None
         with self._lock:
+            fill.claimed.discard(unit)
             if unit in fill.units or unit in fill.loading or fill.error is not None:
+                self._cond.notify_all()
                 return False
             fill.loading.add(unit)
         try:
@@ -202,7 +308,8 @@ class StepCacheProvider:
         with self._lock:
             if fill.error is not None:
                 return
-            todo = [u for u in self._units if u not in fill.units and u not in fill.loading]
+            todo = [u for u in self._units
+                    if u not in fill.units and u not in fill.loading and u not in fill.claimed]
             fill.loading.update(todo)
         if not todo:
             return
@@ -234,9 +341,11 @@ class StepCacheProvider:
         if self._closed:
             return
         self._load_rest(fill, slot)
-        with self._cond:  # the demand loader may still be fetching some unit
-            while fill.loading and fill.error is None:
-                self._cond.wait(1.0)
+        with self._cond:  # the demand loader may still be fetching (or about to fetch) some unit
+            while (fill.loading or fill.claimed) and fill.error is None:
+                if self._closed or self._fills.get(slot) is not fill:
+                    return  # closed, or forgotten meanwhile: nothing to assemble
+                self._cond.wait(0.5)
             if fill.error is not None:
                 raise fill.error
             tensors = {n: t for unit in self._units for n, t in fill.units[unit].items()}
@@ -255,6 +364,11 @@ class StepCacheProvider:
             try:
                 if slot not in self.host:
                     self._load_unit(self._fill_for(key, step), slot, unit)
+                else:
+                    with self._cond:
+                        fill = self._fills.get(slot)
+                        if fill is not None:
+                            fill.claimed.discard(unit)
             except Exception as exc:
                 log.warning("activation cache %s step %d unit %s unavailable: %s", slot[0], step, unit, exc)
                 with self._cond:
@@ -284,10 +398,12 @@ class StepCacheProvider:
         ``complete`` the rest of the step follows in the background, after the queued loads."""
         if self._units is None:
             raise RuntimeError("load_units needs set_units")
-        self._fill_for(key, step)
+        fill = self._fill_for(key, step)
         for unit in units:
             with self._lock:
                 self._demand_pending += 1
+                if unit not in fill.units and unit not in fill.loading:
+                    fill.claimed.add(unit)  # background prefetch leaves it to the copy stream
             self._demand.put((key, step, unit))
         if complete:
             self.prefetch(key, [step])
@@ -336,9 +452,12 @@ class StepCacheProvider:
         digests = {slot[0] for slot in self.host.keys()}
         return {self._templates[d] for d in digests if d in self._templates}
 
-    def prefetch(self, key: TemplateCacheKey, steps: Iterable[int]) -> None:
+    def prefetch(self, key: TemplateCacheKey, steps: Iterable[int], start_in_s: float = 0.0) -> None:
+        """Queue background fetches of these steps (never blocks). ``start_in_s``: when the job is
+        expected to start, for jobs not running yet (fetch order, module doc)."""
         digest = key.digest()
         self._templates[digest] = key.template_id
+        start_at = time.monotonic() + max(0.0, start_in_s)
         for step in steps:
             if not 0 <= step < key.steps:
                 continue
@@ -346,18 +465,26 @@ class StepCacheProvider:
             if slot in self.host:
                 continue
             with self._lock:
+                if self._closed:
+                    return
                 failed_at = self._failed.get(slot)
-                if slot in self._inflight or (failed_at is not None
-                                              and time.monotonic() - failed_at < self.retry_after_s):
+                if failed_at is not None and time.monotonic() - failed_at < self.retry_after_s:
+                    continue
+                if slot in self._inflight:
+                    if slot in self._queued:
+                        self._push(slot, key, start_at)  # requested again: maybe needed sooner
                     continue
                 self._inflight.add(slot)
-            self._pool.submit(self._run, key, step, slot)
+                self._push(slot, key, start_at)
 
-    def ready(self, key: TemplateCacheKey, step: int) -> StepTensors | None:
-        """The step's tensors if resident (never blocks); otherwise start fetching them."""
+    def ready(self, key: TemplateCacheKey, step: int, fetch: bool = True) -> StepTensors | None:
+        """The step's tensors if resident (never blocks); otherwise start fetching them (unless
+        ``fetch`` is False: the caller's plan queues unit loads first, then completes the step).
+        Also tells the fetch order that a job of this template is at ``step`` now."""
+        self._advance(key.digest(), step)
         value = self.host.peek((key.digest(), step))
         metrics.observe_cache("host", value is not None, 0)
-        if value is None:
+        if value is None and fetch:
             self.prefetch(key, [step])
         return value
 
@@ -373,11 +500,19 @@ class StepCacheProvider:
 
     def close(self, wait: bool = False) -> None:
         """Stop fetching (queued fetches are dropped; ``wait``: join the running ones)."""
-        self._closed = True
+        with self._cond:
+            self._closed = True
+            for slot in self._queued:
+                self._inflight.discard(slot)
+            self._queued.clear()
+            self._heap.clear()
+            self._cond.notify_all()
         self._demand.put(None)
-        self._pool.shutdown(wait=wait, cancel_futures=True)
-        if wait and self._loader is not None:
-            self._loader.join()
+        if wait:
+            for w in self._workers:
+                w.join()
+            if self._loader is not None:
+                self._loader.join()
 
 
 class UnitCache(Mapping[str, torch.Tensor]):
