@@ -35,6 +35,9 @@ def ensure_model_dir(settings: Settings) -> Path:
         if not (path / "model_index.json").is_file():
             raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
         return path
+    shipped = TRAINED_DIR / settings.model_id
+    if (shipped / "model_index.json").is_file():  # read in place: never a stale copy after retraining
+        return shipped
     path = settings.home / "models" / settings.model_id
     if (path / "model_index.json").is_file():
         return path
