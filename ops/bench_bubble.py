@@ -27,6 +27,14 @@ load time / full-step time) measured against the median full step. For scale: a 
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_bubble --out docs/bench/bubble.md
 
+``--mode steady`` runs K consecutive steps of one job per run instead (the realistic case: the
+loader fetches step s+1's units while step s computes): (a) naive loads each whole step then
+computes, (b) pipelining keeps the loader one step ahead in block order, (c) plans step s+1 when
+step s starts with the measured lead (``StepPlan.next_lead_s``) and queues its chosen units behind
+step s's, (d) has everything resident; the mean step time over steps 2..K is reported, paired per
+round, at links set as multiples of the full step's time (``--steady-links name:x``), with
+"(d) achievable" := one step's cached bytes / bandwidth <= the (d) step time.
+
 ``--mode replay`` measures prefetch instead: Poisson arrivals of masked edits (each of its own
 warmed template, so no fetch is shared) replayed in-process through the real engine (``Engine``,
 ``SDRunner`` with the plan, ``StepCacheProvider`` over a ``ThrottledStore``); each job's whole
@@ -56,7 +64,7 @@ import torch
 from app.storage.local import LocalStore
 from app.storage.throttle import ThrottledStore
 from ops.bench_maskaware_unet import build_sd_unet, job_masks
-from workers.engine.plan import Tier, UnitCostModel, plan_optimal, plan_pipelined
+from workers.engine.plan import StepPlan, Tier, UnitCostModel, plan_optimal, plan_pipelined, simulate
 from workers.engine.runner_base import GAP, PlanJob, observe_context, unit_costs
 from workers.engine.template_cache import StepCacheProvider, UnitCache
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
@@ -81,6 +89,21 @@ class Trial:
     cached_units: int = 0
     predicted_s: float | None = None
     missed: int = 0
+
+
+@dataclass
+class SteadyTrial:
+    """Per-step seconds of one K-step run (and, per step, what the plan did)."""
+
+    step_s: list[float] = field(default_factory=list)
+    cached_units: list[int] = field(default_factory=list)
+    predicted_s: list[float] = field(default_factory=list)
+    leads: list[float] = field(default_factory=list)
+    missed: int = 0
+
+    def warm_mean(self) -> float:
+        """Mean step time over steps 2..K (the first, cold step excluded)."""
+        return statistics.fmean(self.step_s[1:]) if len(self.step_s) > 1 else float("nan")
 
 
 @dataclass
@@ -150,8 +173,107 @@ class Bench:
         p.drain()
         return trial
 
+    # -- steady state: K consecutive steps of one job --------------------------------------------
+    def _plan_step(self, p: StepCacheProvider, tm: object, step: int, lead_s: float,
+                   decisions: dict[str, bool] | None = None) -> StepPlan | None:
+        """The plan for ``step`` (units resident now are free); with ``decisions``, the timeline
+        of those decisions instead of the optimum (re-simulated with the current residency)."""
+        resident, _failed = p.unit_status(self.key, step)
+        job = PlanJob(2, tm, (self.key.digest(), step), resident)
+        blocks = unit_costs(self.ctrl, self.cost, [job], (self.latent, self.latent), p.store_tier())
+        if blocks is None:
+            return None
+        if decisions is None:
+            return plan_optimal(blocks, lead_s=lead_s)
+        use = [not b.name.startswith(GAP) and (decisions.get(b.name, False) or b.name in resident)
+               for b in blocks]
+        timeline = simulate(blocks, use, lead_s)
+        return StepPlan("chosen", tuple(use), timeline[-1].compute_done_s, timeline)
 
-def setup(args: argparse.Namespace, root: Path) -> Bench:
+    def steady(self, config: str, tm: object, link: Link | None, steps: int) -> SteadyTrial:
+        """``steps`` consecutive steps of one job; per-step seconds from the step's start (its
+        planning and load requests included) to the UNet's return, the next step starting at once.
+
+        (a) naive: each step loads all its units, then computes (no overlap at all);
+        (b) pipelined: the loader runs one step ahead in block order (step s+1's units are queued
+            when step s starts, behind step s's), every unit waited for;
+        (c) plan: step s+1 is planned when step s starts, with ``lead_s`` = the copy stream's idle
+            time before step s+1 (``StepPlan.next_lead_s`` of step s's decisions re-simulated with
+            what is resident then), and its chosen units queued behind step s's; units it did not
+            choose are computed fully; waits bounded by 2x the prediction (as in the engine);
+        (d) ideal: every step's cache resident; ``full``: no cache."""
+        units = self.ctrl.units
+        names = self.ctrl.tensor_names()
+        out = SteadyTrial()
+        if config in ("full", "ideal"):
+            for _s in range(steps):
+                t0 = time.perf_counter()
+                if config == "full":
+                    self.forward(RowGroup(2, "full"))
+                else:
+                    self.forward(RowGroup(2, "masked", token_mask=tm, cache=self.tensors))  # type: ignore[arg-type]
+                out.step_s.append(time.perf_counter() - t0)
+            return out
+        assert link is not None and link.provider is not None
+        p = link.provider
+        p.drain()
+        for s in range(steps):
+            p.forget(self.key, s)
+        chosen: dict[int, list[str]] = {}
+        predicted: dict[int, float] = {}
+        for s in range(steps):
+            t0 = time.perf_counter()
+            if config == "naive":
+                p.load_units(self.key, s, units, complete=False)
+                cache: dict[str, torch.Tensor] = {}
+                for u in units:
+                    got = p.acquire(self.key, s, u, time.monotonic() + self.max_wait_s)
+                    assert got is not None, f"{u} did not load"
+                    cache.update(got)
+                self.forward(RowGroup(2, "masked", token_mask=tm, cache=cache))  # type: ignore[arg-type]
+                out.cached_units.append(len(units))
+            elif config == "pipelined":
+                if s == 0:
+                    p.load_units(self.key, 0, units, complete=False)
+                if s + 1 < steps:
+                    p.load_units(self.key, s + 1, units, complete=False)
+                uc = UnitCache(p, self.key, s, names, units, time.monotonic() + self.max_wait_s)
+                self.forward(RowGroup(2, "masked", token_mask=tm, cache=uc))  # type: ignore[arg-type]
+                out.cached_units.append(len(uc.used))
+                out.missed += len(uc.missed)
+            elif config == "plan":
+                start = time.monotonic()
+                if s == 0:  # cold: nothing prefetched, lead 0
+                    plan = self._plan_step(p, tm, 0, 0.0)
+                    chosen[0] = [] if plan is None else self._chosen(plan)
+                    predicted[0] = plan.predicted_s if plan is not None else 0.0
+                    p.load_units(self.key, 0, chosen[0], complete=False)
+                if s + 1 < steps:
+                    now_plan = self._plan_step(p, tm, s, 0.0, {u: True for u in chosen[s]})
+                    lead = now_plan.next_lead_s() if now_plan is not None else 0.0
+                    nxt = self._plan_step(p, tm, s + 1, lead)
+                    chosen[s + 1] = [] if nxt is None else self._chosen(nxt)
+                    predicted[s + 1] = nxt.predicted_s if nxt is not None else 0.0
+                    p.load_units(self.key, s + 1, chosen[s + 1], complete=False)
+                    out.leads.append(lead)
+                deadline = start + min(self.max_wait_s, 0.05 + 2 * predicted[s]) if chosen[s] else -math.inf
+                uc = UnitCache(p, self.key, s, names, chosen[s], deadline)
+                self.forward(RowGroup(2, "masked", token_mask=tm, cache=uc))  # type: ignore[arg-type]
+                out.cached_units.append(len(uc.used))
+                out.predicted_s.append(predicted[s])
+                out.missed += len(uc.missed)
+            else:
+                raise ValueError(config)
+            out.step_s.append(time.perf_counter() - t0)
+        p.drain()
+        return out
+
+    @staticmethod
+    def _chosen(plan: StepPlan) -> list[str]:
+        return [t.name for t in plan.timeline if t.use_cache and not t.name.startswith(GAP)]
+
+
+def setup(args: argparse.Namespace, root: Path, steps: int = 1) -> Bench:
     unet = build_sd_unet(args.hidden, args.latent, args.layers_per_block, args.transformer_layers,
                          args.cross_dim, args.seed)
     ctrl = MaskAwareUNet(unet)
@@ -163,10 +285,11 @@ def setup(args: argparse.Namespace, root: Path) -> Bench:
         unet(x, t, e)
     tensors = ctx.recorded[0]
     assert tensors is not None
-    key = TemplateCacheKey("bench-sd", "tpl", args.latent * 8, args.latent * 8, "ddim", 1, 1.0, "cfg2",
+    key = TemplateCacheKey("bench-sd", "tpl", args.latent * 8, args.latent * 8, "ddim", steps, 1.0, "cfg2",
                            ctrl.cache_layout)
     acts = ActivationStore(LocalStore(root))
-    acts.put_step(key, 0, tensors)
+    for step in range(steps):  # the benchmark repeats the same inputs: each step's cache is this one
+        acts.put_step(key, step, tensors)
     acts.commit(key)
     return Bench(unet, ctrl, x, t, e, key, tensors, args.latent)
 
@@ -213,6 +336,7 @@ def replay(args: argparse.Namespace) -> str:
     from workers.models.tiny_sd import build_scheduler, build_unet
 
     torch.set_num_threads(1)
+    up_before = uptime()
     latent, steps, n = args.replay_latent, args.replay_steps, args.replay_jobs
     unet = build_unet(args.seed, hidden=(32, 64)).eval()
     ctrl = MaskAwareUNet(unet)
@@ -234,6 +358,8 @@ def replay(args: argparse.Namespace) -> str:
     step_bytes = ctrl.cache_nbytes(latent, latent, rows=2)
     link = ThrottledStore(LocalStore(root), args.replay_mibps * 2**20, args.replay_latency_ms / 1000)
     provider = StepCacheProvider(ActivationStore(link), 1 << 34, fetch_threads=args.replay_fetch_threads)
+    if args.replay_known_slots:
+        provider.batch_slots = args.replay_batch  # waiting jobs keyed at their expected start
 
     need: dict[tuple[str, int], float] = {}
 
@@ -292,8 +418,14 @@ def replay(args: argparse.Namespace) -> str:
         f"plan on; model: the embedded tiny SD UNet (32, 64) at latent {latent}x{latent}, torch 1 thread.",
         f"- Object store: `ThrottledStore` at {args.replay_mibps:g} MiB/s, {args.replay_latency_ms:g} ms per request "
         f"(latency overlaps between concurrent requests, bandwidth does not); {args.replay_fetch_threads} prefetch "
-        "threads; the whole cache is requested when the job arrives, one ranged GET per step in the background, "
-        "one per unit for loads the plan asks for in-step. Link utilisation = arrival rate x fetch time.",
+        "threads serving queued steps earliest expected need first (`StepCacheProvider` fetch order: a "
+        "running job's step s at (s - current step) x measured step interval from now, a waiting job's from "
+        "its request time); the whole cache is requested when the job arrives, one ranged GET per step in the "
+        "background, one per unit for loads the plan asks for in-step. Link utilisation = arrival rate x "
+        f"fetch time. Measured step interval at the end: {1000 * provider.step_seconds():.0f} ms. Batch slots "
+        f"known to the provider: {provider.batch_slots or 'no'} (with slots, a waiting job's steps are keyed "
+        "from its expected start: when a slot frees after the running jobs' remaining steps).",
+        f"- Machine load (`uptime`) before / after: `{up_before}` / `{uptime()}`.",
         "- wait = arrival to the job's first step; fetch = link time of its cache's unit fetches (bytes / "
         "bandwidth + latency per request, excluding queueing behind other jobs' fetches); hidden = share "
         "of that time completed before the engine needed the step; step share = the job record's "
@@ -307,6 +439,164 @@ def replay(args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|---|",
         *rows, "",
     ]
+    return "\n".join(lines)
+
+
+def uptime() -> str:
+    """``uptime`` output (the machine load during a run)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "load average: " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+STEADY = ("naive", "pipelined", "plan", "ideal")
+
+
+def steady_main(args: argparse.Namespace) -> str:
+    """Steady state (``--mode steady``): K consecutive steps per run (module doc of ``Bench.steady``)."""
+    torch.set_num_threads(1)
+    ratios = [float(r) for r in args.ratios.split(",")]
+    k = args.steps_k
+    up_before = uptime()
+    root = Path(tempfile.mkdtemp(prefix="stencil-steady-"))
+    bench = setup(args, root, steps=k)
+    masks = {r: job_masks(bench.ctrl, r, 1, args.latent, 8, args.seed)[0] for r in ratios}
+    bench.steady("full", None, None, 2)  # warm-up; ideal steps teach the cost model (engine warm-up)
+    full0 = statistics.median(bench.steady("full", None, None, 3).step_s)
+    for r in ratios:
+        bench.steady("ideal", masks[r], None, 2)
+    step_bytes = bench.ctrl.cache_nbytes(args.latent, args.latent, rows=2)
+    links = []
+    for spec in args.steady_links.split(","):
+        name, x = spec.split(":")
+        link = Link(name, step_bytes / (float(x) * full0), 0.0)
+        link.store = ThrottledStore(LocalStore(root), link.bandwidth, 0.0)
+        link.provider = StepCacheProvider(ActivationStore(link.store), 1 << 34)
+        link.provider.set_units({u: bench.ctrl.unit_tensor_names(u) for u in bench.ctrl.units})
+        links.append(link)
+        bench.steady("pipelined", masks[ratios[0]], link, 2)  # the provider measures its link
+    log.info("full step %.0f ms; links %s", 1000 * full0,
+             [(lk.name, f"{lk.bandwidth / 2**20:.2f} MiB/s") for lk in links])
+    runs: dict[tuple[int, str, str, float], SteadyTrial] = {}
+    rng = random.Random(args.seed)
+    uptimes = []
+    t_begin = time.monotonic()
+    for rnd in range(args.rounds):
+        elapsed = time.monotonic() - t_begin
+        if rnd > 0 and args.time_limit_s > 0 and elapsed * (rnd + 1) / rnd > args.time_limit_s:
+            log.warning("time limit: stopping after %d rounds (%.0f s)", rnd, elapsed)
+            args.rounds = rnd
+            break
+        jobs: list[tuple[str, Link | None, float]] = [("full", None, 0.0)]
+        for r in ratios:
+            jobs.append(("ideal", None, r))
+            jobs += [(c, lk, r) for lk in links for c in ("naive", "pipelined", "plan")]
+        rng.shuffle(jobs)
+        for config, lk, r in jobs:
+            trial = bench.steady(config, masks.get(r), lk, k)
+            name = lk.name if lk else "-"
+            runs[(rnd, config, name, r)] = trial
+            log.info("round %d %s %s r=%.2f: steps %s ms; cached %s; lead %s ms; predicted %s ms", rnd, config,
+                     name, r, [round(1000 * x) for x in trial.step_s], trial.cached_units,
+                     [round(1000 * x) for x in trial.leads], [round(1000 * x) for x in trial.predicted_s])
+        uptimes.append(uptime())
+    return render_steady(args, bench, links, ratios, runs, full0, step_bytes, up_before, uptimes)
+
+
+def render_steady(args: argparse.Namespace, bench: Bench, links: list[Link], ratios: list[float],
+                  runs: dict[tuple[int, str, str, float], SteadyTrial], full0: float, step_bytes: int,
+                  up_before: str, uptimes: list[str]) -> str:
+    ctrl, k, rounds = bench.ctrl, args.steps_k, range(args.rounds)
+    units = ctrl.units
+
+    def warm(rnd: int, config: str, name: str, r: float) -> float:
+        return runs[(rnd, config, name, r)].warm_mean()
+
+    full = med([warm(i, "full", "-", 0.0) for i in rounds])
+    lines = [
+        f"## Steady state: {k} consecutive steps per job, the loader running ahead across steps", "",
+        "Command (from the repo root):", "",
+        "```", "HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_bubble " + " ".join(sys.argv[1:]), "```", "",
+        f"- Model: SD-architecture 9-channel `UNet2DConditionModel`, block_out_channels {args.hidden}, "
+        f"layers_per_block {args.layers_per_block}, transformer_layers_per_block {args.transformer_layers}, "
+        f"cross_attention_dim {args.cross_dim}, fp32, random init; latent {args.latent}x{args.latent}; one CFG job "
+        f"(2 rows) running {k} consecutive steps (same inputs each step; each step's cache is its own object in "
+        "the store, recorded by a warm-up forward).",
+        f"- Plan units ({len(units)}): " + ", ".join(
+            f"`{u}` ({ctrl.unit_nbytes(u, (args.latent, args.latent), 2) / 2**20:.2f} MiB)" for u in units)
+        + f"; cache per step {step_bytes / 2**20:.2f} MiB, one ranged GET per unit, sha256-verified.",
+        f"- Full step {1000 * full:.0f} ms (warm mean, median of rounds; {1000 * full0:.0f} ms when the links "
+        "were set). Links (`ThrottledStore`, 0 ms latency) set so that loading one step's cache takes a given "
+        "multiple of the full step:",
+    ]
+    for lk in links:
+        load = step_bytes / lk.bandwidth
+        lines.append(f"  - `{lk.name}`: {lk.bandwidth / 2**20:.2f} MiB/s, one step's cache in {1000 * load:.0f} ms "
+                     f"= {load / full:.2f}x the full step")
+    lines += [
+        "- Step time = mean over steps 2..K of one run (the first, cold step excluded); each cell = median over "
+        f"{args.rounds} rounds; every (config, link, ratio) runs once per round, shuffled; ratios are paired "
+        "(taken within a round, then the median over rounds). Torch 1 thread, "
+        f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs.",
+        "- Configs: (a) naive = load the whole step, then compute; (b) pipelined = loader one step ahead, block "
+        "order, every unit waited for; (c) plan = step s+1 planned when step s starts with the measured "
+        "`lead_s` (copy-stream idle time before step s+1), its chosen units queued behind step s's, the rest "
+        "computed fully; (d) ideal = all resident.",
+        "- **(d) achievable** := the link delivers one step's cached bytes within one ideal step: "
+        "bytes / bandwidth <= (d) step time. Target: (c) <= 1.10 x (d) where achievable (paired), and (c) <= "
+        "full compute everywhere (paired).",
+        f"- Machine load (`uptime`) before: `{up_before}`; after each round: "
+        + "; ".join(f"`{u.split('load average:')[-1].strip()}`" for u in uptimes) + ".",
+        "",
+        "| link | r | full ms | (a) naive | (b) pipelined | (c) plan | (d) ideal | load/(d) | (d) achievable | "
+        "(c)/(d) | (c)/full | (b)/(d) | (c) units cached | (c) lead ms | target met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    met = achievable_cells = met_achievable = 0
+    for lk in links:
+        for r in ratios:
+            a = med([warm(i, "naive", lk.name, r) for i in rounds])
+            b = med([warm(i, "pipelined", lk.name, r) for i in rounds])
+            c = med([warm(i, "plan", lk.name, r) for i in rounds])
+            d = med([warm(i, "ideal", "-", r) for i in rounds])
+            cd = med([warm(i, "plan", lk.name, r) / warm(i, "ideal", "-", r) for i in rounds])
+            cf = med([warm(i, "plan", lk.name, r) / warm(i, "full", "-", 0.0) for i in rounds])
+            bd = med([warm(i, "pipelined", lk.name, r) / warm(i, "ideal", "-", r) for i in rounds])
+            plan_runs = [runs[(i, "plan", lk.name, r)] for i in rounds]
+            cached = med([statistics.fmean(t.cached_units[1:]) for t in plan_runs])
+            lead = med([statistics.fmean(t.leads[1:]) if len(t.leads) > 1 else 0.0 for t in plan_runs])
+            load = step_bytes / lk.bandwidth
+            achievable = load <= d
+            ok = cf <= 1.0 and (cd <= 1.10 if achievable else True)
+            met += ok
+            achievable_cells += achievable
+            met_achievable += ok and achievable
+            lines.append(
+                f"| {lk.name} | {r:.2f} | {1000 * full:.0f} | {1000 * a:.0f} | {1000 * b:.0f} | {1000 * c:.0f} | "
+                f"{1000 * d:.0f} | {load / d:.2f} | {'yes' if achievable else 'no'} | {cd:.2f} | {cf:.2f} | "
+                f"{bd:.2f} | {cached:.1f}/{len(units)} | {1000 * lead:.0f} | {'yes' if ok else 'NO'} |")
+    n = len(links) * len(ratios)
+    lines += ["", f"Targets met in {met} of {n} (link, ratio) cells; (d) achievable in {achievable_cells}, "
+              f"(c) within 10% of (d) in {met_achievable} of those.", ""]
+    # The cold first step of the same runs (nothing prefetched, lead 0).
+    lines += ["### The first (cold) step of the same runs", "",
+              "| link | r | (a) naive | (b) pipelined | (c) plan | (d) ideal | (c)/(d) | (c)/full |",
+              "|---|---|---|---|---|---|---|---|"]
+
+    def cold(rnd: int, config: str, name: str, r: float) -> float:
+        return runs[(rnd, config, name, r)].step_s[0]
+
+    for lk in links:
+        for r in ratios:
+            vals = [med([cold(i, c, lk.name if c != "ideal" else "-", r) for i in rounds]) for c in STEADY]
+            cd = med([cold(i, "plan", lk.name, r) / cold(i, "ideal", "-", r) for i in rounds])
+            cf = med([cold(i, "plan", lk.name, r) / warm(i, "full", "-", 0.0) for i in rounds])
+            lines.append(f"| {lk.name} | {r:.2f} | " + " | ".join(f"{1000 * v:.0f}" for v in vals)
+                         + f" | {cd:.2f} | {cf:.2f} |")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -328,7 +618,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="")
-    p.add_argument("--mode", choices=("step", "replay"), default="step")
+    p.add_argument("--mode", choices=("step", "steady", "replay"), default="step")
+    p.add_argument("--steps-k", type=int, default=6, help="steady: consecutive steps per run")
+    p.add_argument("--time-limit-s", type=float, default=0.0,
+                   help="steady: start no round that would end past this many seconds (0: no limit)")
+    p.add_argument("--steady-links", default="below:0.35,near:0.7,above:1.4",
+                   help="steady: name:x, x = one step's load time / full step time")
     p.add_argument("--rerender", default="", help="render the tables from a previous run's log")
     p.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
     p.add_argument("--replay-jobs", type=int, default=24)
@@ -339,8 +634,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay-mibps", type=float, default=50.0)
     p.add_argument("--replay-latency-ms", type=float, default=20.0)
     p.add_argument("--replay-fetch-threads", type=int, default=2)
+    p.add_argument("--replay-known-slots", action="store_true",
+                   help="tell the provider the engine's batch slots (waiting jobs keyed at expected start)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.mode == "steady":
+        args.hidden = tuple(int(c) for c in args.hidden.split(","))
+        report = steady_main(args)
+        print(report)
+        if args.out:
+            with open(args.out, "a" if args.append else "w") as fh:
+                fh.write(report)
+        return 0
     if args.mode == "replay":
         report = replay(args)
         print(report)

@@ -211,3 +211,21 @@ def test_invalid_inputs_rejected() -> None:
     with pytest.raises(ValueError):
         plan_optimal([BlockCost("x", 1.0, 1.0, 0, RESIDENT)], lead_s=-1)
     assert plan_optimal([]).predicted_s == 0.0
+
+
+def test_next_lead_is_copy_idle_time_before_the_next_step() -> None:
+    from workers.engine.plan import plan_optimal, simulate
+
+    store = Tier("store", 1000.0)
+    blocks = [BlockCost("a", 0.1, 2.0, 500, store), BlockCost("b", 0.1, 1.0, 500, store)]
+    plan = plan_optimal(blocks)  # loads 0.5 + 0.5, compute waits: done at 1.1, copy free at 1.0
+    assert plan.predicted_s == pytest.approx(1.1) and plan.copy_free_s == pytest.approx(1.0)
+    assert plan.next_lead_s() == pytest.approx(0.1)
+    assert plan_optimal(blocks, lead_s=5.0).next_lead_s() == pytest.approx(0.2)  # loads done before
+    assert plan_optimal(blocks, lead_s=5.0).next_lead_s(queued_at_s=0.15) == pytest.approx(0.05)
+    none = plan_optimal([BlockCost("a", 0.1, 0.2, 10**9, store)])  # never worth loading
+    assert none.cached_blocks == 0 and none.next_lead_s() == pytest.approx(0.2)
+    # With that lead the next step's first load is (partly) hidden: fewer bubbles than cold.
+    nxt = plan_optimal(blocks, lead_s=plan.next_lead_s())
+    assert nxt.predicted_s < plan.predicted_s
+    assert simulate(blocks, nxt.use_cache, plan.next_lead_s())[0].load_start_s == pytest.approx(-0.1)

@@ -12,7 +12,9 @@ when each (template, step) is expected to be needed, not in request order: jobs 
 and FIFO would make a newly routed job's first steps wait behind a running job's step 20. The
 estimate: for a template whose job is running (``ready`` was called for step ``c`` at time
 ``t_c``), step ``s`` is needed at ``t_c + (s - c) * dt``; for one whose job has not started (or stopped stepping),
-at ``request time + start_in_s + s * dt``; ``dt`` is the measured interval between a job's
+at ``request time + start_in_s + s * dt`` (with ``batch_slots`` set: at its expected start, when
+a batch slot frees after the running jobs' remaining steps, FIFO by request, if later); ``dt`` is
+the measured interval between a job's
 consecutive steps (EMA; ``default_step_s`` before any). A queued step is re-keyed when its
 template's job advances (``ready``) or is requested again with an earlier need; a fetch that has
 started is never preempted. Dedup per (template, step) and the never-block behaviour are as before.
@@ -93,6 +95,11 @@ class StepCacheProvider:
         self._cursor: dict[str, tuple[int, float]] = {}  # digest -> (step, monotonic time of ``ready``)
         self.default_step_s = default_step_s
         self._step_ema: float | None = None
+        # Engine batch slots, if known: then a job that has not started is expected to start when a
+        # slot frees (running jobs' remaining steps x dt, FIFO by request), not at its request.
+        self.batch_slots: int | None = None
+        self._steps: dict[str, int] = {}  # digest -> the cache's step count
+        self._start_est: dict[str, float] = {}  # digest of a waiting job -> expected start
         self.fetch_order: list[Slot] = []  # background fetches in the order they started (tests, logs)
         self._failed: dict[Slot, float] = {}
         self._templates: dict[str, str] = {}  # cache digest -> template id
@@ -162,7 +169,7 @@ class StepCacheProvider:
         if cursor is None or time.monotonic() - cursor[1] > max(2.0, 20 * dt):
             # No job of this template is running (or it stopped stepping): from the request
             # (or the job's expected start).
-            return start_at + step * dt
+            return max(start_at, self._start_est.get(digest, start_at)) + step * dt
         c, t_c = cursor
         return t_c + (step - c) * dt
 
@@ -178,6 +185,29 @@ class StepCacheProvider:
         heapq.heappush(self._heap, (need, next(self._seq), slot))
         self._cond.notify_all()
 
+    def _estimate_starts(self, now: float) -> None:
+        """Expected start of each waiting job's template (``batch_slots`` known; caller holds the
+        lock): slots free when running jobs finish their remaining steps; waiting jobs take them
+        in request order (the engine admits FIFO)."""
+        self._start_est.clear()
+        if self.batch_slots is None:
+            return
+        dt = self.step_seconds()
+        stale = max(2.0, 20 * dt)
+        running = {d for d, (_c, t_c) in self._cursor.items() if now - t_c <= stale}
+        ends = [t_c + max(0, self._steps.get(d, c + 1) - c) * dt
+                for d, (c, t_c) in self._cursor.items() if d in running]
+        free = [now] * max(0, self.batch_slots - len(ends)) + sorted(ends)[:self.batch_slots]
+        heapq.heapify(free)
+        waiting: dict[str, float] = {}
+        for slot, (_need, _key, start_at) in self._queued.items():
+            if slot[0] not in running:
+                waiting[slot[0]] = min(waiting.get(slot[0], math.inf), start_at)
+        for d, requested in sorted(waiting.items(), key=lambda item: item[1]):
+            start = max(heapq.heappop(free) if free else now, requested)
+            self._start_est[d] = start
+            heapq.heappush(free, start + self._steps.get(d, 1) * dt)
+
     def _advance(self, digest: str, step: int) -> None:
         """A job of this template is at ``step`` now: measure the step interval, re-key its queue."""
         now = time.monotonic()
@@ -191,11 +221,13 @@ class StepCacheProvider:
             self._cursor[digest] = (step, now)
             if len(self._cursor) > 1024:  # forget templates nobody has stepped for 10 minutes
                 self._cursor = {d: c for d, c in self._cursor.items() if now - c[1] < 600}
-            for slot, (_need, key, start_at) in list(self._queued.items()):
-                if slot[0] == digest:
-                    need = self._need_at(digest, slot[1], start_at)
-                    self._queued[slot] = (need, key, start_at)
-                    heapq.heappush(self._heap, (need, next(self._seq), slot))
+            self._estimate_starts(now)
+            for slot, (old, key, start_at) in list(self._queued.items()):
+                if slot[0] == digest or self.batch_slots is not None:
+                    need = self._need_at(slot[0], slot[1], start_at)
+                    if need != old:
+                        self._queued[slot] = (need, key, start_at)
+                        heapq.heappush(self._heap, (need, next(self._seq), slot))
             if len(self._heap) > 4 * len(self._queued) + 64:  # drop stale entries now and then
                 self._heap = [(n, q, sl) for n, q, sl in self._heap
                               if sl in self._queued and self._queued[sl][0] == n]
@@ -457,6 +489,7 @@ class StepCacheProvider:
         expected to start, for jobs not running yet (fetch order, module doc)."""
         digest = key.digest()
         self._templates[digest] = key.template_id
+        self._steps[digest] = key.steps
         start_at = time.monotonic() + max(0.0, start_in_s)
         for step in steps:
             if not 0 <= step < key.steps:
