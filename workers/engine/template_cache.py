@@ -313,13 +313,7 @@ class StepCacheProvider:
                 return False
             fill.loading.add(unit)
         try:
-            obj, header = self._header(fill)
-            t0 = time.perf_counter()
-            tensors = self.activations.read_tensors(obj, header, self._units[unit])
-            t1 = time.perf_counter()
-            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            self._observe(nbytes, t1 - t0)
-            metrics.observe_cache("store", True, nbytes)
+            tensors, t0, t1, nbytes = self._read_measured(fill, self._units[unit])
         except BaseException:
             with self._cond:
                 fill.loading.discard(unit)
@@ -332,6 +326,17 @@ class StepCacheProvider:
             del self.load_log[:-4096]
             self._cond.notify_all()
         return True
+
+    def _read_measured(self, fill: _Fill, names: list[str]) -> tuple[dict[str, torch.Tensor], float, float, int]:
+        """One ranged read of ``names`` from the step object; feeds the bandwidth estimate."""
+        obj, header = self._header(fill)
+        t0 = time.perf_counter()
+        tensors = self.activations.read_tensors(obj, header, names)
+        t1 = time.perf_counter()
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self._observe(nbytes, t1 - t0)
+        metrics.observe_cache("store", True, nbytes)
+        return tensors, t0, t1, nbytes
 
     def _load_rest(self, fill: _Fill, slot: Slot) -> None:
         """Fetch every unit nobody has fetched or claimed, in one ranged GET per contiguous run
@@ -346,14 +351,7 @@ class StepCacheProvider:
         if not todo:
             return
         try:
-            obj, header = self._header(fill)
-            t0 = time.perf_counter()
-            names = [n for u in todo for n in self._units[u]]
-            tensors = self.activations.read_tensors(obj, header, names)
-            t1 = time.perf_counter()
-            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            self._observe(nbytes, t1 - t0)
-            metrics.observe_cache("store", True, nbytes)
+            tensors, t0, t1, nbytes = self._read_measured(fill, [n for u in todo for n in self._units[u]])
         except BaseException:
             with self._cond:
                 fill.loading.difference_update(todo)
