@@ -140,7 +140,8 @@ class RecordedCaches:
     def prefetch(self, key: Any, steps: Any) -> None:
         return None
 
-    def ready(self, key: Any, step: int) -> dict[str, torch.Tensor] | None:
+    def ready(self, key: Any, step: int, fetch: bool = True) -> dict[str, torch.Tensor] | None:
+        """Every recorded step is resident (``fetch`` only matters for a real store)."""
         return self.steps.get(step)
 
 
