@@ -605,13 +605,10 @@ def med(xs: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ops.bench_maskaware_unet import add_unet_shape_args
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hidden", default="320,640")
-    p.add_argument("--latent", type=int, default=64)
-    p.add_argument("--layers-per-block", type=int, default=1)
-    p.add_argument("--transformer-layers", type=int, default=1)
-    p.add_argument("--cross-dim", type=int, default=768)
-    p.add_argument("--text-len", type=int, default=77)
+    add_unet_shape_args(p)
     p.add_argument("--ratios", default="0.05,0.1,0.2,0.35,0.5")
     p.add_argument("--links", default="pcie-like:16:0,mid:8:10,s3-like:4:30",
                    help="name:MiB/s:latency_ms,...")

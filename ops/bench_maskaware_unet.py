@@ -239,15 +239,20 @@ def real_cache_sizes() -> list[tuple[str, int, str, int]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_unet_shape_args(p: argparse.ArgumentParser) -> None:
+    """The SD-architecture UNet's shape options, shared by the UNet benchmarks."""
     p.add_argument("--hidden", default="320,640")
     p.add_argument("--latent", type=int, default=64)
     p.add_argument("--layers-per-block", type=int, default=1)
     p.add_argument("--transformer-layers", type=int, default=1)
     p.add_argument("--cross-dim", type=int, default=768)
     p.add_argument("--text-len", type=int, default=77)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_unet_shape_args(p)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--vae-factor", type=int, default=8)
     p.add_argument("--ratios", default="0.05,0.1,0.2,0.35,0.5,1.0")
