@@ -637,18 +637,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.mode == "steady":
         args.hidden = tuple(int(c) for c in args.hidden.split(","))
-        report = steady_main(args)
-        print(report)
-        if args.out:
-            with open(args.out, "a" if args.append else "w") as fh:
-                fh.write(report)
+        emit(steady_main(args), args)
         return 0
     if args.mode == "replay":
-        report = replay(args)
-        print(report)
-        if args.out:
-            with open(args.out, "a" if args.append else "w") as fh:
-                fh.write(report)
+        emit(replay(args), args)
         return 0
     args.hidden = tuple(int(c) for c in args.hidden.split(","))
     ratios = [float(r) for r in args.ratios.split(",")]
@@ -686,14 +678,19 @@ def main(argv: list[str] | None = None) -> int:
             log.info("round %d %s %s r=%.2f: %.0f ms (cached units %d, predicted %s)", rnd, config, name, r,
                      1000 * trial.seconds, trial.cached_units,
                      f"{1000 * trial.predicted_s:.0f} ms" if trial.predicted_s is not None else "-")
-    report = render(args, bench, links, ratios, results, full_s, load_before, os.getloadavg(), masks)
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report)
+    emit(render(args, bench, links, ratios, results, full_s, load_before, os.getloadavg(), masks), args)
     for link in links:
         assert link.provider is not None
         link.provider.close(wait=True)
     return 0
+
+
+def emit(report: str, args: argparse.Namespace) -> None:
+    """The report on stdout and, with ``--out``, into that file (appended with ``--append``)."""
+    sys.stdout.write(report + "\n")
+    if args.out:
+        with open(args.out, "a" if args.append else "w") as fh:
+            fh.write(report)
 
 
 def rerender(args: argparse.Namespace, bench: Bench, links: list[Link], ratios: list[float],
@@ -709,10 +706,7 @@ def rerender(args: argparse.Namespace, bench: Bench, links: list[Link], ratios: 
             config, name, r, ms, units, pred = m.groups()
             results.setdefault((config, name, float(r)), []).append(
                 Trial(int(ms) / 1000, int(units), int(pred) / 1000 if pred else None))
-    report = render(args, bench, links, ratios, results, float("nan"), load_before, os.getloadavg(), masks)
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report)
+    emit(render(args, bench, links, ratios, results, float("nan"), load_before, os.getloadavg(), masks), args)
     return 0
 
 
