@@ -70,6 +70,9 @@ class Settings:
     mask_dilation: int = 0  # dilate token masks by this many tokens (fewer seams, more compute)
     host_cache_bytes: int = 2 * 1024**3  # host-RAM tier budget per GPU worker
     prefetch_steps: int = 8  # steps of a job's template cache fetched ahead (from routing on)
+    # Concurrent background fetches per GPU worker: S3 reads are latency-bound, so several
+    # requests in flight (boto3's pool allows 10) are what keeps prefetch ahead of the queue.
+    prefetch_threads: int = 4
     # Per-unit load/compute plan for steps not wholly resident (workers/engine/runner_base.py):
     # plan | all (wait for every unit: pipelining) | resident (never wait) | step (per-step rule)
     cache_plan: str = "plan"

@@ -229,3 +229,18 @@ def test_next_lead_is_copy_idle_time_before_the_next_step() -> None:
     nxt = plan_optimal(blocks, lead_s=plan.next_lead_s())
     assert nxt.predicted_s < plan.predicted_s
     assert simulate(blocks, nxt.use_cache, plan.next_lead_s())[0].load_start_s == pytest.approx(-0.1)
+
+
+def test_a_busy_copy_stream_delays_loads_and_can_flip_the_decision() -> None:
+    """Loads start after transfers already on the link: a load that pays off on an idle link is
+    computed fully when the link stays busy past the block's start; copy_busy_s nets with lead_s."""
+    tier = Tier("store", 1e9)
+    blocks = [BlockCost("gap", 0.010, 0.010, 0, tier), BlockCost("u", 0.010, 0.040, 10_000_000, tier)]
+    idle = plan_optimal(blocks)
+    assert idle.use_cache[1] and idle.predicted_s == pytest.approx(0.020)  # 10 ms load hidden by the gap
+    busy = plan_optimal(blocks, copy_busy_s=0.100)
+    assert not busy.use_cache[1] and busy.predicted_s == pytest.approx(0.050)
+    netted = plan_optimal(blocks, lead_s=0.100, copy_busy_s=0.100)
+    assert netted.use_cache == idle.use_cache and netted.predicted_s == pytest.approx(idle.predicted_s)
+    with pytest.raises(ValueError):
+        plan_optimal(blocks, copy_busy_s=-1)

@@ -302,3 +302,43 @@ def test_plan_waits_for_fast_loads_and_skips_slow_ones(tmp_path: Path) -> None:
     assert slow["load_wait_s"] < 0.5  # never stalled for the slow transfers
     store.bandwidth_bytes_per_s = 1e9
     slow_caches.close(wait=True)
+
+
+def test_runner_plans_the_next_step_while_this_one_computes(tmp_path: Path) -> None:
+    """With nothing prefetched ahead, step s+1's chosen units are queued before step s+1 starts
+    (behind step s's loads), so they are in flight or resident when it does; the result is exact."""
+    from workers.engine.sd_runner import SDRunner
+
+    steps = 6
+    unet, ctrl, runner, caches, store, cfg = _runner_setup(tmp_path, "plan", bandwidth=1e9)
+    key = TemplateCacheKey("t", "tpl", LATENT[0] * 8, LATENT[1] * 8, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout)
+    _run(runner, _job(runner, "record", key, steps))["commit"].result(timeout=60)
+    _run(runner, _job(runner, "masked", key, steps))  # trains the cost model, measures the link
+    caches.drain()
+    for s in range(steps):
+        caches.forget(key, s)
+    ref = _run(SDRunner(unet, cfg), _job(SDRunner(unet, cfg), "full", None, steps))["latents"]
+    job = _job(runner, "masked", key, steps)
+    starts: dict[int, float] = {}
+    while not job.finished:
+        starts[job.steps_done] = time.perf_counter()
+        runner.step([job])
+        job.steps_done += 1
+    out = runner.result(job)
+    assert float((out["latents"] - ref).abs().max()) <= TOL
+    assert runner.last_ahead is not None
+    ahead = [(slot[1], t0) for slot, unit, t0, _t1, _n in caches.load_log
+             if slot[0] == key.digest() and unit in ctrl.units and slot[1] >= 1]
+    early = [s for s, t0 in ahead if t0 < starts[s]]
+    assert early, f"no unit of a later step was loaded before its step started: {ahead}"
+    caches.close(wait=True)
+
+
+def test_runner_without_the_plan_does_not_load_ahead(tmp_path: Path) -> None:
+    steps = 4
+    _unet, ctrl, runner, caches, _store, _cfg = _runner_setup(tmp_path, "resident", bandwidth=1e9)
+    key = TemplateCacheKey("t", "tpl", LATENT[0] * 8, LATENT[1] * 8, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout)
+    _run(runner, _job(runner, "record", key, steps))["commit"].result(timeout=60)
+    _run(runner, _job(runner, "masked", key, steps))
+    assert runner.last_ahead is None
+    caches.close(wait=True)

@@ -172,7 +172,8 @@ def get_engine() -> Engine:
             s = ctx.settings()
             cache_options: dict[str, Any] = {}
             if s.mask_aware:
-                cache_options = {"caches": StepCacheProvider(ctx.activations(), s.host_cache_bytes),
+                cache_options = {"caches": StepCacheProvider(
+                    ctx.activations(), s.host_cache_bytes, fetch_threads=s.prefetch_threads),
                                  "recorder": CacheRecorder(ctx.activations()),
                                  "dilation": s.mask_dilation, "prefetch_steps": s.prefetch_steps,
                                  "cache_plan": s.cache_plan, "max_wait_s": s.cache_plan_max_wait_s}

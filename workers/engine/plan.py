@@ -216,9 +216,13 @@ def _ideal_suffix(blocks: Sequence[BlockCost]) -> np.ndarray:
 
 
 def plan_optimal(
-    blocks: Sequence[BlockCost], lead_s: float = 0.0, max_states: int = 100_000
+    blocks: Sequence[BlockCost], lead_s: float = 0.0, max_states: int = 100_000, copy_busy_s: float = 0.0
 ) -> StepPlan:
     """Minimum-makespan decisions: exact Pareto-frontier DP with branch-and-bound.
+
+    ``copy_busy_s``: the copy stream (the link) is still busy with other transfers for this long
+    after the step starts (background prefetch in flight), so this step's loads start no earlier;
+    it is the opposite of ``lead_s`` and the two are netted.
 
     The frontier holds, after each block, every undominated (copy_free, compute_done) pair
     (vectorised with numpy: ~n^2 states for n similar blocks, ~15 ms for 70 blocks). States
@@ -226,8 +230,9 @@ def plan_optimal(
     heuristic plan cannot lead to the optimum and are dropped. Past ``max_states`` the frontier is
     thinned (every kept state is still a real schedule) and ``exact`` is False.
     """
-    if lead_s < 0 or max_states < 2:
-        raise ValueError("lead_s must be >= 0 and max_states >= 2")
+    if lead_s < 0 or copy_busy_s < 0 or max_states < 2:
+        raise ValueError("lead_s and copy_busy_s must be >= 0 and max_states >= 2")
+    lead_s -= copy_busy_s  # negative: loads start when the stream frees
     n = len(blocks)
     if n == 0:
         return _plan("optimal", blocks, [], lead_s)

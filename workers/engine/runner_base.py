@@ -152,6 +152,9 @@ class BaseRunner(ABC):
         self.max_wait_s = max_wait_s
         self.unit_cost = UnitCostModel()
         self.last_plan: StepPlan | None = None
+        self.last_ahead: tuple[float, StepPlan] | None = None  # (lead_s, plan) of the last step ahead
+        self._step_s: float | None = None  # measured step time (EMA): the lead when nothing loads
+        self._step_plan: StepPlan | None = None  # this step's plan, if it planned loads
         self.last_ctx: Any = None  # the mask-aware context of the last step (set by _forward)
         self._units_on = (cache_plan != "step" and hasattr(maskaware, "units")
                           and hasattr(caches, "set_units") and hasattr(caches, "unit_status"))
@@ -255,8 +258,8 @@ class BaseRunner(ABC):
                 blocks = unit_costs(self.maskaware, self.unit_cost, plan_jobs, latent_hw,
                                     self.caches.store_tier())  # type: ignore[union-attr]
             if blocks is not None:
-                plan = plan_optimal(blocks)
-                self.last_plan = plan
+                plan = plan_optimal(blocks, copy_busy_s=self._link_busy())
+                self.last_plan = self._step_plan = plan
                 chosen = {b.name for b, use in zip(blocks, plan.use_cache) if use and not b.name.startswith(GAP)}
                 # Bounded wait: the plan's own prediction with generous slack for model error.
                 deadline = time.monotonic() + min(self.max_wait_s, 0.05 + 2 * plan.predicted_s)
@@ -282,6 +285,55 @@ class BaseRunner(ABC):
             self.caches.prefetch(batch[i].state.cache_key, [batch[i].steps_done])  # type: ignore[union-attr]
         return groups
 
+    def _plan_ahead(self, batch: list[EngineJob], step_started: float) -> None:
+        """Plan step s+1 of this batch's masked jobs now and queue its chosen unit loads behind
+        step s's, so the copy stream does not idle between steps (the plan's ``lead_s``: how long
+        the stream is free before step s+1 starts). At step s+1, ``_plan_groups`` finds those
+        units resident (or re-plans the rest with lead 0); whole steps ahead stay with background
+        prefetch. Only with ``cache_plan="plan"`` and a trained cost model."""
+        if self.cache_plan != "plan" or self.caches is None:
+            return
+        ahead: list[tuple[int, set[str]]] = []
+        plan_jobs = []
+        for i, job in enumerate(batch):
+            st: JobState = job.state
+            nxt = job.steps_done + 1
+            if st.mode != "masked" or st.cache_key is None or nxt >= len(st.timesteps):
+                plan_jobs.append(PlanJob(st.rows))
+                continue
+            resident, failed = self.caches.unit_status(st.cache_key, nxt)
+            if failed or len(resident) == len(self.maskaware.units):
+                plan_jobs.append(PlanJob(st.rows, st.token_masks))
+                continue
+            ahead.append((i, resident))
+            plan_jobs.append(PlanJob(st.rows, st.token_masks, (st.cache_key.digest(), nxt), resident))
+        if not ahead:
+            return
+        latent_hw = (int(batch[0].state.latents.shape[-2]), int(batch[0].state.latents.shape[-1]))
+        blocks = unit_costs(self.maskaware, self.unit_cost, plan_jobs, latent_hw, self.caches.store_tier())
+        if blocks is None:
+            return
+        if self._step_plan is not None:  # this step loads too: the stream frees when its loads end
+            lead = self._step_plan.next_lead_s(time.monotonic() - step_started)
+        else:  # nothing loads this step: the stream is free for the whole step
+            lead = self._step_s if self._step_s is not None else 0.0
+        busy = self._link_busy()
+        plan = plan_optimal(blocks, lead_s=max(0.0, lead - busy), copy_busy_s=max(0.0, busy - lead))
+        chosen = [b.name for b, use in zip(blocks, plan.use_cache) if use and not b.name.startswith(GAP)]
+        self.last_ahead = (lead, plan)
+        seen: set[tuple[str, int]] = set()
+        for u in chosen:
+            for i, resident in ahead:
+                job, st = batch[i], batch[i].state
+                slot = (st.cache_key.digest(), job.steps_done + 1)  # type: ignore[union-attr]
+                if u not in resident and (slot, u) not in seen:
+                    seen.add((slot, u))  # type: ignore[arg-type]
+                    self.caches.load_units(st.cache_key, job.steps_done + 1, [u], complete=False)  # type: ignore[arg-type]
+
+    def _link_busy(self) -> float:
+        busy = getattr(self.caches, "link_busy_s", None)
+        return float(busy()) if busy is not None else 0.0
+
     def _observe_units(self) -> None:
         """Feed the measured per-unit compute times (minus load waits) to the cost model."""
         ctx = self.last_ctx
@@ -298,13 +350,18 @@ class BaseRunner(ABC):
         for job in batch:  # a retried step starts clean
             job.state.extra.pop("fallback_pending", None)
             job.state.extra.pop("unit_cache", None)
+        started = time.monotonic()
+        self._step_plan = None
         groups = [self._group(job) for job in batch] if self.maskaware is not None else None
         if groups is not None and self._units_on:
             groups = self._plan_groups(batch, groups)
+            self._plan_ahead(batch, started)
         self.last_ctx = None
         output, recorded = self._forward(batch, groups)
         if self._units_on:
             self._observe_units()
+            took = time.monotonic() - started
+            self._step_s = took if self._step_s is None else 0.7 * self._step_s + 0.3 * took
         updates: list[tuple[JobState, torch.Tensor]] = []
         snapshots = [(job.state, dict(job.state.scheduler.__dict__), job.state.generator.get_state())
                      for job in batch]

@@ -25,11 +25,13 @@ unit with one ranged GET per unit (header first), and units already fetched are 
 rest are still in flight (``unit_status``). The engine's plan may then ask for the units it wants
 *now*: ``load_units`` queues them on one loader thread (the copy stream: on CPU it only sleeps
 on the store, so it overlaps with compute), in block order, ahead of background prefetch, and
-``acquire`` waits for one unit until a deadline (False = compute that unit fully). Background
-prefetch reads all units nobody has claimed yet in one ranged GET per contiguous run (one
-request latency per step); units queued on the copy stream are left to it (``claimed``: a
-background completion that starts first must not swallow the plan's first unit into one big GET),
-otherwise whatever fetches a unit first, the other path skips it; a step whose
+``acquire`` waits for one unit until a deadline (False = compute that unit fully);
+``link_busy_s`` tells the plan how long background fetches in flight still hold the link. Background
+prefetch reads a step nobody has touched in one GET of the whole object (manifests are cached,
+so one request per step: the prefetcher is latency-bound on S3), otherwise all units nobody has
+claimed yet in one ranged GET per contiguous run after the header; units queued on the copy
+stream are left to it (``claimed``: a background completion that starts first must not swallow
+the plan's first unit into one big GET), otherwise whatever fetches a unit first, the other path skips it; a step whose
 units are all fetched is assembled into the host-RAM LRU as one entry. The provider measures
 the store's bandwidth and per-request latency from its own fetches (EMA) for the plan's load
 times (``store_tier``).
@@ -120,6 +122,8 @@ class StepCacheProvider:
         self._lat_ema: float | None = None
         self.ema_alpha = 0.3
         self.load_log: list[tuple[Slot, str, float, float, int]] = []  # (slot, unit, start, end, bytes)
+        self._bg_started: dict[Slot, float] = {}  # background fetches in flight -> start (monotonic)
+        self._bg_ema: float | None = None  # measured duration of one background fetch
         self._workers = [threading.Thread(target=self._fetch_loop, name=f"stencil-fetch-{i}", daemon=True)
                          for i in range(fetch_threads)]
         for w in self._workers:
@@ -246,6 +250,7 @@ class StepCacheProvider:
                         if entry is None or entry[0] != need:
                             continue  # stale: re-keyed or already taken
                         del self._queued[slot]
+                        self._bg_started[slot] = time.monotonic()
                         key = entry[1]
                         self.fetch_order.append(slot)
                         del self.fetch_order[:-4096]
@@ -284,6 +289,19 @@ class StepCacheProvider:
         finally:
             with self._lock:
                 self._inflight.discard(slot)
+                started = self._bg_started.pop(slot, None)
+                if started is not None:
+                    took = time.monotonic() - started
+                    self._bg_ema = took if self._bg_ema is None else 0.7 * self._bg_ema + 0.3 * took
+
+    def link_busy_s(self) -> float:
+        """How long background fetches already in flight will still occupy the link (the plan
+        starts its loads after them): each one's expected duration (EMA) minus its age."""
+        with self._lock:
+            if not self._bg_started or self._bg_ema is None:
+                return 0.0
+            now = time.monotonic()
+            return sum(max(0.0, self._bg_ema - (now - t0)) for t0 in self._bg_started.values())
 
     # -- unit-wise fetches -----------------------------------------------------------------------
     def _fill_for(self, key: TemplateCacheKey, step: int) -> _Fill:
@@ -365,12 +383,44 @@ class StepCacheProvider:
             del self.load_log[:-4096]
             self._cond.notify_all()
 
+    def _load_whole(self, fill: _Fill, slot: Slot) -> bool:
+        """Background fetch of a step nobody has touched yet: one GET of the whole object
+        (verified) instead of a header GET plus a ranged GET; False if some unit is already
+        fetched, in flight or claimed by the copy stream (then ``_load_rest`` ranges around it)."""
+        assert self._units is not None
+        with self._lock:
+            if fill.header is not None or fill.units or fill.loading or fill.claimed or fill.error is not None:
+                return False
+            units = list(self._units)
+            fill.loading.update(units)
+        try:
+            t0 = time.perf_counter()
+            tensors = self.activations.read_step(fill.key, fill.step)
+            t1 = time.perf_counter()
+            parts = {u: {n: tensors[n] for n in self._units[u]} for u in units}
+        except BaseException:
+            with self._cond:
+                fill.loading.difference_update(units)
+                self._cond.notify_all()
+            raise
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self._observe(nbytes, t1 - t0)
+        metrics.observe_cache("store", True, nbytes)
+        with self._cond:
+            fill.loading.difference_update(units)
+            fill.units.update(parts)
+            self.load_log.append((slot, f"{len(units)} units", t0, t1, nbytes))
+            del self.load_log[:-4096]
+            self._cond.notify_all()
+        return True
+
     def _fill_all(self, key: TemplateCacheKey, step: int, slot: Slot) -> None:
         assert self._units is not None
         fill = self._fill_for(key, step)
         if self._closed:
             return
-        self._load_rest(fill, slot)
+        if not self._load_whole(fill, slot):
+            self._load_rest(fill, slot)
         with self._cond:  # the demand loader may still be fetching (or about to fetch) some unit
             while (fill.loading or fill.claimed) and fill.error is None:
                 if self._closed or self._fills.get(slot) is not fill:

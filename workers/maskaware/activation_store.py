@@ -19,7 +19,9 @@ import hashlib
 import json
 import logging
 import struct
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -83,9 +85,15 @@ def _st_metadata(data: bytes) -> dict[str, str]:
 class ActivationStore:
     """Writes, commits, reads, lists and deletes template caches in an ``ObjectStore``."""
 
-    def __init__(self, store: ObjectStore, prefix: str = "activations") -> None:
+    def __init__(self, store: ObjectStore, prefix: str = "activations", manifest_cache: int = 256) -> None:
         self.store = store
         self.prefix = prefix.rstrip("/")
+        # Committed manifests, so reading a step costs one request, not two (the prefetcher is
+        # latency-bound on S3). Safe to reuse: step objects are verified against the key and their
+        # hashes on every read, and a deleted cache then fails the read (-> full compute).
+        self._manifests: OrderedDict[str, dict[str, object]] = OrderedDict()
+        self._manifest_cache = manifest_cache
+        self._manifest_lock = threading.Lock()
 
     def _dir(self, key: TemplateCacheKey) -> str:
         return f"{self.prefix}/{key.digest()}/"
@@ -124,12 +132,32 @@ class ActivationStore:
             "created": time.time(),
         }
         self.store.put(self.manifest_object(key), json.dumps(manifest, sort_keys=True).encode())
+        self._forget_manifest(key)
         log.info("committed activation cache %s (%d steps, %d bytes)", key.digest(), len(steps),
                  manifest["nbytes"])
         return manifest
 
+    def _forget_manifest(self, key: TemplateCacheKey) -> None:
+        with self._manifest_lock:
+            self._manifests.pop(key.digest(), None)
+
+    def cached_manifest(self, key: TemplateCacheKey) -> dict[str, object]:
+        """``manifest`` through a small LRU (readers of step objects; module doc of ``__init__``)."""
+        digest = key.digest()
+        with self._manifest_lock:
+            hit = self._manifests.get(digest)
+            if hit is not None:
+                self._manifests.move_to_end(digest)
+                return hit
+        manifest = self.manifest(key)
+        with self._manifest_lock:
+            self._manifests[digest] = manifest
+            while len(self._manifests) > self._manifest_cache:
+                self._manifests.popitem(last=False)
+        return manifest
+
     def manifest(self, key: TemplateCacheKey) -> dict[str, object]:
-        """The committed manifest; refuses one recorded under another key."""
+        """The committed manifest, read from the store; refuses one recorded under another key."""
         try:
             manifest = json.loads(self.store.get(self.manifest_object(key)))
         except ObjectNotFound as exc:
@@ -152,10 +180,14 @@ class ActivationStore:
 
     def read_step(self, key: TemplateCacheKey, step: int) -> dict[str, torch.Tensor]:
         """One committed step's tensors (CPU); checks the key in the manifest and the object."""
-        entry = self.manifest(key)["steps"].get(str(step))  # type: ignore[union-attr]
+        entry = self.cached_manifest(key)["steps"].get(str(step))  # type: ignore[union-attr]
         if entry is None:
             raise CacheNotFound(f"step {step} not in cache {key.digest()}")
-        data = self.store.get(str(entry["object"]))
+        try:
+            data = self.store.get(str(entry["object"]))
+        except ObjectNotFound:
+            self._forget_manifest(key)  # deleted or re-recorded since: the next read re-checks
+            raise
         meta = _st_metadata(data)
         if meta.get("key") != key.canonical() or meta.get("step") != str(step):
             raise CacheKeyMismatch(f"{entry['object']} holds {meta.get('key')} step {meta.get('step')}")
@@ -165,11 +197,15 @@ class ActivationStore:
 
     def step_header(self, key: TemplateCacheKey, step: int) -> tuple[str, tensorfile.TensorHeader]:
         """(object, verified header) of a committed step, read with ranged GETs only."""
-        entry = self.manifest(key)["steps"].get(str(step))  # type: ignore[union-attr]
+        entry = self.cached_manifest(key)["steps"].get(str(step))  # type: ignore[union-attr]
         if entry is None:
             raise CacheNotFound(f"step {step} not in cache {key.digest()}")
         obj = str(entry["object"])
-        header = tensorfile.read_header(self.store, obj)
+        try:
+            header = tensorfile.read_header(self.store, obj)
+        except ObjectNotFound:
+            self._forget_manifest(key)
+            raise
         if header.metadata.get("key") != key.canonical() or header.metadata.get("step") != str(step):
             raise CacheKeyMismatch(f"{obj} holds {header.metadata.get('key')} step {header.metadata.get('step')}")
         return obj, header
@@ -190,4 +226,5 @@ class ActivationStore:
         """Remove a template's cache (manifest first, so readers never see a half-deleted one)."""
         had_manifest = self.store.exists(self.manifest_object(key))
         self.store.delete(self.manifest_object(key))
+        self._forget_manifest(key)
         return self.store.delete_prefix(self._dir(key)) + int(had_manifest)
