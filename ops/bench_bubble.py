@@ -557,8 +557,9 @@ def replay(args: argparse.Namespace) -> str:
         f"{setting}.",
         f"- Object store: `ThrottledStore`, {args.replay_latency_ms:g} ms per request (latency overlaps between "
         f"concurrent requests, bandwidth does not); {args.replay_fetch_threads} prefetch threads serving queued "
-        "steps earliest expected need first; the whole cache is requested when the job arrives, one ranged GET "
-        "per step in the background, one per unit for loads the plan asks for in-step. Link utilisation = "
+        "steps earliest expected need first; the whole cache is requested when the job arrives, one GET of the "
+        "whole step object per step in the background (manifest cached), one ranged GET per unit for loads "
+        "the plan asks for in-step. Link utilisation = "
         "arrival rate x a job's cache bytes / bandwidth (the share of the link's bandwidth prefetch needs). "
         f"Batch slots known to the provider: {args.replay_batch if args.replay_known_slots else 'no'}.",
         f"- Machine load (`uptime`) before / after: `{up_before}` / `{uptime()}`.",
