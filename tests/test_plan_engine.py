@@ -342,3 +342,35 @@ def test_runner_without_the_plan_does_not_load_ahead(tmp_path: Path) -> None:
     _run(runner, _job(runner, "masked", key, steps))
     assert runner.last_ahead is None
     caches.close(wait=True)
+
+
+def test_on_a_link_slower_than_compute_running_jobs_leave_whole_steps_to_the_plan(tmp_path: Path) -> None:
+    """Measured: a step's cache loads slower than the step computes -> ``link_bound``; running
+    jobs then queue no whole-step background fetches (the plan loads chosen units one step ahead);
+    on a fast link they do."""
+    from workers.engine.template_cache import StepCacheProvider
+
+    steps = 6
+    unet, ctrl, runner, caches, store, cfg = _runner_setup(tmp_path, "plan", bandwidth=1e9)
+    key = TemplateCacheKey("t", "tpl", LATENT[0] * 8, LATENT[1] * 8, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout)
+    _run(runner, _job(runner, "record", key, steps))["commit"].result(timeout=60)
+    _run(runner, _job(runner, "masked", key, steps))  # trains the cost model on the fast link
+    caches.close(wait=True)
+    for bandwidth, bound in ((1e9, False), (2e5, True)):
+        store.bandwidth_bytes_per_s = bandwidth
+        fresh = StepCacheProvider(runner.caches.activations, 1 << 30, fetch_threads=1)
+        r = type(runner)(unet, cfg, maskaware=ctrl, caches=fresh, prefetch_steps=3, cache_plan="plan")
+        r.unit_cost = runner.unit_cost
+        fresh.wait(key, 0, 30)  # measures the link
+        job = _job(r, "masked", key, steps)
+        for _ in range(3):
+            r.step([job])
+            job.steps_done += 1
+        assert r.link_bound is bound
+        for s in range(steps):
+            fresh.forget(key, s)
+        before = len(fresh.queued())
+        r.prefetch(job)
+        assert (len(fresh.queued()) > before) is not bound
+        fresh.close()
+    store.bandwidth_bytes_per_s = 1e9

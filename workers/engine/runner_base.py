@@ -26,6 +26,13 @@ block by block, a masked job whose step is not wholly resident does not simply f
 - ``"step"``: the per-step rule only (whole step resident or full compute).
 Waiting is bounded: a unit that is not there by the step's deadline is computed fully, so a slow
 or failed store can never stall the loop for long, and the result is correct either way.
+
+Ahead of time (``"plan"``): while step s computes, step s+1 of the batch's masked jobs is planned
+with the copy stream's expected idle time as its lead and its chosen units are queued behind step
+s's (``_plan_ahead``); loads start after background fetches already on the link
+(``copy_busy_s``). When loading a step takes longer than computing it (``link_bound``, measured),
+running jobs get no whole-step background prefetch: whole steps would arrive late and hold the
+link, so only the units the plan picks are loaded, one step ahead. Waiting jobs still prefetch.
 """
 
 from __future__ import annotations
@@ -155,6 +162,7 @@ class BaseRunner(ABC):
         self.last_ahead: tuple[float, StepPlan] | None = None  # (lead_s, plan) of the last step ahead
         self._step_s: float | None = None  # measured step time (EMA): the lead when nothing loads
         self._step_plan: StepPlan | None = None  # this step's plan, if it planned loads
+        self.link_bound = False  # measured: loading a step takes longer than computing it
         self.last_ctx: Any = None  # the mask-aware context of the last step (set by _forward)
         self._units_on = (cache_plan != "step" and hasattr(maskaware, "units")
                           and hasattr(caches, "set_units") and hasattr(caches, "unit_status"))
@@ -204,8 +212,12 @@ class BaseRunner(ABC):
             self.caches.prefetch(key, range(self.prefetch_steps))  # type: ignore[union-attr]
 
     def prefetch(self, job: EngineJob) -> None:
-        """Start loading the next steps' caches of a (waiting or running) masked job."""
+        """Start loading the next steps' caches of a (waiting or running) masked job. On a link
+        slower than compute (``link_bound``) a running job's steps are left to the plan, which
+        loads only the units that pay off, one step ahead (``_plan_ahead``)."""
         st: JobState = job.state
+        if self.link_bound:
+            return
         if st.mode == "masked" and self.caches is not None and st.cache_key is not None:
             self.caches.prefetch(st.cache_key, range(job.steps_done, job.steps_done + self.prefetch_steps))
 
@@ -281,8 +293,9 @@ class BaseRunner(ABC):
             for key, step, want in requested:
                 if u in want:
                     self.caches.load_units(key, step, [u], complete=False)  # type: ignore[union-attr]
-        for i, _resident in pending:  # then the rest of each step in the background
-            self.caches.prefetch(batch[i].state.cache_key, [batch[i].steps_done])  # type: ignore[union-attr]
+        if not self.link_bound:  # then the rest of each step in the background
+            for i, _resident in pending:
+                self.caches.prefetch(batch[i].state.cache_key, [batch[i].steps_done])  # type: ignore[union-attr]
         return groups
 
     def _plan_ahead(self, batch: list[EngineJob], step_started: float) -> None:
@@ -308,11 +321,19 @@ class BaseRunner(ABC):
             ahead.append((i, resident))
             plan_jobs.append(PlanJob(st.rows, st.token_masks, (st.cache_key.digest(), nxt), resident))
         if not ahead:
+            self.link_bound = False  # the next steps are already resident: the link keeps up
             return
         latent_hw = (int(batch[0].state.latents.shape[-2]), int(batch[0].state.latents.shape[-1]))
         blocks = unit_costs(self.maskaware, self.unit_cost, plan_jobs, latent_hw, self.caches.store_tier())
         if blocks is None:
             return
+        # Link slower than compute: a whole step takes longer to load than to compute, so whole
+        # steps fetched ahead arrive late and hold the link the plan's unit loads need.
+        # (One request per step, as background prefetch reads it.)
+        tier = self.caches.store_tier()
+        step_bytes = sum(b.load_bytes for b in blocks)
+        self.link_bound = (tier is not None and self._step_s is not None and step_bytes > 0
+                           and tier.load_time(step_bytes) > self._step_s)
         if self._step_plan is not None:  # this step loads too: the stream frees when its loads end
             lead = self._step_plan.next_lead_s(time.monotonic() - step_started)
         else:  # nothing loads this step: the stream is free for the whole step
