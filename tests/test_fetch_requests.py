@@ -110,3 +110,30 @@ def test_a_unit_claimed_by_the_plan_is_still_read_on_its_own(tmp_path: Path) -> 
         assert sorted(loads) == ["u0", "u1"]  # the rest ranged around it, not one whole GET
     finally:
         provider.close(wait=True)
+
+
+def test_a_unit_past_its_own_deadline_is_computed_fully_not_waited_for(tmp_path: Path) -> None:
+    """Per-unit deadlines (the plan's break-even wait): a late unit gives up at its own deadline,
+    while a step-wide deadline would have waited for it."""
+    from workers.engine.template_cache import UnitCache
+
+    link = ThrottledStore(LocalStore(tmp_path), bandwidth_bytes_per_s=4096.0)  # ~1 s per unit
+    acts = ActivationStore(link)
+    key = _key()
+    link.bandwidth_bytes_per_s = float("inf")
+    _record(acts, key, 0.0)
+    acts.step_header(key, 1)  # manifest cached before the link slows down
+    link.bandwidth_bytes_per_s = 4096.0
+    provider = StepCacheProvider(acts, 1 << 30, fetch_threads=1)
+    provider.set_units(UNITS)
+    names = [n for ns in UNITS.values() for n in ns]
+    try:
+        provider.load_units(key, 1, ["u0"], complete=False)
+        t0 = time.monotonic()
+        per_unit = UnitCache(provider, key, 1, names, ["u0"], {"u0": t0 + 0.05})
+        assert per_unit.acquire_unit("u0") is False and per_unit.missed == ["u0"]
+        assert time.monotonic() - t0 < 0.5
+        step_wide = UnitCache(provider, key, 1, names, ["u0"], time.monotonic() + 10)
+        assert step_wide.acquire_unit("u0") is True  # waited for the slow load
+    finally:
+        provider.close(wait=True)

@@ -163,6 +163,7 @@ class BaseRunner(ABC):
         self._step_s: float | None = None  # measured step time (EMA): the lead when nothing loads
         self._step_plan: StepPlan | None = None  # this step's plan, if it planned loads
         self.link_bound = False  # measured: loading a step takes longer than computing it
+        self._ahead: dict[tuple[str, int], set[str]] = {}  # (cache, step) -> units chosen a step ahead
         self.last_ctx: Any = None  # the mask-aware context of the last step (set by _forward)
         self._units_on = (cache_plan != "step" and hasattr(maskaware, "units")
                           and hasattr(caches, "set_units") and hasattr(caches, "unit_status"))
@@ -260,6 +261,7 @@ class BaseRunner(ABC):
         units = self.maskaware.units
         latent_hw = (int(batch[0].state.latents.shape[-2]), int(batch[0].state.latents.shape[-1]))
         chosen: set[str]
+        deadline: float | dict[str, float]
         self.last_plan = None
         if self.cache_plan == "all":
             chosen, deadline = set(units), time.monotonic() + self.max_wait_s
@@ -270,17 +272,26 @@ class BaseRunner(ABC):
                 blocks = unit_costs(self.maskaware, self.unit_cost, plan_jobs, latent_hw,
                                     self.caches.store_tier())  # type: ignore[union-attr]
             if blocks is not None:
+                now = time.monotonic()
                 plan = plan_optimal(blocks, copy_busy_s=self._link_busy())
                 self.last_plan = self._step_plan = plan
                 chosen = {b.name for b, use in zip(blocks, plan.use_cache) if use and not b.name.startswith(GAP)}
-                # Bounded wait: the plan's own prediction with generous slack for model error.
-                deadline = time.monotonic() + min(self.max_wait_s, 0.05 + 2 * plan.predicted_s)
+                # Bounded wait, per unit: past its planned compute start plus the time the cache
+                # saves on it (full - cached), waiting costs more than computing it fully; and
+                # never past the step-wide bound (the prediction with slack for model error).
+                step_bound = now + min(self.max_wait_s, 0.05 + 2 * plan.predicted_s)
+                deadline = {b.name: min(step_bound, now + t.compute_start_s + max(0.0, b.full_s - b.cached_s))
+                            for b, t in zip(blocks, plan.timeline) if b.name in chosen}
         names = self.maskaware.tensor_names()
         requested: list[tuple[TemplateCacheKey, int, list[str]]] = []
         seen: set[tuple[str, int]] = set()
         for i, resident in pending:
             job, st = batch[i], batch[i].state
-            want = [u for u in units if u in chosen and u not in resident]
+            slot_now = (st.cache_key.digest(), job.steps_done)
+            ahead = self._ahead.get(slot_now)
+            # Planned a step ahead: keep that choice (loads were queued for it, and adding units
+            # now would queue them ahead of the next step's); only drop what the plan now skips.
+            want = [u for u in units if u in chosen and u not in resident and (ahead is None or u in ahead)]
             slot = (st.cache_key.digest(), job.steps_done)
             if want and slot not in seen:
                 seen.add(slot)
@@ -304,6 +315,7 @@ class BaseRunner(ABC):
         the stream is free before step s+1 starts). At step s+1, ``_plan_groups`` finds those
         units resident (or re-plans the rest with lead 0); whole steps ahead stay with background
         prefetch. Only with ``cache_plan="plan"`` and a trained cost model."""
+        self._ahead = {}  # the previous lookahead was consumed by this step's ``_plan_groups``
         if self.cache_plan != "plan" or self.caches is None:
             return
         ahead: list[tuple[int, set[str]]] = []
@@ -342,6 +354,8 @@ class BaseRunner(ABC):
         plan = plan_optimal(blocks, lead_s=max(0.0, lead - busy), copy_busy_s=max(0.0, busy - lead))
         chosen = [b.name for b, use in zip(blocks, plan.use_cache) if use and not b.name.startswith(GAP)]
         self.last_ahead = (lead, plan)
+        self._ahead = {(batch[i].state.cache_key.digest(), batch[i].steps_done + 1): set(chosen)  # type: ignore[union-attr]
+                       for i, _resident in ahead}
         seen: set[tuple[str, int]] = set()
         for u in chosen:
             for i, resident in ahead:

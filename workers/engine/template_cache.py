@@ -600,12 +600,13 @@ class UnitCache(Mapping[str, torch.Tensor]):
     """One job's step cache as the mask-aware model sees it while it is loaded block by block.
 
     ``acquire_unit`` (asked once per unit by ``MaskAwareUNet``) answers at once for resident units,
-    waits until ``deadline`` for units the plan chose to load, and says False (compute fully) for
-    the rest: a unit whose data is not resident is never waited for unless the plan wants it.
+    waits until ``deadline`` (one for the step, or one per unit) for units the plan chose to load,
+    and says False (compute fully) for the rest: a unit whose data is not resident is never waited
+    for unless the plan wants it.
     """
 
     def __init__(self, provider: StepCacheProvider, key: TemplateCacheKey, step: int,
-                 names: Sequence[str], wait_units: Iterable[str], deadline: float) -> None:
+                 names: Sequence[str], wait_units: Iterable[str], deadline: float | Mapping[str, float]) -> None:
         self.provider = provider
         self.key = key
         self.step = step
@@ -619,7 +620,12 @@ class UnitCache(Mapping[str, torch.Tensor]):
 
     def acquire_unit(self, unit: str) -> bool:
         t0 = time.monotonic()
-        deadline = self.deadline if unit in self.wait_units else -math.inf
+        if unit not in self.wait_units:
+            deadline = -math.inf
+        elif isinstance(self.deadline, Mapping):
+            deadline = self.deadline.get(unit, -math.inf)
+        else:
+            deadline = self.deadline
         got = self.provider.acquire(self.key, self.step, unit, deadline)
         self.waited_s += time.monotonic() - t0
         if got is None:
