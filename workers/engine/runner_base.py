@@ -24,8 +24,9 @@ block by block, a masked job whose step is not wholly resident does not simply f
 - ``"all"``: wait for every unit's load (block-wise pipelining; a baseline).
 - ``"resident"``: use what is resident, never wait (per unit).
 - ``"step"``: the per-step rule only (whole step resident or full compute).
-Waiting is bounded: a unit that is not there by the step's deadline is computed fully, so a slow
-or failed store can never stall the loop for long, and the result is correct either way.
+Waiting is bounded: a unit that is not there by its deadline (its planned compute start plus what
+the cache saves on it, and never past the step-wide bound) is computed fully, so a slow or failed
+store can never stall the loop for long, and the result is correct either way.
 
 Ahead of time (``"plan"``): while step s computes, step s+1 of the batch's masked jobs is planned
 with the copy stream's expected idle time as its lead and its chosen units are queued behind step
