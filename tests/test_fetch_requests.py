@@ -37,6 +37,18 @@ def _store(tmp_path: Path) -> tuple[ThrottledStore, ActivationStore]:
     return link, ActivationStore(link)
 
 
+def _unit_provider(acts: ActivationStore) -> StepCacheProvider:
+    provider = StepCacheProvider(acts, 1 << 30, fetch_threads=1)
+    provider.set_units(UNITS)
+    return provider
+
+
+def _wait_resident(provider: StepCacheProvider, key: TemplateCacheKey, steps: list[int]) -> None:
+    deadline = time.monotonic() + 10
+    while any(provider.ready(key, s, fetch=False) is None for s in steps) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def test_step_reads_after_the_first_cost_one_request(tmp_path: Path) -> None:
     link, acts = _store(tmp_path)
     key = _key()
@@ -76,15 +88,12 @@ def test_background_prefetch_of_an_untouched_step_is_one_request(tmp_path: Path)
     link, acts = _store(tmp_path)
     key = _key()
     _record(acts, key, 0.0)
-    provider = StepCacheProvider(acts, 1 << 30, fetch_threads=1)
-    provider.set_units(UNITS)
+    provider = _unit_provider(acts)
     try:
         assert provider.wait(key, 0, 10) is not None  # manifest + step 0
         before = link.stats().requests
         provider.prefetch(key, [1, 2, 3])
-        deadline = time.monotonic() + 10
-        while any(provider.ready(key, s, fetch=False) is None for s in (1, 2, 3)) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        _wait_resident(provider, key, [1, 2, 3])
         got = provider.ready(key, 3, fetch=False)
         assert got is not None and float(got["u1.k"][0, 0]) == 3.0
         assert link.stats().requests - before == 3
@@ -97,14 +106,11 @@ def test_a_unit_claimed_by_the_plan_is_still_read_on_its_own(tmp_path: Path) -> 
     _link, acts = _store(tmp_path)
     key = _key()
     _record(acts, key, 0.0)
-    provider = StepCacheProvider(acts, 1 << 30, fetch_threads=1)
-    provider.set_units(UNITS)
+    provider = _unit_provider(acts)
     try:
         provider.load_units(key, 2, ["u0"])  # the plan wants u0 of step 2 now, the rest follows
         assert provider.drain(10)
-        deadline = time.monotonic() + 10
-        while provider.ready(key, 2, fetch=False) is None and time.monotonic() < deadline:
-            time.sleep(0.005)
+        _wait_resident(provider, key, [2])
         assert provider.ready(key, 2, fetch=False) is not None
         loads = [unit for slot, unit, *_ in provider.load_log if slot[1] == 2]
         assert sorted(loads) == ["u0", "u1"]  # the rest ranged around it, not one whole GET
@@ -124,8 +130,7 @@ def test_a_unit_past_its_own_deadline_is_computed_fully_not_waited_for(tmp_path:
     _record(acts, key, 0.0)
     acts.step_header(key, 1)  # manifest cached before the link slows down
     link.bandwidth_bytes_per_s = 4096.0
-    provider = StepCacheProvider(acts, 1 << 30, fetch_threads=1)
-    provider.set_units(UNITS)
+    provider = _unit_provider(acts)
     names = [n for ns in UNITS.values() for n in ns]
     try:
         provider.load_units(key, 1, ["u0"], complete=False)

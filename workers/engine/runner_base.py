@@ -288,12 +288,11 @@ class BaseRunner(ABC):
         seen: set[tuple[str, int]] = set()
         for i, resident in pending:
             job, st = batch[i], batch[i].state
-            slot_now = (st.cache_key.digest(), job.steps_done)
-            ahead = self._ahead.get(slot_now)
+            slot = (st.cache_key.digest(), job.steps_done)
+            ahead = self._ahead.get(slot)
             # Planned a step ahead: keep that choice (loads were queued for it, and adding units
             # now would queue them ahead of the next step's); only drop what the plan now skips.
             want = [u for u in units if u in chosen and u not in resident and (ahead is None or u in ahead)]
-            slot = (st.cache_key.digest(), job.steps_done)
             if want and slot not in seen:
                 seen.add(slot)
                 requested.append((st.cache_key, job.steps_done, want))
@@ -337,13 +336,13 @@ class BaseRunner(ABC):
             self.link_bound = False  # the next steps are already resident: the link keeps up
             return
         latent_hw = (int(batch[0].state.latents.shape[-2]), int(batch[0].state.latents.shape[-1]))
-        blocks = unit_costs(self.maskaware, self.unit_cost, plan_jobs, latent_hw, self.caches.store_tier())
+        tier = self.caches.store_tier()
+        blocks = unit_costs(self.maskaware, self.unit_cost, plan_jobs, latent_hw, tier)
         if blocks is None:
             return
         # Link slower than compute: a whole step takes longer to load than to compute, so whole
         # steps fetched ahead arrive late and hold the link the plan's unit loads need.
         # (One request per step, as background prefetch reads it.)
-        tier = self.caches.store_tier()
         step_bytes = sum(b.load_bytes for b in blocks)
         self.link_bound = (tier is not None and self._step_s is not None and step_bytes > 0
                            and tier.load_time(step_bytes) > self._step_s)

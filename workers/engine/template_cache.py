@@ -49,7 +49,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -356,6 +356,26 @@ class StepCacheProvider:
         metrics.observe_cache("store", True, nbytes)
         return tensors, t0, t1, nbytes
 
+    def _land(self, fill: _Fill, slot: Slot, units: list[str],
+              read: Callable[[], tuple[StepTensors, float, float, int]]) -> None:
+        """Run one read of ``units`` (already marked loading) and make them visible, or unmark
+        them if the read fails; either way waiters are woken."""
+        assert self._units is not None
+        try:
+            tensors, t0, t1, nbytes = read()
+        except BaseException:
+            with self._cond:
+                fill.loading.difference_update(units)
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            fill.loading.difference_update(units)
+            for u in units:
+                fill.units[u] = {n: tensors[n] for n in self._units[u]}
+            self.load_log.append((slot, "+".join(units) if len(units) < 3 else f"{len(units)} units", t0, t1, nbytes))
+            del self.load_log[:-4096]
+            self._cond.notify_all()
+
     def _load_rest(self, fill: _Fill, slot: Slot) -> None:
         """Fetch every unit nobody has fetched or claimed, in one ranged GET per contiguous run
         (background prefetch: one request latency per step, not one per unit)."""
@@ -366,22 +386,8 @@ class StepCacheProvider:
             todo = [u for u in self._units
                     if u not in fill.units and u not in fill.loading and u not in fill.claimed]
             fill.loading.update(todo)
-        if not todo:
-            return
-        try:
-            tensors, t0, t1, nbytes = self._read_measured(fill, [n for u in todo for n in self._units[u]])
-        except BaseException:
-            with self._cond:
-                fill.loading.difference_update(todo)
-                self._cond.notify_all()
-            raise
-        with self._cond:
-            for u in todo:
-                fill.loading.discard(u)
-                fill.units[u] = {n: tensors[n] for n in self._units[u]}
-            self.load_log.append((slot, "+".join(todo) if len(todo) < 3 else f"{len(todo)} units", t0, t1, nbytes))
-            del self.load_log[:-4096]
-            self._cond.notify_all()
+        if todo:
+            self._land(fill, slot, todo, lambda: self._read_measured(fill, [n for u in todo for n in self._units[u]]))
 
     def _load_whole(self, fill: _Fill, slot: Slot) -> bool:
         """Background fetch of a step nobody has touched yet: one GET of the whole object
@@ -393,25 +399,17 @@ class StepCacheProvider:
                 return False
             units = list(self._units)
             fill.loading.update(units)
-        try:
+
+        def read() -> tuple[StepTensors, float, float, int]:
             t0 = time.perf_counter()
             tensors = self.activations.read_step(fill.key, fill.step)
             t1 = time.perf_counter()
-            parts = {u: {n: tensors[n] for n in self._units[u]} for u in units}
-        except BaseException:
-            with self._cond:
-                fill.loading.difference_update(units)
-                self._cond.notify_all()
-            raise
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        self._observe(nbytes, t1 - t0)
-        metrics.observe_cache("store", True, nbytes)
-        with self._cond:
-            fill.loading.difference_update(units)
-            fill.units.update(parts)
-            self.load_log.append((slot, f"{len(units)} units", t0, t1, nbytes))
-            del self.load_log[:-4096]
-            self._cond.notify_all()
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            self._observe(nbytes, t1 - t0)
+            metrics.observe_cache("store", True, nbytes)
+            return tensors, t0, t1, nbytes
+
+        self._land(fill, slot, units, read)
         return True
 
     def _fill_all(self, key: TemplateCacheKey, step: int, slot: Slot) -> None:
