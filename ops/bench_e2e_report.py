@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -13,9 +14,14 @@ def _summary(report: dict, system: str, rate_key: str) -> dict[str, float]:
 
 def sustained(report: dict, system: str) -> str | None:
     """Highest rate the system sustains: it completes the offered load (throughput >= 85% of
-    the rate) without its queue growing (mean queueing below the mean service time x 4)."""
+    the rate) without its queue growing (mean queueing below the mean service time x 4). For the
+    stock baseline also at most its measured closed-loop capacity: above it the queue grows without
+    bound, which a short run at that rate can hide."""
     best = None
+    limit = float(report.get("capacity_stock", float("inf"))) if system == "stock" else float("inf")
     for key in sorted(report["results"][system], key=float):
+        if float(key) > limit * 1.0001:
+            continue
         s = _summary(report, system, key)
         service = s["mean"] - s["queueing"]
         if s["done"] == s["jobs"] and s["throughput"] >= 0.85 * float(key) and s["queueing"] <= 4 * max(service, 1e-6):
@@ -127,9 +133,11 @@ def write_report(report: dict, out: Path) -> Path:
     files = plots(report, out)
     args = report["args"]
     cmd = "python -m ops.bench_e2e" + (" --quick" if args.get("quick") else "") + f" --trace {args['trace']}"
-    for flag, default in (("systems", None), ("size", 256), ("unet_hidden", "64,128"), ("jobs", None)):
-        if flag in args and args[flag] != default and (default is not None or flag == "systems"):
-            cmd += f" --{flag.replace('_', '-')} {args[flag]}"
+    defaults = {"systems": None, "rates": "", "jobs": 24 if args.get("quick") else 60, "size": 256,
+                "unet_hidden": "64,128", "batch_curve": "1,2,4"}  # systems: always shown
+    for flag, default in defaults.items():
+        if flag in args and args[flag] != default:
+            cmd += f" --{flag.replace('_', '-')} {shlex.quote(str(args[flag]))}"
     text = [f"# End-to-end benchmark ({args['trace']} trace)\n",
             f"Command: `{cmd} --out {args['out']}` on {report['machine']}, "
             f"{args['workers']} workers per system, max batch {args['max_batch']}, {args['steps']} steps, "

@@ -201,6 +201,19 @@ def train_vae(args: argparse.Namespace, crops: Crops, held: torch.Tensor) -> tup
                  "heldout_psnr_db": round(trained_psnr, 2), "random_init_psnr_db": round(random_psnr, 2)}
 
 
+def reuse_vae(folder: Path, held: torch.Tensor) -> tuple[torch.nn.Module, dict]:
+    """The VAE of an earlier run (its training log travels along), re-measured on this run's held-out crops."""
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(folder / "vae").eval()
+    with torch.no_grad():
+        rec = torch.cat([vae.decode(vae.encode(c).latent_dist.mode()).sample for c in held.split(16)])
+    earlier = json.loads((folder / "training_log.json").read_text())["vae"]
+    log.info("reusing the VAE of %s (held-out PSNR %.2f dB)", folder, psnr(rec, held))
+    return vae, {**earlier, "reused_from": str(folder), "reused_from_command":
+                 json.loads((folder / "training_log.json").read_text())["command"]}
+
+
 @torch.no_grad()
 def encode_dataset(vae: torch.nn.Module, crops: Crops, n: int, rng: np.random.Generator,
                    full_mask_share: float) -> dict[str, torch.Tensor]:
@@ -261,7 +274,15 @@ def train_unet(args: argparse.Namespace, data: dict[str, torch.Tensor], held: di
         noisy = noise_sched.add_noise(lat, noise, t)
         inp = torch.cat([noisy, d["mask"], d["masked"] * args.scaling_factor], dim=1)
         pred = u(inp, t, encoder_hidden_states=emb[cap_idx]).sample
-        return F.mse_loss(pred, noise)
+        return F.mse_loss(pred, target(lat, noise, t))
+
+    def target(lat: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """What the UNet predicts, as diffusers' schedulers read ``prediction_type``."""
+        if args.prediction_type == "epsilon":
+            return noise
+        if args.prediction_type == "v_prediction":
+            return noise_sched.get_velocity(lat, noise, t)
+        return lat  # "sample": the clean latents
 
     # A fixed held-out batch (images never trained on, fixed noise and timesteps).
     hg = torch.Generator().manual_seed(args.seed + 7)
@@ -307,10 +328,11 @@ def train_unet(args: argparse.Namespace, data: dict[str, torch.Tensor], held: di
         rand_t = build_text_encoder(args.seed + 1, hidden=args.cross_dim, vocab_size=len(tok)).eval()
         rl = loss_on(rand_u, rand_t, held, h_cap, h_noise, h_t).item()
     held_curve.append((step, hl))
-    log.info("unet held-out eps MSE %.4f (random init %.4f)", hl, rl)
+    log.info("unet held-out %s MSE %.4f (random init %.4f)", args.prediction_type, hl, rl)
     return ema_unet.model, ema_text.model, {
         "steps": step, "seconds": round(time.monotonic() - t0, 1), "loss_curve": curve,
-        "heldout_curve": held_curve, "heldout_eps_mse": round(hl, 4), "random_init_eps_mse": round(rl, 4)}
+        "heldout_curve": held_curve, "prediction_type": args.prediction_type,
+        "heldout_mse": round(hl, 4), "random_init_mse": round(rl, 4)}
 
 
 def plot(log_data: dict, out: Path) -> None:
@@ -328,7 +350,8 @@ def plot(log_data: dict, out: Path) -> None:
     b.plot(s, v, label="train (smoothed)")
     s, v = zip(*log_data["unet"]["heldout_curve"])
     b.plot(s, v, "o-", label="held-out images (EMA weights)")
-    b.set(title="UNet denoising loss (epsilon MSE)", xlabel="step", yscale="log")
+    b.set(title=f"UNet denoising loss ({log_data['unet'].get('prediction_type', 'epsilon')} MSE)",
+          xlabel="step", yscale="log")
     b.legend()
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -359,6 +382,9 @@ def main() -> int:
     p.add_argument("--unet-lr", type=float, default=1e-3)
     p.add_argument("--unet-minutes", type=float, default=22.0, help="wall-clock cap of the UNet stage")
     p.add_argument("--caption-dropout", type=float, default=0.15)
+    p.add_argument("--prediction-type", default="epsilon", choices=["epsilon", "v_prediction", "sample"],
+                   help="UNet target; saved in the scheduler config, which every diffusers sampler reads")
+    p.add_argument("--vae-from", default="", help="reuse the VAE of a saved pipeline folder (skips stage 1)")
     p.add_argument("--plot", default="docs/bench/training_loss.png")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -376,7 +402,10 @@ def main() -> int:
     held_crops = Crops([load_source(n) for n in HELD_OUT], np.random.default_rng(args.seed + 1))
     held_x, _ = held_crops.batch(64)
 
-    vae, vae_log = train_vae(args, crops, held_x)
+    if args.vae_from:
+        vae, vae_log = reuse_vae(Path(args.vae_from), held_x)
+    else:
+        vae, vae_log = train_vae(args, crops, held_x)
     vae.requires_grad_(False)
     t_enc = time.monotonic()
     data = encode_dataset(vae, crops, args.encode_crops, rng, args.full_mask_share)
@@ -388,8 +417,10 @@ def main() -> int:
     vae.register_to_config(scaling_factor=args.scaling_factor)
 
     unet, text, unet_log = train_unet(args, data, held, [TRAIN_SOURCES[n] for n in names], list(HELD_OUT.values()))
+    scheduler = build_scheduler()
+    scheduler.register_to_config(prediction_type=args.prediction_type)
     pipe = StableDiffusionInpaintPipeline(
-        vae=vae, text_encoder=text, tokenizer=byte_level_clip_tokenizer(), unet=unet, scheduler=build_scheduler(),
+        vae=vae, text_encoder=text, tokenizer=byte_level_clip_tokenizer(), unet=unet, scheduler=scheduler,
         safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     out = Path(args.out)
     pipe.save_pretrained(out, safe_serialization=True)

@@ -39,6 +39,15 @@ def test_sustained_rate_is_the_highest_that_keeps_up() -> None:
     assert sustained(report, "stencil") == "0.9000"
 
 
+def test_stock_never_sustains_a_rate_above_its_closed_loop_capacity() -> None:
+    """A short run 10% above capacity can look fine (the queue has not grown yet); it is not sustained."""
+    report = _report()
+    report["results"]["stock"]["1.1000"] = _s(24, 24, 9.0, 13.0, 4.5, 1.0)
+    assert sustained(report, "stock") == "0.9000"
+    report["capacity_stock"] = 1.2
+    assert sustained(report, "stock") == "1.1000"
+
+
 def test_claims_compare_at_the_stocks_sustained_rate() -> None:
     lines = claims(_report())
     stencil = next(line for line in lines if line.startswith("- `stencil`"))

@@ -140,3 +140,30 @@ def test_lagged_view_and_prepare_stage_keep_the_policy_ordering() -> None:
             stats.append(summarize(js)["p95_s"])
         p95[policy] = sum(stats) / len(stats)
     assert p95["mask_aware"] < 0.9 * p95["least_requests"], p95
+
+
+def test_static_batching_and_sublinear_step_cost_on_hand_made_jobs() -> None:
+    """Static batching admits a job only once the running batch drained; the batch exponent makes a
+    step of B jobs cost B ** exponent job steps (exponent 0: as cheap as one)."""
+    from ops.sim.workload import SimJob
+
+    m = model()
+    g = m.job_seconds(cached=False)
+
+    def finishes(batching: str, exponent: float) -> list[float]:
+        jobs = [SimJob(index=i, arrival=a, ratio=0.5, steps=10, cached=False, template_id="t",
+                       masked_tokens=(1, 1), deadline=1e9, alone_s=1.0) for i, a in enumerate((0.0, 1e-6, 1e-6))]
+        cfg = ClusterConfig(workers=1, max_batch=4, noise=0.0, batching=batching, batch_exponent=exponent)
+        Cluster(m, cfg, make_policy("round_robin", m)).run(jobs)
+        return [j.finish for j in jobs]  # type: ignore[misc]
+
+    i = m.intercept
+    # Continuous, linear: jobs 1 and 2 join after job 0's first step; the three share 9 steps.
+    cont = finishes("continuous", 1.0)
+    assert cont[0] == pytest.approx((i + g) + 9 * (i + 3 * g))
+    assert cont[1] == pytest.approx(cont[0] + (i + 2 * g))
+    # Static: jobs 1 and 2 wait for job 0's 10 steps, then run as a pair.
+    stat = finishes("static", 1.0)
+    assert stat[0] == pytest.approx(10 * (i + g)) and stat[1] == pytest.approx(stat[0] + 10 * (i + 2 * g))
+    # Exponent 0: a step of the pair costs one job's step.
+    assert finishes("static", 0.0)[2] == pytest.approx(20 * (i + g))

@@ -59,7 +59,8 @@ def test_loads_with_from_pretrained_and_records_its_training(trained) -> None:  
     assert trained.vae.config.scaling_factor == pytest.approx(log["scaling_factor"])
     assert trained.vae.config.scaling_factor != pytest.approx(0.18215)  # measured, not SD's constant
     assert log["vae"]["heldout_psnr_db"] > log["vae"]["random_init_psnr_db"]
-    assert log["unet"]["heldout_eps_mse"] < log["unet"]["random_init_eps_mse"]
+    assert log["unet"]["heldout_mse"] < 0.5 * log["unet"]["random_init_mse"]
+    assert trained.scheduler.config.prediction_type == log["unet"]["prediction_type"]
     assert (MODEL / "README.md").is_file()
 
 
@@ -97,10 +98,10 @@ def test_inpaint_keeps_template_outside_mask_and_fills_plausibly(trained, random
     keep = ~mask
     outside, outside_base = _psnr(got[keep], src[keep]), _psnr(base[keep], src[keep])
     assert outside >= 15.0 and outside >= outside_base + 2.5, (outside, outside_base)
-    # Inside the mask a fill is a generation, not a copy. Logged, not asserted: at this training
-    # budget (1021 UNet steps) the fill's colours are not yet closer to the scene than random-init
-    # noise is (see the model card); a longer run of ops/train_tiny_sd.py should turn this into an
-    # assertion. Measure: L1 distance of per-channel 16-bin colour histograms, fill vs what it covered.
+    # Inside the mask a fill is a generation, not a copy. Logged, not asserted: a smooth fill of the
+    # surrounding colours (what this model does, see the model card) is not closer to the covered
+    # pixels' colour histogram than random-init noise is, so this measure cannot tell plausibility.
+    # Measure: L1 distance of per-channel 16-bin colour histograms, fill vs what it covered.
     def hist_dist(img: np.ndarray) -> float:
         return float(sum(np.abs(np.histogram(img[mask][:, c], 16, (0, 256))[0] / mask.sum()
                                 - np.histogram(src[mask][:, c], 16, (0, 256))[0] / mask.sum()).sum()
@@ -111,6 +112,22 @@ def test_inpaint_keeps_template_outside_mask_and_fills_plausibly(trained, random
                                      "histogram distance %.2f (random init %.2f)", outside, outside_base,
                                      inside, inside_base)
     assert not np.array_equal(got[mask], src[mask])  # an edit, not a copy of the template
+
+
+def test_output_outside_the_mask_does_not_depend_on_the_seed(trained) -> None:  # type: ignore[no-untyped-def]
+    """What mask-aware caching relies on (real inpainting models behave so): outside the mask a
+    full-compute edit reproduces the template whatever the noise, so activations cached from a
+    warm-up with another seed stand in for the edit's own. The epsilon-prediction model this one
+    replaced failed it (two seeds agreed to 15 dB there)."""
+    from app.demo import demo_templates
+
+    _name, template = demo_templates(128)[0]
+    mask = make_mask(0.12, (128, 128), "blob", seed=1)
+    outs = [np.asarray(trained(prompt="a cat", image=template, mask_image=Image.fromarray(mask.astype(np.uint8) * 255),
+                               height=128, width=128, num_inference_steps=12, guidance_scale=1.0,
+                               generator=torch.Generator("cpu").manual_seed(seed)).images[0]) for seed in (1, 2)]
+    keep = ~mask
+    assert _psnr(outs[0][keep], outs[1][keep]) >= 28.0
 
 
 def test_trained_model_is_the_embedded_default_and_saves(tmp_path: Path) -> None:

@@ -47,6 +47,10 @@ class ClusterConfig:
     # decisions to that snapshot until a publish shows them (every policy sees the same view).
     view_refresh_s: float = 0.0
     seed: int = 0
+    batching: str = "continuous"  # or "static": a batch is admitted only once the last one drained
+    # Step cost of a batch of B jobs = intercept + (sum of their job seconds) * B ** (exponent - 1):
+    # 1 is the linear cost fitted on this CPU, < 1 a sublinear (GPU-shaped) one.
+    batch_exponent: float = 1.0
 
 
 @dataclass
@@ -84,7 +88,7 @@ class Cluster:
         self.steps = 0
 
     def _make_worker(self, wid: str, predictor: Any) -> SimWorker:
-        sched = BatchScheduler(self.cfg.max_batch, "continuous", step_time=predictor,
+        sched = BatchScheduler(self.cfg.max_batch, self.cfg.batching, step_time=predictor,
                                on_expire=self._on_expire, clock=lambda: self.now)
         return SimWorker(wid, sched, WorkerState(wid, max_batch=self.cfg.max_batch))
 
@@ -182,7 +186,8 @@ class Cluster:
             w.busy = False
             self._publish(w)
             return
-        predicted = self.model.intercept + sum(self._job_seconds(w, j) for j in batch)
+        predicted = self.model.intercept + sum(self._job_seconds(w, j) for j in batch) * (
+            len(batch) ** (self.cfg.batch_exponent - 1.0))
         sigma = self.cfg.noise
         dur = predicted * (float(self.rng.lognormal(-sigma * sigma / 2, sigma)) if sigma else 1.0)
         w.busy, w.batch = True, batch
