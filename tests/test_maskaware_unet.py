@@ -223,12 +223,15 @@ def test_exactness_mixed_batch(model: str, kv_source: str) -> None:
     for t, before, version in snap:
         assert t._version == version and torch.equal(t, before)
 
-    # The record job inside the mixed batch captured the same activations as a solo warm-up.
+    # The record job inside the mixed batch captured the same activations as a solo warm-up (to
+    # the outputs' float32 tolerance: a batch of 8 and a batch of 1 take different GEMM kernels, and
+    # on an AMD EPYC host up-block values of magnitude ~1 differ by 1.6e-5; a wrong row or
+    # template differs by O(0.1)).
     solo = Job(tpls["rec"], "record")
     run_jobs(unet, ctrl, [solo])
     for step_mixed, step_solo in zip(jobs[4].recorded, solo.recorded):
         for k in step_solo:
-            assert (step_mixed[k] - step_solo[k]).abs().max() <= 1e-5, k
+            assert (step_mixed[k] - step_solo[k]).abs().max() <= TOL, k
 
 
 @pytest.mark.parametrize("kv_source", ["cache", "recompute"])
