@@ -50,6 +50,11 @@ SYSTEMS: dict[str, dict[str, object]] = {
 }
 
 
+# Defaults of the two modes (the report prints only what a run changed from them).
+QUICK_JOBS, FULL_JOBS = 20, 60
+QUICK_RATES, FULL_RATES = [0.9, 2.0], [0.3, 0.6, 0.9, 1.2, 2.0, 3.0, 4.0]
+
+
 def load_trace(name: str) -> np.ndarray:
     """Mask ratios of a public trace (the text trace is a Python literal: never eval it)."""
     files = {"spring": "spring_festival_mask_ratio_original.npy",
@@ -191,7 +196,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--guidance", type=float, default=7.5)
     p.add_argument("--size", type=int, default=256, help="image side (latent = size / 8)")
-    p.add_argument("--jobs", type=int, default=0, help="jobs per rate (default: 20 quick, 60 full)")
+    p.add_argument("--jobs", type=int, default=0, help=f"jobs per rate (default: {QUICK_JOBS} quick, {FULL_JOBS} full)")
     p.add_argument("--rates", default="", help="comma-separated multiples of the stock capacity")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--timeout", type=float, default=900.0)
@@ -201,9 +206,8 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # each worker process: one core's worth
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args.jobs = args.jobs or (20 if args.quick else 60)
-    multiples = [float(x) for x in args.rates.split(",")] if args.rates else \
-        ([0.9, 2.0] if args.quick else [0.3, 0.6, 0.9, 1.2, 2.0, 3.0, 4.0])
+    args.jobs = args.jobs or (QUICK_JOBS if args.quick else FULL_JOBS)
+    multiples = [float(x) for x in args.rates.split(",")] if args.rates else (QUICK_RATES if args.quick else FULL_RATES)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -133,7 +133,9 @@ def write_report(report: dict, out: Path) -> Path:
     files = plots(report, out)
     args = report["args"]
     cmd = "python -m ops.bench_e2e" + (" --quick" if args.get("quick") else "") + f" --trace {args['trace']}"
-    defaults = {"systems": None, "rates": "", "jobs": 20 if args.get("quick") else 60, "size": 256,
+    from ops.bench_e2e import FULL_JOBS, QUICK_JOBS
+
+    defaults = {"systems": None, "rates": "", "jobs": QUICK_JOBS if args.get("quick") else FULL_JOBS, "size": 256,
                 "unet_hidden": "64,128", "batch_curve": "1,2,4"}  # systems: always shown
     for flag, default in defaults.items():
         if flag in args and args[flag] != default:

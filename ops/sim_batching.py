@@ -18,7 +18,6 @@ import argparse
 import logging
 import math
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -40,9 +39,7 @@ def p95_of(model: CostModel, *, trace: str, workers: int, max_batch: int, steps:
     """P95 and mean latency of GPU-bound jobs (empty masks never reach a worker) after a 10% warm-up."""
     spec = WorkloadSpec(trace=trace, load=1.0, workers=workers, jobs=jobs, steps=steps, max_batch=max_batch,
                         uncached_fraction=1.0, seed=seed)
-    g = model.job_seconds(cached=False)
-    cap = workers * max_batch / (steps * (model.intercept + max_batch ** exponent * g))
-    spec.load = load * cap / capacity(model, spec)
+    spec.load = load * capacity(model, spec, batch_exponent=exponent) / capacity(model, spec)
     sim_jobs = generate(model, spec)
     cfg = ClusterConfig(workers=workers, max_batch=max_batch, noise=0.03, seed=seed, batching=batching,
                         batch_exponent=exponent)
@@ -52,8 +49,7 @@ def p95_of(model: CostModel, *, trace: str, workers: int, max_batch: int, steps:
     return {"p95": float(np.percentile(lat, 95)), "mean": float(lat.mean())}
 
 
-def table(model: CostModel, args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
-    rows: list[dict[str, Any]] = []
+def table(model: CostModel, args: argparse.Namespace) -> str:
     exps = [(f"{e:.2f} (this CPU)" if i == 0 else f"{e:.2f}", e) for i, e in enumerate(args.exponents)]
     lines = ["| step cost exponent | batch of 4 vs 4 single steps | load | static P95 s | continuous P95 s "
              "| continuous vs static P95 | static mean s | continuous mean s |", "|---|---|---|---|---|---|---|---|"]
@@ -65,12 +61,11 @@ def table(model: CostModel, args: argparse.Namespace) -> tuple[str, list[dict[st
             st = {k: float(np.mean([r[k] for r in res["static"]])) for k in ("p95", "mean")}
             co = {k: float(np.mean([r[k] for r in res["continuous"]])) for k in ("p95", "mean")}
             cut = 1 - co["p95"] / st["p95"]
-            rows.append({"exponent": e, "load": load, "static": st, "continuous": co, "p95_cut": cut})
             log.info("exponent %.2f load %.1f: static P95 %.2f s, continuous %.2f s (%.0f%% lower)",
                      e, load, st["p95"], co["p95"], cut * 100)
             lines.append(f"| {label} | {args.max_batch ** e / args.max_batch:.2f}x | {load:.1f} | {st['p95']:.2f} | "
                          f"{co['p95']:.2f} | {cut * 100:.0f}% lower | {st['mean']:.2f} | {co['mean']:.2f} |")
-    return "\n".join(lines), rows
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     args.exponents = [cpu_exponent(args.cpu_gain, args.max_batch)] + (
         args.exponents if args.exponents is not None else [0.75, 0.5, 0.25, 0.0])
     model = CostModel.load(args.cost_model)
-    text, _rows = table(model, args)
+    text = table(model, args)
     cmd = ("python -m ops.sim_batching " + f"--cost-model {args.cost_model} --trace {args.trace} --workers "
            f"{args.workers} --max-batch {args.max_batch} --steps {args.steps} --jobs {args.jobs} --loads "
            + " ".join(map(str, args.loads)) + f" --cpu-gain {args.cpu_gain} --seeds " + " ".join(map(str, args.seeds)))

@@ -136,6 +136,13 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(10 * np.log10(1.0 / max(mse, 1e-12)))
 
 
+@torch.no_grad()
+def recon_psnr(vae: torch.nn.Module, held: torch.Tensor) -> float:
+    """PSNR of a VAE's round trip (posterior mode) of the held-out crops."""
+    rec = torch.cat([vae.decode(vae.encode(c).latent_dist.mode()).sample for c in held.split(16)])
+    return psnr(rec, held)
+
+
 class EMA:
     """Exponential moving average of parameters (warm-up decay), for weights that do not depend
     on where a time-capped run stopped."""
@@ -192,10 +199,7 @@ def train_vae(args: argparse.Namespace, crops: Crops, held: torch.Tensor) -> tup
             log.warning("vae: wall-clock cap %.1f min hit at step %d", args.vae_minutes, step)
             break
     vae = ema.model
-    with torch.no_grad():
-        def recon(m: torch.nn.Module) -> torch.Tensor:
-            return torch.cat([m.decode(m.encode(c).latent_dist.mode()).sample for c in held.split(16)])
-        trained_psnr, random_psnr = psnr(recon(vae), held), psnr(recon(random_vae), held)
+    trained_psnr, random_psnr = recon_psnr(vae, held), recon_psnr(random_vae, held)
     log.info("vae held-out PSNR %.2f dB (random init %.2f dB)", trained_psnr, random_psnr)
     return vae, {"steps": step, "seconds": round(time.monotonic() - t0, 1), "mse_curve": curve,
                  "heldout_psnr_db": round(trained_psnr, 2), "random_init_psnr_db": round(random_psnr, 2)}
@@ -205,13 +209,10 @@ def reuse_vae(folder: Path, held: torch.Tensor) -> tuple[torch.nn.Module, dict]:
     """The VAE of an earlier run (its training log travels along), re-measured on this run's held-out crops."""
     from diffusers import AutoencoderKL
 
-    vae = AutoencoderKL.from_pretrained(folder / "vae").eval()
-    with torch.no_grad():
-        rec = torch.cat([vae.decode(vae.encode(c).latent_dist.mode()).sample for c in held.split(16)])
-    earlier = json.loads((folder / "training_log.json").read_text())["vae"]
-    log.info("reusing the VAE of %s (held-out PSNR %.2f dB)", folder, psnr(rec, held))
-    return vae, {**earlier, "reused_from": str(folder), "reused_from_command":
-                 json.loads((folder / "training_log.json").read_text())["command"]}
+    vae = AutoencoderKL.from_pretrained(folder / "vae", use_safetensors=True).eval()
+    earlier = json.loads((folder / "training_log.json").read_text())
+    log.info("reusing the VAE of %s (held-out PSNR %.2f dB)", folder, recon_psnr(vae, held))
+    return vae, {**earlier["vae"], "reused_from": str(folder), "reused_from_command": earlier["command"]}
 
 
 @torch.no_grad()
@@ -267,6 +268,14 @@ def train_unet(args: argparse.Namespace, data: dict[str, torch.Tensor], held: di
     held_curve: list[tuple[int, float]] = []
     t0, run, step = time.monotonic(), 0.0, 0
 
+    def target(lat: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """What the UNet predicts, as diffusers' schedulers read ``prediction_type``."""
+        if args.prediction_type == "epsilon":
+            return noise
+        if args.prediction_type == "v_prediction":
+            return noise_sched.get_velocity(lat, noise, t)
+        return lat  # "sample": the clean latents
+
     def loss_on(u: torch.nn.Module, te: torch.nn.Module, d: dict[str, torch.Tensor], cap_idx: torch.Tensor,
                 noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         emb = te(ids)[0]
@@ -275,14 +284,6 @@ def train_unet(args: argparse.Namespace, data: dict[str, torch.Tensor], held: di
         inp = torch.cat([noisy, d["mask"], d["masked"] * args.scaling_factor], dim=1)
         pred = u(inp, t, encoder_hidden_states=emb[cap_idx]).sample
         return F.mse_loss(pred, target(lat, noise, t))
-
-    def target(lat: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """What the UNet predicts, as diffusers' schedulers read ``prediction_type``."""
-        if args.prediction_type == "epsilon":
-            return noise
-        if args.prediction_type == "v_prediction":
-            return noise_sched.get_velocity(lat, noise, t)
-        return lat  # "sample": the clean latents
 
     # A fixed held-out batch (images never trained on, fixed noise and timesteps).
     hg = torch.Generator().manual_seed(args.seed + 7)

@@ -58,8 +58,9 @@ def job_step_seconds(model: CostModel, ratio: float, cached: bool) -> float:
     return model.job_seconds(mask_ratio=ratio, cached=cached)
 
 
-def capacity(model: CostModel, spec: WorkloadSpec, samples: int = 20000) -> float:
-    """Jobs per second of the whole cluster at saturation (module docstring)."""
+def capacity(model: CostModel, spec: WorkloadSpec, samples: int = 20000, batch_exponent: float = 1.0) -> float:
+    """Jobs per second of the whole cluster at saturation (module docstring); ``batch_exponent`` as
+    ``ClusterConfig.batch_exponent`` (a full batch's step costs ``B ** exponent`` job steps)."""
     rng = np.random.default_rng(spec.seed + 17)
     trace = load_trace(spec.trace)
     ratios = trace[rng.integers(0, len(trace), samples)]
@@ -67,7 +68,7 @@ def capacity(model: CostModel, spec: WorkloadSpec, samples: int = 20000) -> floa
     ratios = ratios[ratios > 0.0]  # empty masks never reach a GPU worker
     cached = cached[: len(ratios)]
     mean_g = float(np.mean([job_step_seconds(model, r, c) for r, c in zip(ratios, cached)]))
-    per_worker = spec.max_batch / (spec.steps * (model.intercept + spec.max_batch * mean_g))
+    per_worker = spec.max_batch / (spec.steps * (model.intercept + spec.max_batch ** batch_exponent * mean_g))
     return spec.workers * per_worker
 
 
