@@ -1,7 +1,7 @@
 """End-to-end benchmark: Stencil against a stock diffusers server and its own baselines.
 
 Replays Poisson arrivals at several request rates, with mask ratios drawn from the public traces
-(``../shared/data/mask_ratios``) and mask shapes drawn from ``app.maskgen`` (blobs, rectangles,
+(``ops/data/mask_ratios``) and mask shapes drawn from ``app.maskgen`` (blobs, rectangles,
 free-form strokes of the drawn ratio), against five systems on the same machine, one after the
 other, each with 2 workers:
 
@@ -21,7 +21,6 @@ Latency, queueing time and phases come from the job records (server timestamps).
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import logging
 import os
@@ -34,10 +33,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from ops.sim.traces import load_trace
+
 log = logging.getLogger("bench_e2e")
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE_DIR = Path(os.environ.get("STENCIL_TRACE_DIR", ROOT.parent / "shared" / "data" / "mask_ratios"))
 
 SYSTEMS: dict[str, dict[str, object]] = {
     "stock": {"stock": True},
@@ -53,17 +53,6 @@ SYSTEMS: dict[str, dict[str, object]] = {
 # Defaults of the two modes (the report prints only what a run changed from them).
 QUICK_JOBS, FULL_JOBS = 20, 60
 QUICK_RATES, FULL_RATES = [0.9, 2.0], [0.3, 0.6, 0.9, 1.2, 2.0, 3.0, 4.0]
-
-
-def load_trace(name: str) -> np.ndarray:
-    """Mask ratios of a public trace (the text trace is a Python literal: never eval it)."""
-    files = {"spring": "spring_festival_mask_ratio_original.npy",
-             "controlnet": "controlnet_inpaint_mask_ratios_1918.npy",
-             "adetailer": "adetailor_mask_ratio.txt"}
-    path = TRACE_DIR / files[name]
-    if path.suffix == ".npy":
-        return np.load(path, allow_pickle=False).astype(float)
-    return np.asarray(ast.literal_eval(path.read_text()), dtype=float)
 
 
 @dataclass

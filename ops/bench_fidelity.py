@@ -27,7 +27,7 @@ from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
 from app.storage import LocalStore
-from ops.bench_e2e import load_trace
+from ops.sim.traces import load_trace
 from workers import noise_blend
 from workers.engine.engine import Engine
 from workers.engine.scheduler import BatchScheduler

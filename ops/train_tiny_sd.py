@@ -125,7 +125,7 @@ class Crops:
 
 def trace_ratios() -> np.ndarray:
     """All mask ratios of the three public traces (read in place, never copied)."""
-    from ops.bench_e2e import load_trace
+    from ops.sim.traces import load_trace
 
     return np.concatenate([load_trace(t) for t in ("spring", "controlnet", "adetailer")])
 

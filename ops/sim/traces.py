@@ -1,6 +1,7 @@
-"""The public mask-ratio traces (FlashPS/InstGenIE artifact), read in place, never copied.
+"""The public mask-ratio traces (FlashPS/InstGenIE artifact), shipped in ``ops/data/mask_ratios``.
 
-Location: ``STENCIL_TRACES_DIR`` or ``/work/shared/data/mask_ratios``. The ``.txt`` trace is a
+Location: ``STENCIL_TRACES_DIR`` or the repository's ``ops/data/mask_ratios`` (source and terms in
+its README). The ``.txt`` trace is a
 Python list literal: parsed with ``ast.literal_eval`` (never ``eval``).
 """
 
@@ -13,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_DIR = Path("/work/shared/data/mask_ratios")
+DEFAULT_DIR = Path(__file__).resolve().parents[1] / "data" / "mask_ratios"
 TRACES = {
     "spring_festival": "spring_festival_mask_ratio_original.npy",  # production face swap / try-on
     "controlnet": "controlnet_inpaint_mask_ratios_1918.npy",  # ControlNet inpainting, has 0 and ~1
     "adetailer": "adetailor_mask_ratio.txt",  # ADetailer face/hand restoration
 }
+TRACES["spring"] = TRACES["spring_festival"]  # the short name the benchmarks' options use
 
 
 def traces_dir() -> Path:
