@@ -37,7 +37,6 @@ from ops.sim.traces import load_trace
 
 log = logging.getLogger("bench_e2e")
 
-ROOT = Path(__file__).resolve().parents[1]
 
 SYSTEMS: dict[str, dict[str, object]] = {
     "stock": {"stock": True},
