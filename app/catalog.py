@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from app.fidelity import POLICIES, check_policy
 from app.jobs import JobParams
 
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
-PARAM_FIELDS = ("prompt", "negative_prompt", "steps", "guidance", "strength", "seed", "priority")
+PARAM_FIELDS = ("prompt", "negative_prompt", "steps", "guidance", "strength", "seed", "priority", "fidelity")
 TERMINAL = ("done", "failed", "cancelled", "expired")
 # Report statuses besides the job statuses: the client gave up waiting (the job may still run;
 # a rerun re-waits it), the row could not be submitted, or the job record vanished.
@@ -62,6 +63,7 @@ class Defaults:
     strength: float = JobParams.strength
     seed: int = JobParams.seed
     priority: int = JobParams.priority
+    fidelity: str = JobParams.fidelity
 
 
 @dataclass
@@ -91,7 +93,7 @@ def _convert(raw: dict[str, Any], defaults: Defaults) -> dict[str, Any]:
     """The row's job parameters, typed; empty cells take the defaults."""
     types: dict[str, Callable[[Any], Any]] = {"prompt": str, "negative_prompt": str, "steps": _to_int,
                                               "guidance": float, "strength": float, "seed": _to_int,
-                                              "priority": _to_int}
+                                              "priority": _to_int, "fidelity": check_policy}
     out: dict[str, Any] = {}
     for name in PARAM_FIELDS:
         value = raw.get(name)
@@ -588,16 +590,32 @@ def _warm_params(params: dict[str, Any]) -> dict[str, Any]:
             "cfg": params["guidance"] > 1.0}
 
 
-def _warm_via_client(client: Any, template_id: str, params: dict[str, Any]) -> Any:
-    """The service's warm-up job (``StencilClient.warm_template``); returns its handle."""
+def _region_params(params: dict[str, Any], mask: bytes) -> dict[str, Any]:
+    """What makes a region warm-up exact for a row's edit (``app/fidelity.py``): its mask, prompt,
+    negative prompt and seed on top of the cache parameters."""
+    return {**_warm_params(params), "mask_sha256": hashlib.sha256(mask).hexdigest(), "prompt": params["prompt"],
+            "negative_prompt": params["negative_prompt"], "seed": params["seed"]}
+
+
+def _warm_via_client(client: Any, template_id: str, params: dict[str, Any], mask: bytes | None = None) -> Any:
+    """The service's warm-up job (``StencilClient.warm_template``); returns its handle. With a
+    mask, a region warm-up with the row's prompt, negative prompt and seed."""
+    if mask is None:
+        return client.warm_template(template_id, steps=params["steps"], guidance=params["guidance"],
+                                    strength=params["strength"])
     return client.warm_template(template_id, steps=params["steps"], guidance=params["guidance"],
-                                strength=params["strength"])
+                                strength=params["strength"], mask=mask, prompt=params["prompt"],
+                                negative_prompt=params["negative_prompt"], seed=params["seed"])
 
 
 def run_warm(client: Any, manifest_path: Path | str, *, defaults: Defaults = Defaults(),
              catalog_id: str | None = None, out_dir: Path | None = None, in_flight: int = 0,
-             timeout: float | None = None, warm: Callable[..., Any] | None = None) -> dict[str, Any]:
+             timeout: float | None = None, warm: Callable[..., Any] | None = None,
+             regions: bool = False) -> dict[str, Any]:
     """Record a warm-up intent per distinct (template, cache parameters), then warm each one.
+
+    ``regions``: one warm-up per distinct (template, region) instead, recorded with the row's mask,
+    prompt, negative prompt and seed, so that the catalog's edits take the exact path.
 
     Intents go to Redis (``stencil:warm:<template id>``, field = parameter digest) before any
     warm-up runs, so whatever builds caches can find them even if this command cannot warm.
@@ -631,7 +649,8 @@ def run_warm(client: Any, manifest_path: Path | str, *, defaults: Defaults = Def
                 counts["invalid_rows"] += 1
                 continue
             template_id, _ = run._template_ref(row)
-            params = _warm_params(row.params)
+            mask = row.mask.read_bytes() if regions and row.mask is not None else None
+            params = _warm_params(row.params) if mask is None else _region_params(row.params, mask)
             digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
             if f"{template_id}:{digest}" in seen:
                 continue
@@ -640,7 +659,8 @@ def run_warm(client: Any, manifest_path: Path | str, *, defaults: Defaults = Def
                       "catalog": manifest.identity, "status": "requested"}
             client.redis.hset(WARM_KEY_PREFIX + template_id, digest, json.dumps(intent, sort_keys=True))
             counts["intents"] += 1
-            pending.append((intent, warm(client, template_id, params)))
+            pending.append((intent, warm(client, template_id, params, mask) if mask is not None
+                            else warm(client, template_id, params)))
             if len(pending) >= limit:
                 settle(fh, *pending.pop(0))
         for intent, handle in pending:
@@ -658,7 +678,8 @@ def _client():  # type: ignore[no-untyped-def]
 
 def _defaults(args: argparse.Namespace) -> Defaults:
     return Defaults(prompt=args.prompt, negative_prompt=args.negative_prompt, steps=args.steps,
-                    guidance=args.guidance, strength=args.strength, seed=args.seed, priority=args.priority)
+                    guidance=args.guidance, strength=args.strength, seed=args.seed, priority=args.priority,
+                    fidelity=args.fidelity)
 
 
 def cmd_catalog_edit(args: argparse.Namespace) -> int:
@@ -689,7 +710,7 @@ def cmd_catalog_edit(args: argparse.Namespace) -> int:
 def cmd_catalog_warm(args: argparse.Namespace) -> int:
     summary = run_warm(_client(), args.manifest, defaults=_defaults(args), catalog_id=args.catalog_id,
                        out_dir=Path(args.out) if args.out else None, in_flight=args.in_flight,
-                       timeout=args.job_timeout or None)
+                       timeout=args.job_timeout or None, regions=args.regions)
     sys.stdout.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return 0 if summary["failed"] == 0 else 1
 
@@ -707,6 +728,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strength", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--fidelity", default="", choices=("", *POLICIES),
+                   help="exact | balanced | fast for rows without one (default: the service's)")
 
 
 def add_catalog_commands(subparsers: Any) -> None:
@@ -729,6 +752,9 @@ def add_catalog_commands(subparsers: Any) -> None:
     _add_common(w)
     w.add_argument("--in-flight", type=int, default=0, help="warm-ups in flight at most (default as for edit)")
     w.add_argument("--job-timeout", type=float, default=0.0, help="seconds to wait for one warm-up (0 = no limit)")
+    w.add_argument("--regions", action="store_true",
+                   help="one warm-up per (template, region): recorded with each row's mask, prompt and seed, "
+                        "so those edits are exact (default: one per template, edits approximate)")
     w.set_defaults(func=cmd_catalog_warm)
 
 

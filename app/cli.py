@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from app.fidelity import POLICIES
 from app.settings import Settings
 
 log = logging.getLogger("stencil")
@@ -32,7 +33,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                            negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
                            strength=args.strength, seed=args.seed, priority=args.priority,
                            deadline=args.deadline, idempotency_key=args.idempotency_key,
-                           keep_unmasked=args.keep_unmasked)
+                           keep_unmasked=args.keep_unmasked, fidelity=args.fidelity)
     sys.stdout.write(handle.id + "\n")
     if args.wait:
         return _wait(handle, args.timeout, args.out)
@@ -191,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--negative-prompt", default="")
     s.add_argument("--keep-unmasked", action="store_true",
                    help="paste the template back outside the mask (exact template pixels there)")
+    s.add_argument("--fidelity", default="", choices=("", *POLICIES),
+                   help="exact | balanced | fast (default: the service's STENCIL_FIDELITY)")
     s.add_argument("--steps", type=int, default=20)
     s.add_argument("--guidance", type=float, default=7.5)
     s.add_argument("--strength", type=float, default=1.0)

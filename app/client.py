@@ -11,6 +11,7 @@ object store, so it needs the same ``STENCIL_*`` settings as the service (or exp
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import time
@@ -23,8 +24,9 @@ import redis
 from PIL import Image
 
 from app.blobs import BlobStore
+from app.fidelity import check_policy
 from app.jobs import JobParams, JobRecord, JobStatus, JobStore, new_job_id
-from app.keys import template_key
+from app.keys import TEMPLATE_PREFIX, UPLOAD_PREFIX, template_key
 from app.masks import mask_from_array
 from app.settings import Settings
 from app.storage import ObjectStore, open_store
@@ -40,6 +42,12 @@ class JobFailed(RuntimeError):
     def __init__(self, record: JobRecord) -> None:
         super().__init__(f"job {record.id} {record.status.value}: {record.error or 'no reason given'}")
         self.record = record
+
+
+def content_id(data: bytes, prefix: str) -> str:
+    """Content id of template bytes (``UPLOAD_PREFIX``: uploaded with a job, warmed when seen again;
+    ``TEMPLATE_PREFIX``: added as a template, warmed on its first edit)."""
+    return prefix + hashlib.sha256(data).hexdigest()[:32]
 
 
 def _image_bytes(value: ImageLike, *, mask: bool) -> bytes:
@@ -120,17 +128,32 @@ class StencilClient:
         self.store = store or open_store(self.settings)
 
     def add_template(self, image: ImageLike, template_id: str | None = None) -> str:
-        """Store a template image for reuse by many jobs; returns its id."""
-        template_id = template_id or new_job_id()
-        self.store.put(template_key(template_id), _image_bytes(image, mask=False))
+        """Store a template image for reuse by many jobs; returns its id. Without an id the
+        template is content-addressed (``upload_id``): the same bytes are stored once."""
+        data = _image_bytes(image, mask=False)
+        if template_id is None:
+            return self._store_once(content_id(data, TEMPLATE_PREFIX), data)
+        self.store.put(template_key(template_id), data)
+        return template_id
+
+    def _store_once(self, template_id: str, data: bytes) -> str:
+        """Store template bytes under their content id unless they are there already: repeated
+        uploads of one template share its id, hence its warm-up and activation cache."""
+        if not self.store.exists(template_key(template_id)):
+            self.store.put(template_key(template_id), data)
         return template_id
 
     def submit(self, *, template: str | ImageLike, mask: ImageLike, prompt: str = "",
                negative_prompt: str = "", steps: int = 20, guidance: float = 7.5, strength: float = 1.0,
                seed: int = 0, priority: int = 0, deadline: float | None = None,
                idempotency_key: str | None = None, width: int | None = None,
-               height: int | None = None, keep_unmasked: bool = False) -> JobHandle:
-        """Submit an edit. ``template`` is a stored template id (str) or an image to upload.
+               height: int | None = None, keep_unmasked: bool = False, fidelity: str = "") -> JobHandle:
+        """Submit an edit. ``template`` is a stored template id (str) or an image to upload;
+        uploads are content-addressed (the same bytes -> the same template id, warmed once).
+
+        ``fidelity`` (``exact | balanced | fast``, "" = the service's default) chooses between
+        exact results and faster approximate mask-aware ones (``app/fidelity.py``); the job record
+        says which path ran (``cache_path``) and whether the result is ``approximate``.
 
         ``keep_unmasked`` pastes the template back outside the mask (exact template pixels there);
         off, the result is what ``StableDiffusionInpaintPipeline`` returns.
@@ -142,7 +165,8 @@ class StencilClient:
                            guidance=float(guidance), strength=float(strength), seed=int(seed),
                            priority=int(priority), deadline=deadline,
                            template_id=template if isinstance(template, str) else "",
-                           width=width, height=height, keep_unmasked=bool(keep_unmasked))
+                           width=width, height=height, keep_unmasked=bool(keep_unmasked),
+                           fidelity=check_policy(fidelity))
         job_id = new_job_id()
         if idempotency_key:
             existing = self.redis.get("stencil:idem:" + idempotency_key)
@@ -150,7 +174,8 @@ class StencilClient:
                 return JobHandle(self, existing.decode(), created=False)
         # Payloads first, then the record: the dispatcher never sees a job without its inputs.
         if not isinstance(template, str):
-            self.blobs.put(job_id, "image", _image_bytes(template, mask=False))
+            data = _image_bytes(template, mask=False)
+            params.template_id = self._store_once(content_id(data, UPLOAD_PREFIX), data)
         self.blobs.put(job_id, "mask", _image_bytes(mask, mask=True))
         job_id_final, created = self.jobs.create(params, idempotency_key=idempotency_key, job_id=job_id)
         if not created:
@@ -159,15 +184,17 @@ class StencilClient:
 
     def warm_template(self, template_id: str, *, steps: int = 20, guidance: float = 7.5, strength: float = 1.0,
                       prompt: str = "", seed: int = 0, mask: ImageLike | None = None,
-                      width: int | None = None, height: int | None = None, priority: int = 0) -> JobHandle:
+                      width: int | None = None, height: int | None = None, priority: int = 0,
+                      negative_prompt: str = "") -> JobHandle:
         """Run a template's warm-up: a full inference that records its activations.
 
         Edits of the template with the same steps, strength, guidance layout (CFG or not) and size
-        then compute only their masked tokens. ``mask`` (default: none, the whole template is
-        context) exists for experiments: a warm-up with an edit's own mask, prompt and seed
-        reproduces that edit's full-compute result exactly under mask-aware inference.
+        then compute only their masked tokens, approximately (``app/fidelity.py``). With ``mask`` it
+        is a region warm-up, keyed by that mask, prompt, negative prompt, seed and guidance: edits
+        with exactly those take the exact path (equal to the stock pipeline within 1/255).
         """
-        params = JobParams(kind="warm", template_id=template_id, prompt=prompt, steps=int(steps),
+        params = JobParams(kind="warm", template_id=template_id, prompt=prompt, negative_prompt=negative_prompt,
+                           steps=int(steps),
                            guidance=float(guidance), strength=float(strength), seed=int(seed),
                            priority=priority, width=width, height=height)
         job_id = new_job_id()

@@ -17,6 +17,8 @@ from typing import Any
 
 import redis
 
+from app.fidelity import check_policy
+
 JOB_PREFIX = "stencil:job:"
 IDEMPOTENCY_PREFIX = "stencil:idem:"
 
@@ -43,7 +45,7 @@ TERMINAL = frozenset({JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED, Job
 # Fields a client sets at submission (everything else is written by the service).
 PARAM_FIELDS = (
     "kind", "template_id", "prompt", "negative_prompt", "steps", "guidance", "strength", "seed",
-    "priority", "deadline", "width", "height", "keep_unmasked",
+    "priority", "deadline", "width", "height", "keep_unmasked", "fidelity",
 )
 
 # KEYS[1] = job hash. ARGV: new status, now, ttl, expected current statuses (",a,b," or ""),
@@ -85,6 +87,8 @@ class JobParams:
     # Paste the template back outside the mask after decoding (diffusers' ``apply_overlay``): the
     # VAE round trip and the model never touch unmasked pixels. Off = the stock pipeline's output.
     keep_unmasked: bool = False
+    # exact | balanced | fast (``app/fidelity.py``); "" = the service's STENCIL_FIDELITY.
+    fidelity: str = ""
 
     def to_fields(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -113,6 +117,7 @@ class JobParams:
             height=opt_int(fields.get("height")),
             kind=fields.get("kind") or "edit",
             keep_unmasked=(fields.get("keep_unmasked") or "").lower() in ("1", "true", "yes"),
+            fidelity=fields.get("fidelity") or "",
         )
 
     def validate(self, max_steps: int) -> str | None:
@@ -131,6 +136,10 @@ class JobParams:
             return f"guidance must be >= 0 (got {self.guidance})"
         if not 0 <= self.seed < 2**63:
             return f"seed must be in [0, 2**63) (got {self.seed})"
+        try:
+            check_policy(self.fidelity)
+        except ValueError as exc:
+            return str(exc)
         for name in ("width", "height"):
             value = getattr(self, name)
             if value is not None and (value <= 0 or value % 8):

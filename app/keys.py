@@ -9,3 +9,9 @@ def template_key(template_id: str) -> str:
 
 def result_key(job_id: str) -> str:
     return f"results/{job_id}.png"
+
+
+# Templates without a given id are stored under their content digest: uploaded with a job, or
+# added with ``add_template``.
+UPLOAD_PREFIX = "upload-"
+TEMPLATE_PREFIX = "tpl-"

@@ -80,6 +80,10 @@ class Settings:
     auto_warm: bool = True  # an edit of a template without cache triggers its warm-up
     warm_prompt: str = ""
     warm_seed: int = 0
+    # Fidelity policy of edits that do not name one (app/fidelity.py): exact | balanced | fast.
+    # balanced: within SSIM 0.99 of full compute at guidance 1-7.5 on the trained model
+    # (BENCHMARKS.md) at most of the mask-aware speed-up; exact: exact caches or full compute.
+    fidelity: str = "balanced"
 
     # Input limits.
     max_image_pixels: int = 4096 * 4096

@@ -101,7 +101,7 @@ def test_csv_jsonl_and_folder_manifests_normalise_the_same_rows(tmp_path: Path) 
     assert [r.row_id for r in csv_rows] == ["a", "#1", "bad", "gone"]
     assert csv_rows[0].template == str(tmp_path / "a.png") and csv_rows[0].template_is_path
     assert csv_rows[0].params == {"prompt": "a scarf", "negative_prompt": "", "steps": 3, "guidance": 7.5,
-                                  "strength": 1.0, "seed": 5, "priority": 0}
+                                  "strength": 1.0, "seed": 5, "priority": 0, "fidelity": ""}
     assert csv_rows[1].template == "stored-template-7" and not csv_rows[1].template_is_path
     assert csv_rows[1].params["steps"] == 4 and csv_rows[1].params["seed"] == 9
     assert "not an integer" in (csv_rows[2].error or "")

@@ -11,6 +11,8 @@ the worker keeps running.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -23,8 +25,9 @@ from celery.signals import worker_process_init
 from PIL import Image
 
 from app.celery_app import app
+from app.fidelity import expected_ssim, policy_schedule
 from app.jobs import JobParams, JobStatus
-from app.keys import result_key, template_key
+from app.keys import UPLOAD_PREFIX, result_key, template_key
 from app.storage import ObjectNotFound, StoreUnavailable
 from workers import context as ctx
 from workers.images import InvalidInput, decode_image, encode_png, target_size, to_mask, to_rgb
@@ -130,13 +133,8 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
             prepared = prepare_job_tensors(pipe, ctx.scheduler_config(), image, mask, params, height, width)
     empty = prepared.mask_ratio == 0.0 and params.kind == "edit"
     meta = dict(prepared.meta, empty=empty, mask_ratio=prepared.mask_ratio)
-    cache_fields = _cache_plan(job_id, params, meta, prepared.mask_ratio) if not empty else {}
+    cache_fields = _cache_plan(job_id, params, meta, prepared) if not empty else {}
     tensors = dict(prepared.tensors)
-    if meta.get("cache_mode") == "masked" and meta.get("noise_seed", params.seed) != params.seed:
-        with failing_job(job_id, "prepare"):
-            tensors["latents"] = _warm_noise_blend(params, int(meta["noise_seed"]), image, mask, tensors,
-                                                   height, width)
-        cache_fields["noise_seed"] = str(meta["noise_seed"])
     if empty or params.keep_unmasked:
         tensors["processed_image"] = prepared.processed_image
     ctx.blobs().put(job_id, "inputs", pack(tensors, meta))
@@ -146,17 +144,33 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
             "mask_ratio": prepared.mask_ratio}
 
 
-def template_cache_key(params: JobParams, meta: dict[str, Any], noise_seed: int | None = None):  # type: ignore[no-untyped-def]
-    """The key a template's activations are stored under (DESIGN.md: cache validity). The warm-up's
-    noise seed is part of it: an edit must start from that noise outside its mask (``noise_blend``)."""
+def template_cache_key(params: JobParams, meta: dict[str, Any], noise_seed: int | None = None,
+                       region: str = ""):  # type: ignore[no-untyped-def]
+    """The key a template's activations are stored under (DESIGN.md: cache validity). A template's
+    warm-up (no mask) is keyed by its noise seed; a region warm-up (recorded with a mask) by
+    ``region``, the digest of everything that makes an edit exact (``region_digest``)."""
     from workers.maskaware.activation_store import TemplateCacheKey
 
     seed = params.seed if noise_seed is None else noise_seed
+    suffix = f"exact-{region}" if region else f"noise-{seed}"
     return TemplateCacheKey(
         model_id=ctx.model_id(), template_id=params.template_id, height=int(meta["height"]),
         width=int(meta["width"]), scheduler=str(ctx.scheduler_config()["_class_name"]), steps=params.steps,
         strength=float(params.strength), guidance="cfg2" if meta["do_cfg"] else "single",
-        layout=f"{_cache_layout()}/noise-{seed}")
+        layout=f"{_cache_layout()}/{suffix}")
+
+
+def region_digest(pixel_mask: Any, params: JobParams) -> str:
+    """What a recording must share with an edit for the edit to be exact: the mask as the model
+    sees it, prompt, negative prompt, seed and guidance scale (steps, strength and size are in
+    the key already)."""
+    import torch
+
+    h = hashlib.sha256()
+    h.update(pixel_mask.to(torch.uint8).contiguous().numpy().tobytes())
+    h.update(json.dumps([list(pixel_mask.shape), params.prompt, params.negative_prompt, params.seed,
+                         float(params.guidance)]).encode())
+    return h.hexdigest()[:24]
 
 
 def _cache_layout() -> str:
@@ -166,68 +180,61 @@ def _cache_layout() -> str:
     return "kv+y" if ctx.settings().maskaware_kv_source == "cache" else "y"
 
 
-def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], ratio: float) -> dict[str, str]:
-    """Decide full / record / masked compute for the job; sets ``meta`` and returns record fields.
+def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: Any) -> dict[str, str]:
+    """Decide full / record / masked compute for the job (``app/fidelity.py``); sets ``meta`` and
+    returns the record fields that say which path was taken and whether it is approximate.
 
-    An edit of a stored template uses the template's cache when one is committed under the exact
-    key; without one it runs full compute (never fails for that reason) and, if configured,
-    triggers the template's warm-up so that later edits find it.
+    An edit uses an exact cache (a region warm-up recorded with its mask, prompt, seed and
+    guidance) when one exists; otherwise, unless its policy is ``exact``, the template's warm-up
+    with the policy's refresh steps; otherwise full compute (never a failure for that reason),
+    triggering the template's warm-up if configured.
     """
     s = ctx.settings()
+    policy = params.fidelity or s.fidelity
+    ratio = prepared.mask_ratio
+    full = {"cache_mode": "full", "fidelity": policy, "approximate": "0"}
     if not params.template_id or not s.mask_aware:
         meta["cache_mode"] = "full"
-        return {"cache_mode": "full"}
-    key = template_cache_key(params, meta)
-    meta["cache_key"] = key.to_dict()
+        return full
+    pixel_mask = prepared.tensors["pixel_mask"]
     if params.kind == "warm":
-        meta["cache_mode"] = "record"
-        return {"cache_mode": "record", "cache_digest": key.digest()}
+        region = region_digest(pixel_mask, params) if ratio > 0 else ""
+        key = template_cache_key(params, meta, region=region)
+        meta.update(cache_mode="record", cache_key=key.to_dict())
+        return {"cache_mode": "record", "cache_digest": key.digest(), "region": region}
     if ratio >= 1.0:
         meta["cache_mode"] = "full"
-        return {"cache_mode": "full", "cache_note": "full mask"}
+        return {**full, "cache_note": "full mask"}
+    exact = template_cache_key(params, meta, region=region_digest(pixel_mask, params))
+    base = template_cache_key(params, meta, s.warm_seed)
     try:
-        has = ctx.activations().has(key)
-        if not has and params.seed != s.warm_seed:
-            # The production warm-up (STENCIL_WARM_SEED): usable with the warm-up's noise outside
-            # the mask, which prepare blends in (workers/noise_blend.py).
-            alt = template_cache_key(params, meta, s.warm_seed)
-            if ctx.activations().has(alt):
-                key, has = alt, True
-                meta["cache_key"] = key.to_dict()
-                meta["noise_seed"] = s.warm_seed
+        if ctx.activations().has(exact):
+            return _use_cache(job_id, meta, exact, [], {"fidelity": policy, "cache_path": "exact", "approximate": "0"})
+        if policy != "exact" and ctx.activations().has(base):
+            schedule = policy_schedule(policy, int(meta["num_steps"]))
+            fields = {"fidelity": policy, "cache_path": "template", "approximate": "1",
+                      "refresh_plan": ",".join(map(str, schedule))}
+            expected = expected_ssim(ctx.model_id(), policy, params.guidance)
+            if expected is not None:
+                fields["expected_ssim"] = f"{expected:.3f}"
+            return _use_cache(job_id, meta, base, schedule, fields)
     except TRANSIENT as exc:
         log.warning("job %s: activation store unreachable (%s); full compute", job_id, exc)
-        has = False
-    if has:
-        meta["cache_mode"] = "masked"
-        _send_prefetch(job_id, key.to_dict(), min(int(meta["num_steps"]), ctx.settings().prefetch_steps))
-        return {"cache_mode": "masked", "cache_digest": key.digest()}
+        meta["cache_mode"] = "full"
+        return {**full, "cache_note": "activation store unreachable"}
     meta["cache_mode"] = "full"
+    if policy == "exact":
+        return {**full, "cache_note": "no exact cache for this edit"}
     if s.auto_warm:
-        _trigger_warm(params, meta, template_cache_key(params, meta, s.warm_seed).digest())
-    return {"cache_mode": "full", "cache_note": "template not warmed"}
+        _trigger_warm(params, meta, base.digest())
+    return {**full, "cache_note": "template not warmed"}
 
 
-def _warm_noise_blend(params: JobParams, noise_seed: int, image: Any, mask: Any, tensors: dict[str, Any],
-                      height: int, width: int) -> Any:
-    """The edit's initial latents with the warm-up's noise at the tokens taken from its cache."""
-    import dataclasses
-
-    from workers import noise_blend
-
-    pipe = ctx.cpu_pipeline()
-    warm_params = dataclasses.replace(params, seed=noise_seed)
-    if ctx.model_family() == "flux":
-        from workers.flux_inputs import prepare_flux_job_tensors
-
-        warm = prepare_flux_job_tensors(pipe, ctx.scheduler_config(), image, mask, warm_params, height, width)
-        return noise_blend.blend_flux(tensors["latents"], warm.tensors["latents"], tensors["pixel_mask"],
-                                      pipe.vae_scale_factor)
-    from workers.sd_inputs import prepare_job_tensors
-
-    warm = prepare_job_tensors(pipe, ctx.scheduler_config(), image, mask, warm_params, height, width)
-    return noise_blend.blend_sd(tensors["latents"], warm.tensors["latents"], tensors["pixel_mask"],
-                                pipe.vae_scale_factor)
+def _use_cache(job_id: str, meta: dict[str, Any], key: Any, refresh: list[int],
+               fields: dict[str, str]) -> dict[str, str]:
+    meta.update(cache_mode="masked", cache_key=key.to_dict(), refresh_steps=refresh)
+    _send_prefetch(job_id, key.to_dict(), min(int(meta["num_steps"]), ctx.settings().prefetch_steps))
+    return {"cache_mode": "masked", "cache_digest": key.digest(), **fields}
 
 
 def _send_prefetch(job_id: str, key: dict[str, Any], steps: int) -> None:
@@ -244,7 +251,15 @@ def _send_prefetch(job_id: str, key: dict[str, Any], steps: int) -> None:
 
 def _trigger_warm(params: JobParams, meta: dict[str, Any], digest: str) -> None:
     s = ctx.settings()
-    if not ctx.redis_client().set(f"stencil:warming:{digest}", "1", nx=True, ex=3600):
+    r = ctx.redis_client()
+    if params.template_id.startswith(UPLOAD_PREFIX):
+        # An upload is warmed when its bytes come back, not for a one-off edit.
+        seen = f"stencil:seen:{digest}"
+        count = r.incr(seen)
+        r.expire(seen, s.job_ttl_seconds)
+        if count < 2:
+            return
+    if not r.set(f"stencil:warming:{digest}", "1", nx=True, ex=3600):
         return  # a warm-up for this key is already under way (or recently was)
     warm = JobParams(kind="warm", template_id=params.template_id, prompt=s.warm_prompt, seed=s.warm_seed,
                      steps=params.steps, strength=params.strength, guidance=params.guidance, priority=-10,

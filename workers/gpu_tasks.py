@@ -270,6 +270,7 @@ def denoise(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
         used = out["masked_steps"] + out["fallback_steps"]
         jobs.update(job_id, ts_denoised=repr(time.time()), cache_mode=out["mode"],
                     masked_steps=out["masked_steps"], fallback_steps=out["fallback_steps"],
+                    refresh_steps=out.get("refresh_steps", 0),
                     # Share of steps whose cache fetch was hidden (wholly resident when the step
                     # ran); masked_steps also counts steps the plan ran partly from the cache.
                     fetch_hidden=f"{out.get('resident_steps', out['masked_steps']) / used:.3f}" if used else "",

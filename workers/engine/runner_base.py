@@ -43,6 +43,7 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,6 +126,10 @@ class JobState:
     masked_steps: int = 0
     fallback_steps: int = 0
     commit: Future | None = None
+    refresh: frozenset[int] = frozenset()  # masked mode: steps computed fully to re-anchor the cache
+    delta: dict[str, torch.Tensor] | None = None  # own minus template activations at the last refresh
+    anchor: tuple[int, dict[str, torch.Tensor]] | None = None  # a refresh whose template step is not resident
+    refresh_steps: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -210,6 +215,7 @@ class BaseRunner(ABC):
             raise ValueError("cache key steps do not match the job")
         st.mode, st.cache_key = mode, key
         if mode == "masked":
+            st.refresh = frozenset(int(s) for s in meta.get("refresh_steps", ()))
             st.token_masks = self._token_masks(st, tensors)
             self.caches.prefetch(key, range(self.prefetch_steps))  # type: ignore[union-attr]
 
@@ -227,12 +233,20 @@ class BaseRunner(ABC):
         st: JobState = job.state
         if st.mode == "record":
             return self._row_group(st.rows, "record")
+        if st.mode == "masked" and job.steps_done in st.refresh:
+            return self._row_group(st.rows, "record")  # full compute; its activations re-anchor
+        if st.mode == "masked" and not self._resolve(st):
+            st.extra["fallback_pending"] = True  # no valid offset yet: compute fully (exact)
+            st.extra["no_offset"] = True
+            return self._row_group(st.rows, "full")
         if st.mode == "masked":
             assert self.caches is not None and st.cache_key is not None
             # Block-wise loading: the plan queues this step's unit loads before its background
             # completion (``_plan_groups``), so the copy stream is not raced for the first unit.
             cache = self.caches.ready(st.cache_key, job.steps_done, fetch=not self._units_on)
             if cache is not None:
+                if st.delta is not None:
+                    cache = OffsetCache(cache, st.delta)
                 return self._row_group(st.rows, "masked", st.token_masks, cache)
             st.extra["fallback_pending"] = True
         return self._row_group(st.rows, "full")
@@ -242,7 +256,7 @@ class BaseRunner(ABC):
         pending = []
         for i, job in enumerate(batch):
             st: JobState = job.state
-            if st.mode == "masked" and st.extra.get("fallback_pending"):
+            if st.mode == "masked" and st.extra.get("fallback_pending") and not st.extra.get("no_offset"):
                 resident, failed = self.caches.unit_status(st.cache_key, job.steps_done)  # type: ignore[union-attr]
                 if not failed:
                     pending.append((i, resident))
@@ -299,7 +313,8 @@ class BaseRunner(ABC):
             cache = UnitCache(self.caches, st.cache_key, job.steps_done, names,  # type: ignore[arg-type]
                               wait_units=want, deadline=deadline)
             st.extra["unit_cache"] = cache
-            groups[i] = self._row_group(st.rows, "masked", st.token_masks, cache)
+            groups[i] = self._row_group(st.rows, "masked", st.token_masks,
+                                        cache if st.delta is None else OffsetCache(cache, st.delta))
         for u in units:  # one queue in block order across the batch's caches (the copy stream)
             for key, step, want in requested:
                 if u in want:
@@ -384,6 +399,7 @@ class BaseRunner(ABC):
             return
         for job in batch:  # a retried step starts clean
             job.state.extra.pop("fallback_pending", None)
+            job.state.extra.pop("no_offset", None)
             job.state.extra.pop("unit_cache", None)
         started = time.monotonic()
         self._step_plan = None
@@ -425,7 +441,10 @@ class BaseRunner(ABC):
     def _after_step(self, batch: list[EngineJob], recorded: list[Any]) -> None:
         for i, job in enumerate(batch):
             st: JobState = job.state
-            if st.mode == "masked":
+            if st.mode == "masked" and recorded and recorded[i] is not None:  # a refresh step
+                self._anchor(job, recorded[i])
+                self.prefetch(job)
+            elif st.mode == "masked":
                 units = st.extra.pop("unit_cache", None)
                 pending = st.extra.pop("fallback_pending", False)
                 n_units = len(getattr(self.maskaware, "units", ()))
@@ -451,6 +470,29 @@ class BaseRunner(ABC):
                 if step_index + 1 == len(st.timesteps):
                     st.commit = self.recorder.commit(st.cache_key)
 
+    def _anchor(self, job: EngineJob, own: dict[str, torch.Tensor]) -> None:
+        """After a refresh step: keep the job's own activations until the template's cache of the
+        same step is resident, then store their difference as the job's offset (``_resolve``)."""
+        st: JobState = job.state
+        st.refresh_steps += 1
+        st.delta = None
+        st.anchor = (int(job.steps_done), own)
+        if not self._resolve(st) and self.caches is not None and st.cache_key is not None:
+            self.caches.prefetch(st.cache_key, [int(job.steps_done)])
+
+    def _resolve(self, st: JobState) -> bool:
+        """Turn a pending anchor into the offset if the template's step is resident (no waiting in
+        the step loop: until then the job's masked steps compute fully, which is always correct)."""
+        if st.anchor is None:
+            return True
+        step, own = st.anchor
+        tpl = self.caches.ready(st.cache_key, step) if self.caches is not None else None  # type: ignore[arg-type]
+        if tpl is None:
+            return False
+        st.delta = {n: own[n] - tpl[n].to(own[n]) for n in own if n in tpl}
+        st.anchor = None
+        return True
+
     def masked_tokens(self, st: JobState) -> tuple[int, ...]:
         """Tokens the job computes per step at each level (all of them unless masked)."""
         masks = st.token_masks
@@ -469,11 +511,43 @@ class BaseRunner(ABC):
         total = st.extra.get("total_units", 0)
         return {"latents": st.latents, "commit": st.commit, "mode": st.mode,
                 "masked_steps": st.masked_steps, "fallback_steps": st.fallback_steps,
+                "refresh_steps": st.refresh_steps,
                 "note": st.extra.get("cache_note", ""),
                 # Share of (step, unit) computations that used the cache; 0..1, "" if none.
                 "cached_unit_share": (st.extra.get("cached_units", 0) / total) if total else None,
                 "resident_steps": st.extra.get("resident_steps", 0),
                 "load_wait_s": st.extra.get("wait_s", 0.0)}
+
+
+class OffsetCache(Mapping[str, torch.Tensor]):
+    """A template step cache shifted by a job's offset (``JobState.delta``): the template's
+    activations at this step plus how far the job's own were from the template's at its last
+    refresh. Each tensor is shifted once per step (the controllers may read a name twice)."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> None:
+        self.base = base
+        self.delta = delta
+        self._shifted: dict[str, torch.Tensor] = {}
+        acquire = getattr(base, "acquire_unit", None)
+        if acquire is not None:  # block-wise loading (``UnitCache``): the plan asks per unit
+            self.acquire_unit = acquire
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._shifted.get(name)
+        if t is None:
+            base, d = self.base[name], self.delta.get(name)
+            t = base if d is None else d + base.to(d)
+            self._shifted[name] = t
+        return t
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.base
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)
 
 
 def _step_kwargs(scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
