@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from skimage.metrics import peak_signal_noise_ratio, structural_similarity
+from skimage.metrics import structural_similarity
 
 from app.fidelity import EXPECTED_FILE, REFRESHES, refresh_schedule
 from app.jobs import JobParams
@@ -142,9 +142,10 @@ class Option:
     refreshes: int = 0
     warm_noise: bool = False  # start from the warm-up's noise at cached tokens (noise_blend)
     region: bool = False  # a warm-up recorded with this edit's mask, prompt and seed: exact
+    at: tuple[int, ...] = ()  # explicit refresh steps (schedules no policy uses)
 
     def schedule(self, steps: int) -> list[int]:
-        return refresh_schedule(self.refreshes, steps)
+        return list(self.at) if self.at else refresh_schedule(self.refreshes, steps)
 
 
 OPTIONS = {o.name: o for o in (
@@ -308,24 +309,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="", help="also write the summary as JSON here")
     p.add_argument("--write-expected", action="store_true",
                    help=f"write the policies' mean SSIM per model and guidance to {EXPECTED_FILE}")
+    p.add_argument("--from-json", default="", help="measure nothing: rewrite --out (and --write-expected) "
+                   "from an earlier run's --json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.quick:
         args.n, args.steps, args.options = 3, 10, "cache-as-is,balanced"
     torch.set_num_threads(1)
     t0 = time.monotonic()
-    options = [OPTIONS[o] for o in args.options.split(",")]
     models = {f: (args.sd_model if f == "sd" else args.flux_model) for f in args.families.split(",")}
-    rows: list[dict[str, Any]] = []
-    for g in (float(x) for x in args.guidance.split(",")):
-        for fam in models:
-            rows += bench_family(fam, args.traces.split(","), args.n, args.steps, args.seed, g, options, models[fam])
-    summary = summarize(rows)
-    command = "python -m ops.bench_fidelity " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        command, summary, elapsed = saved["command"], saved["summary"], float(saved.get("elapsed_s", 0.0))
+        models = saved.get("models", models)
+    else:
+        options = [OPTIONS[o] for o in args.options.split(",")]
+        rows: list[dict[str, Any]] = []
+        for g in (float(x) for x in args.guidance.split(",")):
+            for fam in models:
+                rows += bench_family(fam, args.traces.split(","), args.n, args.steps, args.seed, g, options,
+                                     models[fam])
+        summary, elapsed = summarize(rows), time.monotonic() - t0
+        command = "python -m ops.bench_fidelity " + " ".join(argv if argv is not None else sys.argv[1:])
     named = {f: m or "tiny-flux-fill (random init)" for f, m in models.items()}
-    write_markdown(Path(args.out), render(summary, command, time.monotonic() - t0, named))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"command": command, "summary": summary}, indent=1) + "\n")
+    write_markdown(Path(args.out), render(summary, command, elapsed, named))
+    if args.json and not args.from_json:
+        Path(args.json).write_text(json.dumps({"command": command, "summary": summary, "elapsed_s": elapsed,
+                                               "models": models}, indent=1) + "\n")
     if args.write_expected:
         table = json.loads(EXPECTED_FILE.read_text()) if EXPECTED_FILE.is_file() else {}
         for model, policies in expected_table(summary, {f: m for f, m in models.items() if m}).items():

@@ -100,3 +100,41 @@ def test_the_default_seed_is_no_worse_than_other_seeds(sd_family) -> None:  # ty
         ssim[seed] = metrics(full, fam.decode(out["latents"]), mask)["ssim"]
     assert ssim[0] >= min(ssim[s] for s in (1, 2, 3)) - 0.005, ssim
     assert ssim[0] >= 0.95, ssim
+
+
+def test_a_refresh_whose_template_step_is_not_resident_computes_fully_until_it_is(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The offset needs the template's cache of the refresh step. While that step is not resident
+    the job may not use the cache with a stale or missing offset: its steps compute fully (counted
+    as fallback), so the result is full compute; once the step arrives, the offset is set."""
+    import torch
+
+    from app.storage import LocalStore
+    from ops.bench_fidelity import Family, run, warm
+    from workers.engine.template_cache import StepCacheProvider
+    from workers.maskaware.activation_store import ActivationStore
+
+    class Hiding(StepCacheProvider):
+        hidden: set[int] = set()
+
+        def ready(self, key, step, fetch=True):  # type: ignore[no-untyped-def]
+            return None if step in self.hidden else super().ready(key, step, fetch)
+
+    activations = ActivationStore(LocalStore(tmp_path))
+    fam = Family("sd", activations)
+    fam.runner_ma.caches = Hiding(activations, 1 << 30)
+    fam.runner_ma.caches.set_units({u: fam.ctrl.unit_tensor_names(u) for u in fam.ctrl.units})
+    image, steps = _template(), 8
+    key = warm(fam, "tpl", image, np.zeros((128, 128), bool), JobParams(prompt="", seed=0, steps=steps, guidance=7.5))
+    mask = make_mask(0.2, (128, 128), "blob", seed=1)
+    params = JobParams(prompt="a cat", seed=4, steps=steps, guidance=7.5)
+    tensors, meta = fam.prepare(image, mask, params)
+    full = run(fam.runner_full, [(tensors, dict(meta))])[0]["latents"]
+    masked_meta = dict(meta, cache_mode="masked", cache_key=key.to_dict(), refresh_steps=[0, 5])
+    Hiding.hidden = {0, 5}
+    out = run(fam.runner_ma, [(tensors, dict(masked_meta))])[0]
+    assert out["refresh_steps"] == 2 and out["masked_steps"] == 0 and out["fallback_steps"] == steps - 2
+    assert torch.allclose(out["latents"], full, atol=1e-4)
+    Hiding.hidden = {5}  # step 0 arrives: steps 1-4 use the offset, 6-7 compute fully again
+    out = run(fam.runner_ma, [(tensors, dict(masked_meta))])[0]
+    assert out["masked_steps"] == 4 and out["fallback_steps"] == 2, out
+    assert not torch.allclose(out["latents"], full, atol=1e-4)
