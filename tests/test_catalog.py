@@ -322,6 +322,27 @@ def test_catalog_warm_runs_the_warm_ups_on_the_stack(stack, tmp_path: Path) -> N
         assert x["params"] in [i["params"] for i in recorded], "the intent was not recorded in Redis"
 
 
+@pytest.mark.integration
+def test_catalog_region_warm_ups_make_the_catalog_edits_exact(stack, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``catalog warm --regions``: one warm-up per (template, region) with the row's mask, prompt and
+    seed; the same catalog's edits then take the exact path (not the approximate template cache)."""
+    from app.catalog import CatalogRun, Defaults, EditOptions, Manifest
+    from app.client import StencilClient
+
+    client = StencilClient(stack.settings)
+    manifest = write_catalog(tmp_path / "cat", rows=4)
+    summary = run_warm(client, manifest, out_dir=tmp_path / "warm", in_flight=2, timeout=240, regions=True)
+    assert summary["intents"] == 4 and summary["warmed"] == 4, summary
+    run = CatalogRun(client, Manifest(manifest), Defaults(), EditOptions(out_dir=tmp_path / "edit", progress=False))
+    result = run.run()
+    assert result["status"].get("done") == 4, result
+    lines = [json.loads(x) for x in (tmp_path / "edit" / "report.jsonl").read_text().splitlines()]
+    for line in lines:
+        rec = client.jobs.get(line["job_id"])
+        assert rec is not None and rec.fields["cache_path"] == "exact", rec.fields
+        assert rec.fields["approximate"] == "0" and int(rec.fields["masked_steps"]) > 0
+
+
 # -- the real thing: 200 rows on the embedded stack, interrupted and resumed ---------------------
 
 def _lines(path: Path) -> list[dict]:
