@@ -68,6 +68,7 @@ def test_flux_masked_edit_with_fresh_cache_equals_full_compute(flux_stack: Embed
     edit = client.submit(template=tid, mask=mask, **params)
     rec = edit.wait(120)
     assert rec.status == JobStatus.DONE and rec.fields["cache_mode"] == "masked", rec.fields
-    assert int(rec.fields["masked_steps"]) > 0
+    assert rec.fields["cache_path"] == "exact" and rec.fields["approximate"] == "0", rec.fields
+    assert int(rec.fields["masked_steps"]) > 0 and int(rec.fields["refresh_steps"]) == 0
     diff = np.abs(result_array(edit) - stock_flux(flux_stack, image, mask, **params))
     assert diff.max() <= 1, diff.max()
