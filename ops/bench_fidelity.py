@@ -50,13 +50,13 @@ class Family:
         """The scheduler config as a saved folder holds it (with its class name)."""
         return {**dict(self.pipe.scheduler.config), "_class_name": type(self.pipe.scheduler).__name__}
 
-    def __init__(self, name: str, activations: ActivationStore, sd_model: str = "tiny-sd-inpaint-trained") -> None:
+    def __init__(self, name: str, activations: ActivationStore, model: str = "tiny-sd-inpaint-trained") -> None:
         self.name = name
         if name == "sd":
             from workers.engine.sd_runner import SDRunner
             from workers.maskaware.unet import MaskAwareUNet
 
-            self.pipe = load_sd_pipeline(sd_model)
+            self.pipe = load_sd_pipeline(model)
             model = self.pipe.unet.eval()
             self.size, self.layout = 128, "kv+y"
             self.runner_full = SDRunner(model, self.scheduler_config)
@@ -67,11 +67,10 @@ class Family:
         else:
             from workers.engine.flux_runner import FluxRunner
             from workers.maskaware.flux import MaskAwareFlux
-            from workers.models.tiny_flux import build_flux_fill_pipeline
 
-            self.pipe = build_flux_fill_pipeline(0)
+            self.pipe = load_flux_pipeline(model)
             model = self.pipe.transformer.eval()
-            self.size, self.layout = 64, "flux-kv-raw"
+            self.size, self.layout = (128 if model else 64), "flux-kv-raw"
             cfg = self.scheduler_config
             self.runner_full = FluxRunner(model, cfg, self.pipe.vae_scale_factor)
             self.ctrl = MaskAwareFlux(model)
@@ -110,21 +109,39 @@ class Family:
                                 guidance="cfg2" if meta["do_cfg"] else "single", layout=self.layout)
 
 
+def load_flux_pipeline(model: str):  # type: ignore[no-untyped-def]
+    """The Flux Fill pipeline to measure: an embedded model id, a folder, or "" for the random-init
+    tiny model (64x64)."""
+    from diffusers import FluxFillPipeline
+
+    from workers.models.tiny_flux import build_flux_fill_pipeline
+
+    if not model:
+        return build_flux_fill_pipeline(0)
+    pipe = FluxFillPipeline.from_pretrained(_model_folder(model), torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _model_folder(model: str) -> Path:
+    """A pipeline folder, or an embedded model id saved to a temporary home."""
+    from app.settings import Settings
+    from workers.models.loader import ensure_model_dir
+
+    if Path(model).is_dir():
+        return Path(model)
+    return ensure_model_dir(Settings.from_env(home=Path(tempfile.mkdtemp(prefix="stencil-fid-home-")),
+                                              model_dir="", model_id=model))
+
+
 def load_sd_pipeline(model: str):  # type: ignore[no-untyped-def]
     """The SD pipeline to measure: an embedded model id (saved to a temporary home) or a folder.
     Fidelity of the random-init model measures noise against noise, so the default is the trained one."""
     from diffusers import StableDiffusionInpaintPipeline
 
-    from app.settings import Settings
-    from workers.models.loader import ensure_model_dir
-
-    if Path(model).is_dir():
-        folder = Path(model)
-    else:
-        folder = ensure_model_dir(Settings.from_env(home=Path(tempfile.mkdtemp(prefix="stencil-fid-home-")),
-                                                   model_dir="", model_id=model))
-    pipe = StableDiffusionInpaintPipeline.from_pretrained(folder, safety_checker=None, feature_extractor=None,
-                                                          requires_safety_checker=False, torch_dtype=torch.float32)
+    pipe = StableDiffusionInpaintPipeline.from_pretrained(_model_folder(model), safety_checker=None,
+                                                          feature_extractor=None, requires_safety_checker=False,
+                                                          torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -240,7 +257,7 @@ def bench_family(name: str, traces: list[str], n: int, steps: int, seed: int, gu
     return rows
 
 
-DEFAULT_MODELS = {"sd": "tiny-sd-inpaint-trained", "flux": ""}
+DEFAULT_MODELS = {"sd": "tiny-sd-inpaint-trained", "flux": "tiny-flux-fill-trained"}
 COLUMNS = ("ratio", "ssim", "psnr", "ssim_unmasked", "psnr_unmasked", "ssim_masked", "psnr_masked")
 
 

@@ -31,6 +31,7 @@ import copy
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,17 +160,24 @@ class EMA:
             e.mul_(d).add_(p.detach(), alpha=1 - d)
 
 
-def train_vae(args: argparse.Namespace, crops: Crops, held: torch.Tensor) -> tuple[torch.nn.Module, dict]:
-    from workers.models.tiny_sd import build_vae
+def train_vae(args: argparse.Namespace, crops: Crops, held: torch.Tensor,
+              build: Callable[[int], torch.nn.Module] | None = None) -> tuple[torch.nn.Module, dict]:
+    """Stage 1: the VAE (``build(seed)``; default SD's 4-channel VAE of ``--vae-channels``)."""
+    if build is None:
+        from workers.models.tiny_sd import build_vae
+
+        def build(seed: int) -> torch.nn.Module:
+            return build_vae(seed, block_out_channels=tuple(args.vae_channels))
 
     torch.manual_seed(args.seed)
-    vae = build_vae(args.seed, block_out_channels=tuple(args.vae_channels))
-    random_vae = build_vae(args.seed + 1, block_out_channels=tuple(args.vae_channels)).eval()
+    vae = build(args.seed).train()
+    random_vae = build(args.seed + 1).eval()
     # Start the posterior narrow (log-variance about -8): with a unit-variance start, sampled
     # latents are mostly noise and the decoder learns slowly; the pipeline samples latents, so the
     # variance stays a trained output (the KL term still regularises it), just from a sane start.
+    # Without a quant conv (Flux's VAE) the log-variance is the encoder's last conv's second half.
     with torch.no_grad():
-        qc = vae.quant_conv
+        qc = vae.quant_conv if vae.quant_conv is not None else vae.encoder.conv_out
         half = qc.out_channels // 2
         qc.weight[half:].mul_(0.01)
         qc.bias[half:].fill_(args.init_logvar)
@@ -215,27 +223,33 @@ def reuse_vae(folder: Path, held: torch.Tensor) -> tuple[torch.nn.Module, dict]:
     return vae, {**earlier["vae"], "reused_from": str(folder), "reused_from_command": earlier["command"]}
 
 
+def draw_masks(k: int, rng: np.random.Generator, full_mask_share: float) -> torch.Tensor:
+    """``[k, 1, SIZE, SIZE]`` masks drawn like production ones (``app.maskgen`` shapes at ratios of
+    the public traces, clipped to 0.01-0.9), plus a share of full masks."""
+    from app.maskgen import SHAPES, make_mask
+
+    ratios = trace_ratios()
+    masks = []
+    for _ in range(k):
+        if rng.random() < full_mask_share:
+            masks.append(np.ones((SIZE, SIZE), bool))
+            continue
+        r = float(np.clip(rng.choice(ratios), 0.01, 0.9))
+        shape = SHAPES[int(rng.integers(len(SHAPES)))]
+        masks.append(make_mask(r, (SIZE, SIZE), shape, seed=int(rng.integers(1 << 30))))
+    return torch.from_numpy(np.stack(masks)[:, None].astype(np.float32))
+
+
 @torch.no_grad()
 def encode_dataset(vae: torch.nn.Module, crops: Crops, n: int, rng: np.random.Generator,
                    full_mask_share: float) -> dict[str, torch.Tensor]:
     """Latents, masked-image latents and latent-size masks of ``n`` augmented crops, as the
     pipeline builds them (masked image = image * (mask < 0.5); nearest resize of the mask)."""
-    from app.maskgen import SHAPES, make_mask
-
-    ratios = trace_ratios()
     out: dict[str, list[torch.Tensor]] = {"latents": [], "masked": [], "mask": [], "src": []}
     for start in range(0, n, 32):
         k = min(32, n - start)
         x, idx = crops.batch(k)
-        masks = []
-        for _ in range(k):
-            if rng.random() < full_mask_share:
-                m = np.ones((SIZE, SIZE), bool)
-            else:
-                r = float(np.clip(rng.choice(ratios), 0.01, 0.9))
-                m = make_mask(r, (SIZE, SIZE), SHAPES[int(rng.integers(len(SHAPES)))], seed=int(rng.integers(1 << 30)))
-            masks.append(m)
-        mask = torch.from_numpy(np.stack(masks)[:, None].astype(np.float32))
+        mask = draw_masks(k, rng, full_mask_share)
         masked = x * (mask < 0.5)
         out["latents"].append(vae.encode(x).latent_dist.sample())
         out["masked"].append(vae.encode(masked).latent_dist.sample())

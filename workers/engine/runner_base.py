@@ -8,6 +8,13 @@ the template cache for the job's own current step. If that step's cache is not r
 RAM yet, the job computes the step fully instead of waiting (never a stall, never a wrong cache);
 the job's state counts such steps.
 
+Refresh steps (``meta["refresh_steps"]``, chosen by the fidelity policy, ``app/fidelity.py``): a
+masked job computes those steps fully, recording its own activations like a warm-up would; from
+then on its cache is the template's of the current step plus the offset (own - template) at the
+last refresh (``OffsetCache``). The offset needs the template's cache of the refresh step; until
+that is resident the job's steps compute fully (``_resolve``: never a wait in the step loop,
+never a stale offset). An exact cache (recorded for this very edit) has no refresh steps.
+
 A step is transactional: new latents are committed only after every job's update succeeded, and
 scheduler/generator state is rolled back on failure, so the engine can retry job by job to
 isolate a failing job exactly.

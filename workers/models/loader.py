@@ -77,11 +77,11 @@ def _save_tiny_flux(out: Path, seed: int = 0) -> None:
 TRAINED_DIR = Path(__file__).resolve().parent / "trained"
 
 
-def _copy_trained(name: str) -> Callable[[Path, int], None]:
+def _copy_trained(name: str, trainer: str) -> Callable[[Path, int], None]:
     def copy(out: Path, seed: int = 0) -> None:
         src = TRAINED_DIR / name
         if not (src / "model_index.json").is_file():
-            raise FileNotFoundError(f"trained model folder {src} is missing (train it: python -m ops.train_tiny_sd)")
+            raise FileNotFoundError(f"trained model folder {src} is missing (train it: python -m {trainer})")
         shutil.copytree(src, out, dirs_exist_ok=True)
 
     return copy
@@ -90,7 +90,8 @@ def _copy_trained(name: str) -> Callable[[Path, int], None]:
 # Embedded models by id. The random-init ones stay for unit tests and speed benchmarks (their
 # outputs are noise); the trained one is the default so that the demo and fidelity show real edits.
 EMBEDDED_MODELS: dict[str, Callable[[Path, int], None]] = {
-    "tiny-sd-inpaint-trained": _copy_trained("tiny-sd-inpaint-trained"),
+    "tiny-sd-inpaint-trained": _copy_trained("tiny-sd-inpaint-trained", "ops.train_tiny_sd"),
+    "tiny-flux-fill-trained": _copy_trained("tiny-flux-fill-trained", "ops.train_tiny_flux"),
     "tiny-sd-inpaint": _save_tiny_sd,
     "tiny-flux-fill": _save_tiny_flux,
 }

@@ -99,7 +99,7 @@ def _default_rope_axes(head_dim: int) -> tuple[int, int, int]:
     return first, rest // 2, rest // 2
 
 
-def build_flux_vae(seed: int = 0) -> AutoencoderKL:
+def build_flux_vae(seed: int = 0, block_out_channels: tuple[int, ...] = (16, 16, 32, 32)) -> AutoencoderKL:
     """Four-level VAE (8x downscale), 16 latent channels, no quant convs, Flux's scale/shift."""
     torch.manual_seed(seed)
     return AutoencoderKL(
@@ -107,7 +107,7 @@ def build_flux_vae(seed: int = 0) -> AutoencoderKL:
         out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * 4,
         up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(16, 16, 32, 32),
+        block_out_channels=block_out_channels,
         latent_channels=FLUX_LATENT_CHANNELS,
         norm_num_groups=16,
         layers_per_block=1,
