@@ -6,9 +6,10 @@ and the seed (the initial noise). This records, per edit, warm-ups that match th
 of those inputs and runs the edit from each (no refresh steps), so each cause's share of the error
 shows; then remedies on the production warm-up: a boundary ring (token-mask dilation), refresh
 steps early only vs spread (``app/fidelity.py``), with and without the warm-up's noise outside
-the mask. SSIM vs full compute of the same edit, trained SD model.
+the mask; and how the offset drifts with the distance to the last refresh (error growth over
+steps). SSIM vs full compute of the same edit, trained models.
 
-    python -m ops.fidelity_causes --guidance 7.5 --n 8 --out docs/bench/fidelity_causes.md
+    python -m ops.fidelity_causes --family sd --guidance 7.5 --n 8 --out docs/bench/fidelity_causes.md
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from app.fidelity import REFRESHES, refresh_schedule
 from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
 from app.storage import LocalStore
-from ops.bench_fidelity import EDIT_PROMPTS, Family, Option, edit, metrics, run, warm, write_markdown
+from ops.bench_fidelity import DEFAULT_MODELS, EDIT_PROMPTS, Family, Option, edit, metrics, run, warm, write_markdown
 from ops.sim.traces import load_trace
 from workers.maskaware.activation_store import ActivationStore
 
@@ -53,6 +54,8 @@ def remedies(steps: int) -> dict[str, tuple[Option, int]]:
         "boundary ring: dilation 1 token": (Option("as-is", warm_noise=True), 1),
         "boundary ring: dilation 2 tokens": (Option("as-is", warm_noise=True), 2),
         "3 refresh steps early [0, 1, 2]": (Option("early", at=(0, 1, 2)), 0),
+        "2 refresh steps [0, 12] (last one 8 steps before the end)": (Option("r12", at=(0, 12)), 0),
+        "2 refresh steps [0, 16] (4 steps before the end)": (Option("r16", at=(0, 16)), 0),
         f"fast: {REFRESHES['fast']} refresh steps {refresh_schedule(REFRESHES['fast'], steps)}":
             (Option("fast", REFRESHES["fast"]), 0),
         f"balanced: {REFRESHES['balanced']} refresh steps {refresh_schedule(REFRESHES['balanced'], steps)}":
@@ -63,6 +66,8 @@ def remedies(steps: int) -> dict[str, tuple[Option, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", default="sd", choices=("sd", "flux"))
+    p.add_argument("--model", default="", help="embedded model id or folder (default: the family's trained one)")
     p.add_argument("--guidance", type=float, default=7.5)
     p.add_argument("--n", type=int, default=8, help="edits (spring trace ratios)")
     p.add_argument("--steps", type=int, default=20)
@@ -72,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     t0 = time.monotonic()
-    fam = Family("sd", ActivationStore(LocalStore(tempfile.mkdtemp(prefix="stencil-causes-"))))
+    fam = Family(args.family, ActivationStore(LocalStore(tempfile.mkdtemp(prefix="stencil-causes-"))),
+                 args.model or DEFAULT_MODELS[args.family])
     templates = [img.resize((fam.size, fam.size)) for _n, img in demo_templates(128)]
     empty = np.zeros((fam.size, fam.size), bool)
     g, steps = args.guidance, args.steps
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             scores.setdefault(name, []).append(metrics(full, fam.decode(out["latents"]), mask))
         log.info("edit %d done", k)
     command = "python -m ops.fidelity_causes " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = ["# Fidelity: causes and remedies (trained SD model)\n",
+    lines = [f"# Fidelity: causes and remedies ({args.family}, `{args.model or DEFAULT_MODELS[args.family]}`)\n",
              f"Command: `{command}` ({time.monotonic() - t0:.0f} s). Guidance {g:g}, {steps} steps, "
              f"{len(next(iter(scores.values())))} edits at spring-trace ratios with other prompts and seeds than "
              "the production warm-up. Cause rows: a warm-up that matches the edit in the named inputs, the "
