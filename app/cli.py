@@ -72,7 +72,9 @@ def cmd_template_add(args: argparse.Namespace) -> int:
 
 def cmd_template_warm(args: argparse.Namespace) -> int:
     handle = _client().warm_template(args.template_id, steps=args.steps, guidance=args.guidance,
-                                     strength=args.strength, prompt=args.prompt, seed=args.seed)
+                                     strength=args.strength, prompt=args.prompt, seed=args.seed,
+                                     negative_prompt=args.negative_prompt,
+                                     mask=Path(args.mask) if args.mask else None)
     sys.stdout.write(handle.id + "\n")
     return _wait(handle, args.timeout, None) if args.wait else 0
 
@@ -232,7 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--guidance", type=float, default=7.5)
     s.add_argument("--strength", type=float, default=1.0)
     s.add_argument("--prompt", default="")
+    s.add_argument("--negative-prompt", default="")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--mask", default=None, help="a region warm-up: edits with this mask, prompt, negative "
+                                                "prompt, seed and guidance are then exact")
     s.add_argument("--wait", action="store_true")
     s.add_argument("--timeout", type=float, default=None)
     s.set_defaults(func=cmd_template_warm)
