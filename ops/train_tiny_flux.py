@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ops.train_tiny_sd import EMA, HELD_OUT, SIZE, TRAIN_SOURCES, Crops, draw_masks, load_source, train_vae
+from ops.train_tiny_sd import EMA, HELD_OUT, SIZE, TRAIN_SOURCES, Crops, add_data_args, draw_masks, setup, train_vae
 
 log = logging.getLogger("train_tiny_flux")
 LATENT = SIZE // 8
@@ -186,16 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="workers/models/trained/tiny-flux-fill-trained")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--vae-channels", type=int, nargs=4, default=[16, 32, 64, 64])
-    p.add_argument("--vae-steps", type=int, default=3000)
-    p.add_argument("--vae-batch", type=int, default=8)
-    p.add_argument("--vae-crop", type=int, default=64)
-    p.add_argument("--vae-lr", type=float, default=1e-3)
-    p.add_argument("--vae-minutes", type=float, default=9.0)
-    p.add_argument("--kl-weight", type=float, default=1e-6)
-    p.add_argument("--init-logvar", type=float, default=-8.0)
-    p.add_argument("--encode-crops", type=int, default=2048)
-    p.add_argument("--full-mask-share", type=float, default=0.1)
+    add_data_args(p, vae_steps=3000, vae_minutes=9.0, encode_crops=2048)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--double", type=int, default=2)
@@ -207,17 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=26.0, help="wall-clock cap of the transformer stage")
     p.add_argument("--caption-dropout", type=float, default=0.15)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
     t_all = time.monotonic()
+    rng, crops, held_crops, held_x = setup(args)
     from workers.models.tiny_flux import build_flux_vae
 
     names = list(TRAIN_SOURCES)
-    crops = Crops([load_source(n) for n in names], rng)
-    held_crops = Crops([load_source(n) for n in HELD_OUT], np.random.default_rng(args.seed + 1))
-    held_x, _ = held_crops.batch(64)
     vae, vae_log = train_vae(args, crops, held_x,
                              build=lambda seed: build_flux_vae(seed, block_out_channels=tuple(args.vae_channels)))
     vae.requires_grad_(False).eval()

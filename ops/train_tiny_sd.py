@@ -374,21 +374,38 @@ def plot(log_data: dict, out: Path) -> None:
     log.info("wrote %s", out)
 
 
+def add_data_args(p: argparse.ArgumentParser, *, vae_steps: int, vae_minutes: float, encode_crops: int) -> None:
+    """Options of the stages both trainers share: the VAE and the encoded crops."""
+    p.add_argument("--vae-channels", type=int, nargs=4, default=[16, 32, 64, 64])
+    p.add_argument("--vae-steps", type=int, default=vae_steps)
+    p.add_argument("--vae-batch", type=int, default=8)
+    p.add_argument("--vae-crop", type=int, default=64, help="training window of the VAE (<= 128)")
+    p.add_argument("--vae-lr", type=float, default=1e-3)
+    p.add_argument("--vae-minutes", type=float, default=vae_minutes, help="wall-clock cap of the VAE stage")
+    p.add_argument("--kl-weight", type=float, default=1e-6)
+    p.add_argument("--init-logvar", type=float, default=-8.0, help="initial posterior log-variance")
+    p.add_argument("--encode-crops", type=int, default=encode_crops)
+    p.add_argument("--full-mask-share", type=float, default=0.1)
+
+
+def setup(args: argparse.Namespace) -> tuple[np.random.Generator, Crops, Crops, torch.Tensor]:
+    """Logging, threads, seeds; the training and held-out crops and 64 held-out images."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    crops = Crops([load_source(n) for n in TRAIN_SOURCES], rng)
+    held_crops = Crops([load_source(n) for n in HELD_OUT], np.random.default_rng(args.seed + 1))
+    held_x, _ = held_crops.batch(64)
+    return rng, crops, held_crops, held_x
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="workers/models/trained/tiny-sd-inpaint-trained")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--vae-channels", type=int, nargs=4, default=[16, 32, 64, 64])
-    p.add_argument("--vae-steps", type=int, default=4000)
-    p.add_argument("--vae-batch", type=int, default=8)
-    p.add_argument("--vae-crop", type=int, default=64, help="training window of the VAE (<= 128)")
-    p.add_argument("--vae-lr", type=float, default=1e-3)
-    p.add_argument("--vae-minutes", type=float, default=11.0, help="wall-clock cap of the VAE stage")
-    p.add_argument("--kl-weight", type=float, default=1e-6)
-    p.add_argument("--init-logvar", type=float, default=-8.0, help="initial posterior log-variance")
-    p.add_argument("--encode-crops", type=int, default=3072)
-    p.add_argument("--full-mask-share", type=float, default=0.1)
+    add_data_args(p, vae_steps=4000, vae_minutes=11.0, encode_crops=3072)
     p.add_argument("--unet-channels", type=int, nargs="+", default=[32, 64])
     p.add_argument("--cross-dim", type=int, default=32)
     p.add_argument("--layers-per-block", type=int, default=1)
@@ -402,20 +419,14 @@ def main() -> int:
     p.add_argument("--vae-from", default="", help="reuse the VAE of a saved pipeline folder (skips stage 1)")
     p.add_argument("--plot", default="docs/bench/training_loss.png")
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
     t_all = time.monotonic()
+    rng, crops, held_crops, held_x = setup(args)
 
     from diffusers import StableDiffusionInpaintPipeline
 
     from workers.models.tiny_sd import build_scheduler, byte_level_clip_tokenizer
 
     names = list(TRAIN_SOURCES)
-    crops = Crops([load_source(n) for n in names], rng)
-    held_crops = Crops([load_source(n) for n in HELD_OUT], np.random.default_rng(args.seed + 1))
-    held_x, _ = held_crops.batch(64)
 
     if args.vae_from:
         vae, vae_log = reuse_vae(Path(args.vae_from), held_x)
