@@ -11,6 +11,7 @@ from pathlib import Path
 
 from app.fidelity import POLICIES
 from app.settings import Settings
+from app.validation import InvalidParameter
 
 log = logging.getLogger("stencil")
 
@@ -317,7 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in {"gpu-worker", "cpu-worker", "stock-worker", "demo"}:
         _limit_threads()
     args.log_level = args.log_level.upper()
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except InvalidParameter as exc:  # a user's mistake: one line, no traceback
+        sys.stderr.write(f"stencil {args.command}: {exc}\n")
+        return 2
 
 
 if __name__ == "__main__":

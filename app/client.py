@@ -24,12 +24,12 @@ import redis
 from PIL import Image
 
 from app.blobs import BlobStore
-from app.fidelity import check_policy
 from app.jobs import JobParams, JobRecord, JobStatus, JobStore, new_job_id
 from app.keys import TEMPLATE_PREFIX, UPLOAD_PREFIX, template_key
 from app.masks import mask_from_array
 from app.settings import Settings
 from app.storage import ObjectStore, open_store
+from app.validation import InvalidParameter, object_id
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,7 @@ class StencilClient:
         data = _image_bytes(image, mask=False)
         if template_id is None:
             return self._store_once(content_id(data, TEMPLATE_PREFIX), data)
+        template_id = object_id("template id", template_id)
         self.store.put(template_key(template_id), data)
         return template_id
 
@@ -158,15 +159,16 @@ class StencilClient:
         ``keep_unmasked`` pastes the template back outside the mask (exact template pixels there);
         off, the result is what ``StableDiffusionInpaintPipeline`` returns.
 
-        ``deadline`` is absolute (epoch seconds). Parameters are validated by the service: bad
-        values give a ``failed`` job with a reason, not an exception here.
+        ``deadline`` is absolute (epoch seconds). Malformed or out-of-range parameters raise
+        ``InvalidParameter`` (a ``ValueError`` naming the parameter) before anything is stored;
+        what only the service can judge (image contents, an unknown template) gives a ``failed``
+        job with a reason.
         """
-        params = JobParams(prompt=prompt, negative_prompt=negative_prompt, steps=int(steps),
-                           guidance=float(guidance), strength=float(strength), seed=int(seed),
-                           priority=int(priority), deadline=deadline,
+        params = JobParams(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
+                           strength=strength, seed=seed, priority=priority, deadline=deadline,
                            template_id=template if isinstance(template, str) else "",
-                           width=width, height=height, keep_unmasked=bool(keep_unmasked),
-                           fidelity=check_policy(fidelity))
+                           width=width, height=height, keep_unmasked=keep_unmasked,
+                           fidelity=fidelity).check(self.settings.max_steps)
         job_id = new_job_id()
         if idempotency_key:
             existing = self.redis.get("stencil:idem:" + idempotency_key)
@@ -194,9 +196,8 @@ class StencilClient:
         with exactly those take the exact path (equal to the stock pipeline within 1/255).
         """
         params = JobParams(kind="warm", template_id=template_id, prompt=prompt, negative_prompt=negative_prompt,
-                           steps=int(steps),
-                           guidance=float(guidance), strength=float(strength), seed=int(seed),
-                           priority=priority, width=width, height=height)
+                           steps=steps, guidance=guidance, strength=strength, seed=seed, priority=priority,
+                           width=width, height=height).check(self.settings.max_steps)
         job_id = new_job_id()
         if mask is not None:
             self.blobs.put(job_id, "mask", _image_bytes(mask, mask=True))
@@ -216,3 +217,6 @@ class StencilClient:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             out.append(handle.wait(remaining))
         return out
+
+
+__all__ = ["InvalidParameter", "JobFailed", "JobHandle", "StencilClient", "content_id"]

@@ -8,8 +8,10 @@ under at-least-once delivery.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,7 +19,9 @@ from typing import Any
 
 import redis
 
+from app.blobs import BLOB_PREFIX
 from app.fidelity import check_policy
+from app.validation import MAX_GUIDANCE, MAX_PRIORITY, MAX_SEED, InvalidParameter, integer, number, object_id, text
 
 JOB_PREFIX = "stencil:job:"
 IDEMPOTENCY_PREFIX = "stencil:idem:"
@@ -122,29 +126,41 @@ class JobParams:
 
     def validate(self, max_steps: int) -> str | None:
         """The reason the parameters are unusable, or None."""
-        if self.kind not in ("edit", "warm"):
-            return f"kind must be edit or warm (got {self.kind!r})"
-        if self.kind == "warm" and not self.template_id:
-            return "a warm-up needs a stored template id"
-        if self.steps <= 0:
-            return f"steps must be > 0 (got {self.steps})"
-        if self.steps > max_steps:
-            return f"steps must be <= {max_steps} (got {self.steps})"
-        if not 0.0 < self.strength <= 1.0:
-            return f"strength must be in (0, 1] (got {self.strength})"
-        if self.guidance < 0:
-            return f"guidance must be >= 0 (got {self.guidance})"
-        if not 0 <= self.seed < 2**63:
-            return f"seed must be in [0, 2**63) (got {self.seed})"
         try:
-            check_policy(self.fidelity)
+            self.check(max_steps)
         except ValueError as exc:
             return str(exc)
+        return None
+
+    def check(self, max_steps: int) -> "JobParams":
+        """These parameters typed and normalised (``app/validation.py``); raises
+        ``InvalidParameter`` naming the first unusable one."""
+        if self.kind not in ("edit", "warm"):
+            raise InvalidParameter("kind", f"must be edit or warm, got {self.kind!r}")
+        if self.kind == "warm" and not self.template_id:
+            raise InvalidParameter("template", "a warm-up needs a stored template id")
+        try:
+            fidelity = check_policy(self.fidelity)
+        except ValueError:
+            raise InvalidParameter("fidelity", "must be one of exact, balanced, fast (or empty)") from None
+        size = {}
         for name in ("width", "height"):
             value = getattr(self, name)
-            if value is not None and (value <= 0 or value % 8):
-                return f"{name} must be a positive multiple of 8 (got {value})"
-        return None
+            if value is not None:
+                size[name] = integer(name, value, 8, 8192)
+                if size[name] % 8:
+                    raise InvalidParameter(name, f"must be a multiple of 8, got {value}")
+        return dataclasses.replace(
+            self,
+            template_id=object_id("template", self.template_id) if self.template_id else "",
+            steps=integer("steps", self.steps, 1, max_steps),
+            strength=number("strength", self.strength, 0.0, 1.0, lo_open=True),
+            guidance=number("guidance", self.guidance, 0.0, MAX_GUIDANCE),
+            seed=integer("seed", self.seed, 0, MAX_SEED),
+            priority=integer("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY),
+            prompt=text("prompt", self.prompt), negative_prompt=text("negative_prompt", self.negative_prompt),
+            deadline=None if self.deadline is None else number("deadline", self.deadline, 0.0, 1e11),
+            keep_unmasked=bool(self.keep_unmasked), fidelity=fidelity, **size)
 
 
 @dataclass
@@ -264,6 +280,8 @@ class JobStore:
         for name, value in fields.items():
             argv += [name, "" if value is None else str(value)]
         applied = bool(self._transition(keys=[self.key(job_id)], args=argv))
+        if applied and status in (JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED):
+            self._drop_payloads(job_id)  # nobody will read them again: do not keep uploads for their TTL
         if applied and status.terminal:
             from app import metrics
 
@@ -273,7 +291,13 @@ class JobStore:
         return applied
 
     def fail(self, job_id: str, reason: str) -> bool:
-        return self.transition(job_id, JobStatus.FAILED, error=reason)
+        """Fail a job with a reason a user may read (``clean_reason``: no paths, no object reprs)."""
+        return self.transition(job_id, JobStatus.FAILED, error=clean_reason(reason))
+
+    def _drop_payloads(self, job_id: str) -> None:
+        keys = list(self.r.scan_iter(match=f"{BLOB_PREFIX}{job_id}:*", count=100))
+        if keys:
+            self.r.delete(*keys)
 
     def update(self, job_id: str, **fields: object) -> None:
         """Write informational fields (no status change)."""
@@ -288,6 +312,19 @@ class JobStore:
     def cancel(self, job_id: str) -> bool:
         """Request cancellation; a queued job stops at once, a denoising one at its next step."""
         return self.transition(job_id, JobStatus.CANCELLED, error="cancelled by user")
+
+
+_OBJECT_REPR = re.compile(r"<[^<>]*? at 0x[0-9a-fA-F]+>")
+_ABS_PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]*")
+MAX_REASON_CHARS = 300
+
+
+def clean_reason(reason: str) -> str:
+    """A failure reason fit for users: object reprs and absolute paths (server internals)
+    replaced, length bounded. Workers log the full error; the record gets this."""
+    out = _OBJECT_REPR.sub("<object>", reason)
+    out = _ABS_PATH.sub("<path>", out)
+    return out if len(out) <= MAX_REASON_CHARS else out[:MAX_REASON_CHARS - 3] + "..."
 
 
 def _s(value: object) -> str:

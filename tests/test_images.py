@@ -27,7 +27,7 @@ def test_decode_ok() -> None:
     (b"", "is empty"),
     (b"garbage", "could not be decoded"),
     (png()[:40], "could not be decoded"),
-    (png((200, 200)), "over the limit"),
+    (png((200, 200)), "over STENCIL_MAX_IMAGE_PIXELS"),
 ])
 def test_decode_rejects(data: bytes, reason: str) -> None:
     with pytest.raises(InvalidInput, match=reason):

@@ -58,8 +58,8 @@ def test_expect_guards_against_moving_backwards(store: JobStore) -> None:
 
 
 @pytest.mark.parametrize("params, reason", [
-    (JobParams(steps=0), "steps must be > 0"),
-    (JobParams(steps=500), "steps must be <="),
+    (JobParams(steps=0), "steps: must be between 1 and 200, got 0"),
+    (JobParams(steps=500), "steps: must be between 1 and 200, got 500"),
     (JobParams(strength=0.0), "strength"),
     (JobParams(guidance=-1), "guidance"),
     (JobParams(width=100, height=64), "multiple of 8"),

@@ -68,6 +68,9 @@ def test_cache_hits_misses_and_bytes_are_per_tier(reg: CollectorRegistry) -> Non
 
 @pytest.mark.parametrize("reason, cls", [
     ("steps must be > 0 (got 0)", "invalid_params"),
+    ("steps: must be an integer, got 'ten'", "invalid_params"),
+    ("template: must be at most 128 characters, got 5000", "invalid_params"),
+    ("image is 9000x9000 = 81000000 pixels, over STENCIL_MAX_IMAGE_PIXELS = 16777216", "invalid_image"),
     ("strength must be in (0, 1] (got 2.0)", "invalid_params"),
     ("template image could not be decoded (UnidentifiedImageError: x)", "invalid_image"),
     ("mask size 64x64 does not match image size 128x128", "invalid_image"),

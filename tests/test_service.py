@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from app.client import JobFailed, StencilClient
+from app.client import InvalidParameter, JobFailed, StencilClient
 from app.embedded import EmbeddedStack
 from app.jobs import JobStatus
 from app.maskgen import make_mask
@@ -134,7 +134,6 @@ def test_bad_input_fails_with_reason_and_others_complete(stack: EmbeddedStack, c
         "truncated image": client.submit(template=png[: len(png) // 2], mask=good_mask, steps=5),
         "mask of the wrong size": client.submit(template=template(3), mask=np.ones((64, 64), bool), steps=5),
         "unknown template": client.submit(template="no-such-template", mask=good_mask, steps=5),
-        "steps <= 0": client.submit(template=template(3), mask=good_mask, steps=0),
         "image over the pixel limit": client.submit(template=template(3, size=512), mask=np.ones((512, 512), bool),
                                                     steps=5),
     }
@@ -143,9 +142,10 @@ def test_bad_input_fails_with_reason_and_others_complete(stack: EmbeddedStack, c
         "truncated image": "could not be decoded",
         "mask of the wrong size": "does not match image size",
         "unknown template": "unknown template",
-        "steps <= 0": "steps must be > 0",
-        "image over the pixel limit": "over the limit",
+        "image over the pixel limit": "over STENCIL_MAX_IMAGE_PIXELS",
     }
+    with pytest.raises(InvalidParameter, match="steps"):  # refused before anything is stored
+        client.submit(template=template(3), mask=good_mask, steps=0)
     for what, handle in bad.items():
         rec = handle.wait(60)
         assert rec.status == JobStatus.FAILED, f"{what}: {rec.status}"

@@ -29,6 +29,7 @@ from app.fidelity import expected_ssim, policy_schedule
 from app.jobs import JobParams, JobStatus
 from app.keys import UPLOAD_PREFIX, result_key, template_key
 from app.storage import ObjectNotFound, StoreUnavailable
+from app.validation import InvalidParameter, object_id
 from workers import context as ctx
 from workers.images import InvalidInput, decode_image, encode_png, target_size, to_mask, to_rgb
 from workers.tensors import pack, unpack
@@ -72,6 +73,10 @@ def _load_template(job_id: str, template_id: str) -> bytes:
     s = ctx.settings()
     if template_id:
         try:
+            template_id = object_id("template", template_id)
+        except InvalidParameter as exc:
+            raise InvalidInput(str(exc)) from exc
+        try:
             return ctx.object_store().get(template_key(template_id))
         except (ObjectNotFound, ValueError) as exc:
             raise InvalidInput(f"unknown template {template_id!r}") from exc
@@ -79,14 +84,19 @@ def _load_template(job_id: str, template_id: str) -> bytes:
     if data is None:
         raise InvalidInput("the uploaded template image is missing (expired or never uploaded)")
     if len(data) > s.max_upload_bytes:
-        raise InvalidInput(f"template image is {len(data)} bytes, over the limit of {s.max_upload_bytes}")
+        raise InvalidInput(f"template image is {len(data)} bytes, over STENCIL_MAX_UPLOAD_BYTES = {s.max_upload_bytes}")
     return data
 
 
 def _decode_inputs(job_id: str, template_id: str, *, warm: bool) -> tuple[Image.Image, Image.Image]:
     s = ctx.settings()
-    image = to_rgb(decode_image(_load_template(job_id, template_id), what="template image",
-                                max_pixels=s.max_image_pixels, max_bytes=s.max_upload_bytes))
+    try:
+        image = to_rgb(decode_image(_load_template(job_id, template_id), what="template image",
+                                    max_pixels=s.max_image_pixels, max_bytes=s.max_upload_bytes))
+    except InvalidInput:
+        if template_id.startswith(UPLOAD_PREFIX):  # bytes nobody can use: do not keep them stored
+            ctx.object_store().delete(template_key(template_id))
+        raise
     mask_bytes = ctx.blobs().get(job_id, "mask")
     if mask_bytes is None and warm:
         return image, Image.new("L", image.size, 0)  # a warm-up sees the whole template

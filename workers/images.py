@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import warnings
 
-from PIL import Image
+from PIL import Image, ImageOps
 
 from app.masks import InvalidInput
 
@@ -13,29 +13,41 @@ ALLOWED_FORMATS = {"PNG", "JPEG", "WEBP", "BMP", "TIFF", "GIF"}
 
 
 def decode_image(data: bytes, *, what: str, max_pixels: int, max_bytes: int) -> Image.Image:
-    """Decode image bytes fully (so truncation is detected here, not in a later stage)."""
+    """Decode image bytes fully (so truncation is detected here, not in a later stage) and turn
+    the image upright as its EXIF orientation says (as every viewer shows a phone photo; a mask
+    drawn on the upright view must land on the same pixels). Errors name the limit's setting and
+    never quote library internals (object reprs, paths)."""
     if not data:
         raise InvalidInput(f"{what} is empty")
     if len(data) > max_bytes:
-        raise InvalidInput(f"{what} is {len(data)} bytes, over the limit of {max_bytes}")
+        raise InvalidInput(f"{what} is {len(data)} bytes, over STENCIL_MAX_UPLOAD_BYTES = {max_bytes}")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data))
             if img.format not in ALLOWED_FORMATS:
-                raise InvalidInput(f"{what} has unsupported format {img.format}")
+                raise InvalidInput(f"{what} has unsupported format {img.format or 'unknown'} "
+                                   f"(accepted: {', '.join(sorted(ALLOWED_FORMATS))})")
             width, height = img.size
             if width * height > max_pixels:
-                raise InvalidInput(
-                    f"{what} is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}")
+                raise InvalidInput(f"{what} is {width}x{height} = {width * height} pixels, over "
+                                   f"STENCIL_MAX_IMAGE_PIXELS = {max_pixels}")
             img.load()
     except InvalidInput:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise InvalidInput(f"{what} is too large: {exc}") from exc
+        raise InvalidInput(f"{what} is too large (over STENCIL_MAX_IMAGE_PIXELS = {max_pixels} pixels)") from exc
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError... on corrupt data
-        raise InvalidInput(f"{what} could not be decoded ({type(exc).__name__}: {exc})") from exc
-    return img
+        raise InvalidInput(f"{what} could not be decoded as an image ({type(exc).__name__})") from exc
+    return _upright(img)
+
+
+def _upright(img: Image.Image) -> Image.Image:
+    """``ImageOps.exif_transpose``; an image whose EXIF block is itself broken stays as stored."""
+    try:
+        return ImageOps.exif_transpose(img) or img
+    except Exception:  # corrupt EXIF must not fail an otherwise valid image
+        return img
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
