@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from app.fidelity import POLICIES
+from app.secrets import InsecureConfiguration, check_basic_auth, check_secrets
 from app.settings import Settings
 from app.validation import InvalidParameter
 
@@ -106,7 +107,8 @@ def cmd_gpu_worker(args: argparse.Namespace) -> int:
     from app.celery_app import app, gpu_queue
     from app.metrics import start_metrics_server
 
-    start_metrics_server(settings.metrics_port)
+    check_secrets()
+    start_metrics_server(settings.metrics_port, settings.metrics_address)
 
     app.worker_main(_worker_argv(gpu_queue(args.worker_id), "threads", concurrency,
                                  f"gpu{args.worker_id}", args.log_level))
@@ -118,7 +120,9 @@ def cmd_cpu_worker(args: argparse.Namespace) -> int:
     from app.celery_app import CPU_QUEUE, app
     from app.metrics import start_metrics_server
 
-    start_metrics_server(Settings.from_env().metrics_port)
+    check_secrets()
+    settings = Settings.from_env()
+    start_metrics_server(settings.metrics_port, settings.metrics_address)
 
     app.worker_main(_worker_argv(CPU_QUEUE, args.pool, args.concurrency, args.name, args.log_level))
     return 0
@@ -129,8 +133,9 @@ def cmd_dispatcher(args: argparse.Namespace) -> int:
     from app.dispatcher import Dispatcher
     from app.metrics import default_queues, register_queue_collector, start_metrics_server
 
+    check_secrets()
     settings = Settings.from_env()
-    start_metrics_server(settings.metrics_port)
+    start_metrics_server(settings.metrics_port, settings.metrics_address)
     register_queue_collector(settings.redis_url, lambda: default_queues(settings))
     _run_until_sigterm(Dispatcher(settings, app).run)
     return 0
@@ -163,8 +168,23 @@ def cmd_stock_router(args: argparse.Namespace) -> int:
 
 
 def cmd_flower(args: argparse.Namespace) -> int:
+    """Flower with credentials, or (``--no-auth``, explicitly) without them on loopback only."""
+    check_secrets(flower=True)
+    if args.no_auth:
+        if args.basic_auth:
+            raise InsecureConfiguration("--no-auth and --basic-auth (or FLOWER_BASIC_AUTH) together")
+        address = args.address or "127.0.0.1"
+        if address not in ("127.0.0.1", "localhost", "::1"):
+            raise InsecureConfiguration("--no-auth serves Flower without a password: loopback only, "
+                                        f"not --address {address}")
+    else:
+        if not args.basic_auth:
+            raise InsecureConfiguration("Flower needs credentials: --basic-auth user:password or "
+                                        "FLOWER_BASIC_AUTH (or --no-auth to serve it on 127.0.0.1 only)")
+        check_basic_auth(args.basic_auth)
+        address = args.address or "127.0.0.1"
     argv = [sys.executable, "-m", "celery", "-A", "app.celery_app:app", "flower", f"--port={args.port}",
-            f"--address={args.address}", "--persistent=True", f"--db={args.db}", "--max_tasks=10000"]
+            f"--address={address}", "--persistent=True", f"--db={args.db}", "--max_tasks=10000"]
     if args.basic_auth:
         argv.append(f"--basic-auth={args.basic_auth}")
     os.execv(sys.executable, argv)
@@ -277,8 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("flower", help="start Flower (Celery monitoring) for this app")
     s.add_argument("--port", type=int, default=5555)
-    s.add_argument("--address", default="0.0.0.0")
+    s.add_argument("--address", default="", help="listen address (default 127.0.0.1; 0.0.0.0 needs --basic-auth)")
     s.add_argument("--basic-auth", default=os.environ.get("FLOWER_BASIC_AUTH", ""))
+    s.add_argument("--no-auth", action="store_true", help="serve without credentials, on loopback only")
     s.add_argument("--db", default=os.environ.get("FLOWER_DB", "flower.db"))
     s.set_defaults(func=cmd_flower)
 

@@ -251,7 +251,7 @@ def metrics_port_from_env() -> int:
     return int(os.environ.get(METRICS_PORT_ENV, "0") or 0)
 
 
-def start_metrics_server(port: int, addr: str = "0.0.0.0",
+def start_metrics_server(port: int, addr: str = "127.0.0.1",
                          registry: CollectorRegistry | None = None) -> int:
     """Serve ``/metrics`` on ``port`` from a daemon thread; 0 = disabled. Once per process.
 

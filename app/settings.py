@@ -115,6 +115,9 @@ class Settings:
 
     # Prometheus metrics HTTP port of this process (0 = off). Processes on one host need their own.
     metrics_port: int = 0
+    # Where /metrics listens: loopback unless configured (containers set 0.0.0.0 on their own
+    # network, with the port not published to the host).
+    metrics_address: str = "127.0.0.1"
 
     # Celery broker: must exceed the longest job (DESIGN.md section 4).
     visibility_timeout: int = 3600
