@@ -24,7 +24,7 @@ import redis
 from PIL import Image
 
 from app.blobs import BlobStore
-from app.jobs import JobParams, JobRecord, JobStatus, JobStore, new_job_id
+from app.jobs import IDEMPOTENCY_PREFIX, JobParams, JobRecord, JobStatus, JobStore, new_job_id
 from app.keys import TEMPLATE_PREFIX, UPLOAD_PREFIX, template_key
 from app.masks import mask_from_array
 from app.settings import Settings
@@ -170,9 +170,9 @@ class StencilClient:
                            width=width, height=height, keep_unmasked=keep_unmasked,
                            fidelity=fidelity).check(self.settings.max_steps)
         job_id = new_job_id()
-        if idempotency_key:
-            existing = self.redis.get("stencil:idem:" + idempotency_key)
-            if existing is not None:
+        if idempotency_key:  # a retry of an accepted submission: nothing to upload again
+            existing = self.redis.get(IDEMPOTENCY_PREFIX + idempotency_key)
+            if existing is not None and self.jobs.get(existing.decode()) is not None:
                 return JobHandle(self, existing.decode(), created=False)
         # Payloads first, then the record: the dispatcher never sees a job without its inputs.
         if not isinstance(template, str):

@@ -52,6 +52,25 @@ PARAM_FIELDS = (
     "priority", "deadline", "width", "height", "keep_unmasked", "fidelity",
 )
 
+# Atomic submission. KEYS[1] = idempotency key ("" = none), KEYS[2] = the new job's hash,
+# KEYS[3] = intake stream. ARGV: job id, job key prefix, ttl, then field/value pairs. With a key
+# already naming a job whose record exists, returns that job's id and writes nothing; otherwise
+# (no key, a new key, or a key left pointing at a record that was never written or has expired)
+# writes key, record and stream entry together and returns the new id.
+_CREATE_LUA = """
+if KEYS[1] ~= '' then
+  local existing = redis.call('GET', KEYS[1])
+  if existing and redis.call('EXISTS', ARGV[2] .. existing) == 1 then return existing end
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[3]))
+end
+local fields = {}
+for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[2], unpack(fields))
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[3]))
+redis.call('XADD', KEYS[3], '*', 'job_id', ARGV[1])
+return ARGV[1]
+"""
+
 # KEYS[1] = job hash. ARGV: new status, now, ttl, expected current statuses (",a,b," or ""),
 # then field/value pairs. Returns 1 if applied, 0 if the job is terminal, missing or not in an
 # expected status.
@@ -210,6 +229,7 @@ class JobStore:
         self.ttl = ttl_seconds
         self.intake_stream = intake_stream
         self._transition = self.r.register_script(_TRANSITION_LUA)
+        self._create = self.r.register_script(_CREATE_LUA)
 
     @staticmethod
     def key(job_id: str) -> str:
@@ -224,12 +244,6 @@ class JobStore:
         finds it.
         """
         job_id = job_id or new_job_id()
-        if idempotency_key:
-            idem = IDEMPOTENCY_PREFIX + idempotency_key
-            if not self.r.set(idem, job_id, nx=True, ex=self.ttl):
-                existing = self.r.get(idem)
-                if existing is not None:
-                    return existing.decode() if isinstance(existing, bytes) else str(existing), False
         now = time.time()
         mapping = params.to_fields()
         mapping.update(extra or {})
@@ -241,12 +255,13 @@ class JobStore:
             "progress_step": "0",
             "progress_total": str(params.steps),
         })
-        pipe = self.r.pipeline()
-        pipe.hset(self.key(job_id), mapping=mapping)
-        pipe.expire(self.key(job_id), self.ttl)
-        pipe.xadd(self.intake_stream, {"job_id": job_id})
-        pipe.execute()
-        return job_id, True
+        idem = IDEMPOTENCY_PREFIX + idempotency_key if idempotency_key else ""
+        args: list[str] = [job_id, JOB_PREFIX, str(self.ttl)]
+        for name, value in mapping.items():
+            args += [name, value]
+        got = self._create(keys=[idem, self.key(job_id), self.intake_stream], args=args)
+        got = got.decode() if isinstance(got, bytes) else str(got)
+        return got, got == job_id
 
     def get(self, job_id: str) -> JobRecord | None:
         raw = self.r.hgetall(self.key(job_id))

@@ -120,3 +120,37 @@ def test_params_round_trip_through_record_fields() -> None:
     plain = JobParams(prompt="x")
     assert JobParams.from_fields(plain.to_fields()) == plain
     assert JobParams.from_fields(plain.to_fields()).keep_unmasked is False
+
+
+def test_submission_is_atomic_a_key_without_its_record_does_not_swallow_the_retry(store: JobStore) -> None:
+    """A connection that dropped after the idempotency key was stored but before the record was
+    written (the old two-step submission) left the key pointing at nothing: the retry returned
+    that id with created=False and the job was lost. Key, record and stream entry are now one
+    script; a key pointing at no record is taken over by the retry."""
+    from app.jobs import IDEMPOTENCY_PREFIX
+
+    store.r.set(IDEMPOTENCY_PREFIX + "order-1", "ghost-job-id", ex=60)  # what the drop left
+    job_id, created = store.create(JobParams(steps=5), idempotency_key="order-1")
+    assert created and job_id != "ghost-job-id" and store.get(job_id) is not None
+    again, created_again = store.create(JobParams(steps=5), idempotency_key="order-1")
+    assert (again, created_again) == (job_id, False)
+    entries = [e for _id, e in store.r.xrange(store.intake_stream)]
+    assert sum(1 for e in entries if e[b"job_id"].decode() == job_id) == 1
+
+
+def test_concurrent_submissions_with_one_key_create_one_job(store: JobStore) -> None:
+    import threading
+
+    results: list[tuple[str, bool]] = []
+    barrier = threading.Barrier(8)
+
+    def go() -> None:
+        barrier.wait()
+        results.append(store.create(JobParams(steps=5), idempotency_key="order-2"))
+
+    threads = [threading.Thread(target=go) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(created for _id, created in results) == 1 and len({i for i, _c in results}) == 1
