@@ -37,6 +37,7 @@ from app.costmodel import CostModel, UNetArch, find_model, min_service_seconds, 
 from app.jobs import JobRecord, JobStatus, JobStore
 from app.routing import JobDemand, JobLoad, RoutingPolicy, WorkerState, WorkerView, make_router
 from app.settings import Settings
+from app.sweeper import Sweeper
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +229,9 @@ class Dispatcher:
         self.consumer = consumer or socket.gethostname()
         self.stream = settings.intake_stream
         self.group = settings.intake_group
+        self.sweeper = Sweeper(self.r, self.jobs, self.send_chain, worker_ids=settings.gpu_worker_ids,
+                               stall_timeout_s=settings.stall_timeout_s, max_redrives=settings.max_redrives,
+                               worker_stale_s=settings.worker_stale_seconds)
 
     def ensure_group(self) -> None:
         try:
@@ -317,16 +321,19 @@ class Dispatcher:
         start = time.perf_counter()
         worker = self.router.choose(demand, view)
         self.decisions.add(time.perf_counter() - start)
-        # Signatures by task name on this dispatcher's app: no worker code (or torch) is imported.
-        signature = chain(
-            self.celery.signature("stencil.prepare", args=(job_id,), immutable=True, queue=CPU_QUEUE),
-            self.celery.signature("stencil.denoise", queue=gpu_queue(worker)),
-            self.celery.signature("stencil.finalize", queue=CPU_QUEUE),
-        )
-        signature.apply_async()
+        self.send_chain(job_id, worker)
         if self.jobs.transition(job_id, JobStatus.ROUTED, expect=(JobStatus.QUEUED,), worker=gpu_queue(worker)):
             self.view.assign(worker, demand)
         return f"routed to {gpu_queue(worker)}"
+
+    def send_chain(self, job_id: str, worker: str) -> None:
+        """prepare [cpu] -> denoise [gpu.<worker>] -> finalize [cpu]. Signatures by task name on
+        this dispatcher's app: no worker code (or torch) is imported."""
+        chain(
+            self.celery.signature("stencil.prepare", args=(job_id,), immutable=True, queue=CPU_QUEUE),
+            self.celery.signature("stencil.denoise", queue=gpu_queue(worker)),
+            self.celery.signature("stencil.finalize", queue=CPU_QUEUE),
+        ).apply_async()
 
     def _handle(self, entries: list) -> None:
         for entry_id, fields in entries:
@@ -360,21 +367,39 @@ class Dispatcher:
         self._handle(retry)
 
     def run(self, stop: threading.Event | None = None, block_ms: int = 1000) -> None:
+        """Route until ``stop``; survives Redis outages (reconnects with capped exponential backoff)."""
         stop = stop or threading.Event()
-        self.ensure_group()
         log.info("dispatcher %s routing %s with policy %s (cost model: %s)", self.consumer, self.s.gpu_worker_ids,
                  getattr(self.router, "name", type(self.router).__name__),
                  f"{self.cost_model.model_id}/{self.cost_model.device_kind}" if self.cost_model else "none")
-        # Entries this consumer read but never acknowledged before a restart.
+        backoff = 0.0
+        while not stop.is_set():
+            try:
+                self._serve(stop, block_ms)
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+                backoff = min(5.0, max(0.1, backoff * 2))
+                log.warning("redis unavailable (%s); retrying in %.1f s", type(exc).__name__, backoff)
+                stop.wait(backoff)
+                continue
+            backoff = 0.0
+
+    def _serve(self, stop: threading.Event, block_ms: int) -> None:
+        self.ensure_group()
+        # Entries this consumer read but never acknowledged before a restart (or an outage).
         for _stream, entries in self.r.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=1000) or []:
             self._handle(entries)
-        last_claim = -float("inf")
+        last_claim = last_sweep = -float("inf")
         last_stats = time.monotonic()
         while not stop.is_set():
             self.r.set(HEARTBEAT_KEY, repr(time.time()), ex=30)
             if time.monotonic() - last_claim > 5.0:
                 last_claim = time.monotonic()
                 self._reclaim()
+            if time.monotonic() - last_sweep > self.s.sweep_interval_s:
+                last_sweep = time.monotonic()
+                counts = self.sweeper.sweep(self.consumer)
+                if counts["redriven"] or counts["failed"]:
+                    log.info("sweep: %s", counts)
             if time.monotonic() - last_stats > 60.0 and self.decisions.samples:
                 last_stats = time.monotonic()
                 log.info("routing decisions: p50 %.3f ms, p99 %.3f ms over %d", self.decisions.quantile(0.5) * 1e3,

@@ -33,30 +33,42 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """A private ``redis-server`` (no persistence) for one stack or test session."""
+    """A private ``redis-server`` for one stack or test session (``appendonly``: with an
+    append-only file, so a restart keeps every job, as a deployment's Redis does)."""
 
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
+    def __init__(self, workdir: Path, port: int | None = None, appendonly: bool = False) -> None:
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
             raise RuntimeError("redis-server not found: install it (Debian: apt-get install -y redis-server)")
         self.port = port or free_port()
         self.workdir = workdir
+        self.appendonly = appendonly
         workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._start()
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes" if self.appendonly else "no", "--dir", str(self.workdir),
+             "--logfile", str(self.workdir / "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + 10
         while True:
             try:
                 client.ping()
                 break
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.BusyLoadingError):
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"redis-server did not start on port {self.port}") from None
                 time.sleep(0.05)
+
+    def restart(self, pause_s: float = 0.0) -> None:
+        """Stop (flushing the append-only file), stay down ``pause_s``, start on the same port."""
+        self.stop()
+        time.sleep(pause_s)
+        self._start()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -83,13 +95,13 @@ class EmbeddedStack:
     @classmethod
     def start(cls, workdir: Path | None = None, *, gpu_workers: int = 1, cpu_concurrency: int = 1,
               dispatcher: bool = True, stock: bool = False, worker_env: dict[str, str] | None = None,
-              metrics: bool = False, **overrides: object) -> "EmbeddedStack":
+              metrics: bool = False, redis_appendonly: bool = False, **overrides: object) -> "EmbeddedStack":
         """Start the stack. ``stock=True`` starts the stock-diffusers baseline instead of Stencil
         (round-robin router + plain pipeline workers), for side-by-side benchmarks."""
         owns = workdir is None
         workdir = Path(workdir or tempfile.mkdtemp(prefix="stencil-"))
         workdir.mkdir(parents=True, exist_ok=True)
-        server = RedisServer(workdir / "redis")
+        server = RedisServer(workdir / "redis", appendonly=redis_appendonly)
         ids = ",".join(str(i) for i in range(gpu_workers))
         values: dict[str, object] = {"home": Path(os.environ.get("STENCIL_HOME", workdir / "home")),
                                      "store_dir": workdir / "store", "gpu_workers": ids,

@@ -25,6 +25,7 @@ from app.validation import MAX_GUIDANCE, MAX_PRIORITY, MAX_SEED, InvalidParamete
 
 JOB_PREFIX = "stencil:job:"
 IDEMPOTENCY_PREFIX = "stencil:idem:"
+LIVE_KEY = "stencil:jobs:live"  # sorted set of non-terminal job ids (the sweeper's work list)
 
 
 class JobStatus(str, enum.Enum):
@@ -53,7 +54,8 @@ PARAM_FIELDS = (
 )
 
 # Atomic submission. KEYS[1] = idempotency key ("" = none), KEYS[2] = the new job's hash,
-# KEYS[3] = intake stream. ARGV: job id, job key prefix, ttl, then field/value pairs. With a key
+# KEYS[3] = intake stream, KEYS[4] = the live-job set (scored by submission time). ARGV: job id,
+# job key prefix, ttl, now, then field/value pairs. With a key
 # already naming a job whose record exists, returns that job's id and writes nothing; otherwise
 # (no key, a new key, or a key left pointing at a record that was never written or has expired)
 # writes key, record and stream entry together and returns the new id.
@@ -64,16 +66,17 @@ if KEYS[1] ~= '' then
   redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[3]))
 end
 local fields = {}
-for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[2], unpack(fields))
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[3]))
 redis.call('XADD', KEYS[3], '*', 'job_id', ARGV[1])
+redis.call('ZADD', KEYS[4], tonumber(ARGV[4]), ARGV[1])
 return ARGV[1]
 """
 
-# KEYS[1] = job hash. ARGV: new status, now, ttl, expected current statuses (",a,b," or ""),
-# then field/value pairs. Returns 1 if applied, 0 if the job is terminal, missing or not in an
-# expected status.
+# KEYS[1] = job hash, KEYS[2] = the live-job set. ARGV: new status, now, ttl, expected current
+# statuses (",a,b," or ""), job id, then field/value pairs. Returns 1 if applied, 0 if the job is
+# terminal, missing or not in an expected status. A terminal job leaves the live set.
 _TRANSITION_LUA = """
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return 0 end
@@ -81,11 +84,12 @@ if cur == 'done' or cur == 'failed' or cur == 'cancelled' or cur == 'expired' th
 if ARGV[4] ~= '' and not string.find(ARGV[4], ',' .. cur .. ',', 1, true) then return 0 end
 local new = ARGV[1]
 redis.call('HSET', KEYS[1], 'status', new, 'ts_' .. new, ARGV[2])
-for i = 5, #ARGV, 2 do
+for i = 6, #ARGV, 2 do
   redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
 end
 if new == 'done' or new == 'failed' or new == 'cancelled' or new == 'expired' then
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
+  redis.call('ZREM', KEYS[2], ARGV[5])
 end
 return 1
 """
@@ -256,10 +260,10 @@ class JobStore:
             "progress_total": str(params.steps),
         })
         idem = IDEMPOTENCY_PREFIX + idempotency_key if idempotency_key else ""
-        args: list[str] = [job_id, JOB_PREFIX, str(self.ttl)]
+        args: list[str] = [job_id, JOB_PREFIX, str(self.ttl), repr(now)]
         for name, value in mapping.items():
             args += [name, value]
-        got = self._create(keys=[idem, self.key(job_id), self.intake_stream], args=args)
+        got = self._create(keys=[idem, self.key(job_id), self.intake_stream, LIVE_KEY], args=args)
         got = got.decode() if isinstance(got, bytes) else str(got)
         return got, got == job_id
 
@@ -291,10 +295,10 @@ class JobStore:
         backwards). Returns False when nothing changed.
         """
         expected = "," + ",".join(s.value for s in expect) + "," if expect else ""
-        argv: list[str] = [status.value, repr(time.time()), str(self.ttl), expected]
+        argv: list[str] = [status.value, repr(time.time()), str(self.ttl), expected, job_id]
         for name, value in fields.items():
             argv += [name, "" if value is None else str(value)]
-        applied = bool(self._transition(keys=[self.key(job_id)], args=argv))
+        applied = bool(self._transition(keys=[self.key(job_id), LIVE_KEY], args=argv))
         if applied and status in (JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED):
             self._drop_payloads(job_id)  # nobody will read them again: do not keep uploads for their TTL
         if applied and status.terminal:
@@ -320,8 +324,9 @@ class JobStore:
 
     def set_progress_many(self, progress: dict[str, tuple[int, int]]) -> None:
         pipe = self.r.pipeline(transaction=False)
+        now = repr(time.time())
         for job_id, (step, total) in progress.items():
-            pipe.hset(self.key(job_id), mapping={"progress_step": step, "progress_total": total})
+            pipe.hset(self.key(job_id), mapping={"progress_step": step, "progress_total": total, "ts_progress": now})
         pipe.execute()
 
     def cancel(self, job_id: str) -> bool:

@@ -15,3 +15,6 @@ def result_key(job_id: str) -> str:
 # added with ``add_template``.
 UPLOAD_PREFIX = "upload-"
 TEMPLATE_PREFIX = "tpl-"
+
+# A GPU worker's lease on denoising a job (renewed by its engine every step).
+LEASE_PREFIX = "stencil:lease:"

@@ -119,6 +119,13 @@ class Settings:
     # network, with the port not published to the host).
     metrics_address: str = "127.0.0.1"
 
+    # Recovery (app/sweeper.py): a live job no process has touched for this long, and whose
+    # denoising lease no engine holds, has its chain re-sent (at most max_redrives times, then it
+    # fails with the reason). Recovery does not wait for the broker's visibility timeout.
+    stall_timeout_s: float = 45.0
+    max_redrives: int = 3
+    sweep_interval_s: float = 5.0
+
     # Celery broker: must exceed the longest job (DESIGN.md section 4).
     visibility_timeout: int = 3600
     lease_seconds: float = 30.0

@@ -23,6 +23,7 @@ from celery.signals import worker_ready, worker_shutdown
 from app import metrics
 from app.celery_app import app
 from app.jobs import JobStatus
+from app.keys import LEASE_PREFIX
 from workers import context as ctx
 from workers.engine.engine import Engine, EngineHooks
 from workers.engine.job import EngineJob, JobCancelled
@@ -30,7 +31,6 @@ from workers.tensors import pack, unpack
 
 log = logging.getLogger(__name__)
 
-LEASE_PREFIX = "stencil:lease:"
 WORKER_STATE_PREFIX = "stencil:worker:"
 
 _engine: Engine | None = None
