@@ -191,6 +191,15 @@ def cmd_flower(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from app.serve import serve
+
+    check_secrets(flower=bool(args.flower_port))
+    return serve(Path(args.workdir), gpu_workers=args.gpu_workers, cpu_concurrency=args.cpu_concurrency,
+                 flower_port=args.flower_port, flower_auth=args.flower_basic_auth,
+                 redis_url=os.environ.get("STENCIL_REDIS_URL", ""))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from app.demo import run_demo
 
@@ -302,6 +311,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-auth", action="store_true", help="serve without credentials, on loopback only")
     s.add_argument("--db", default=os.environ.get("FLOWER_DB", "flower.db"))
     s.set_defaults(func=cmd_flower)
+
+    s = sub.add_parser("serve", help="a supervised local stack in the foreground (Ctrl-C stops it)")
+    s.add_argument("--workdir", default=os.environ.get("STENCIL_SERVE_DIR", "stencil-serve"),
+                   help="state, logs and stencil.env (client settings) go here")
+    s.add_argument("--gpu-workers", type=int, default=1, help="one per device")
+    s.add_argument("--cpu-concurrency", type=int, default=2)
+    s.add_argument("--flower-port", type=int, default=0, help="also run Flower on this port (0 = no)")
+    s.add_argument("--flower-basic-auth", default=os.environ.get("FLOWER_BASIC_AUTH", ""),
+                   help="user:password (without: Flower on 127.0.0.1 without auth)")
+    s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("demo", help="run the embedded stack end to end and write results")
     s.add_argument("--jobs", type=int, default=4)

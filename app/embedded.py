@@ -85,7 +85,7 @@ class EmbeddedStack:
     """Processes of a one-machine Stencil; ``stop()`` (or the context manager) ends them all."""
 
     settings: Settings
-    redis_server: RedisServer
+    redis_server: RedisServer | None  # None: an external Redis (``redis_url`` given)
     workdir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     owns_workdir: bool = False
@@ -101,14 +101,15 @@ class EmbeddedStack:
         owns = workdir is None
         workdir = Path(workdir or tempfile.mkdtemp(prefix="stencil-"))
         workdir.mkdir(parents=True, exist_ok=True)
-        server = RedisServer(workdir / "redis", appendonly=redis_appendonly)
+        external = str(overrides.pop("redis_url", "") or "")
+        server = None if external else RedisServer(workdir / "redis", appendonly=redis_appendonly)
         ids = ",".join(str(i) for i in range(gpu_workers))
         values: dict[str, object] = {"home": Path(os.environ.get("STENCIL_HOME", workdir / "home")),
                                      "store_dir": workdir / "store", "gpu_workers": ids,
                                      # Several worker processes share this machine's cores.
                                      "torch_threads": int(os.environ.get("STENCIL_TORCH_THREADS", "1"))}
         values.update(overrides)
-        values["redis_url"] = server.url
+        values["redis_url"] = external or server.url  # type: ignore[union-attr]
         settings = Settings.from_env(**values)
         stack = cls(settings=settings, redis_server=server, workdir=workdir, owns_workdir=owns, metrics=metrics)
         try:
@@ -229,6 +230,7 @@ class EmbeddedStack:
                     pass
                 proc.wait()
         self.procs.clear()
-        self.redis_server.stop()
+        if self.redis_server is not None:
+            self.redis_server.stop()
         if self.owns_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
