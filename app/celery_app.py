@@ -41,6 +41,11 @@ def make_celery(settings: Settings | None = None) -> Celery:
         worker_send_task_events=True,
         result_expires=3600,
         broker_connection_retry_on_startup=True,
+        # Survive a Redis restart: reconnect for as long as it takes (the default gives up after
+        # 100 attempts and the consumer exits), retrying publishes too.
+        broker_connection_retry=True,
+        broker_connection_max_retries=None,
+        task_publish_retry=True,
         broker_transport_options={"visibility_timeout": settings.visibility_timeout},
         result_backend_transport_options={"visibility_timeout": settings.visibility_timeout},
         worker_hijack_root_logger=False,
