@@ -50,6 +50,27 @@ def test_gpu_worker_killed_mid_denoise_every_job_finishes_within_the_bound(tmp_p
         assert any(int(h.record().fields.get("redrives") or 0) > 0 for h in handles), "nothing was re-driven"
 
 
+@pytest.mark.parametrize("victim", ["cpu", "dispatcher"])
+def test_cpu_worker_or_dispatcher_killed_every_job_finishes_within_the_bound(victim: str, tmp_path: Path,
+                                                                            model_home: Path) -> None:
+    """Killed while jobs are in prepare/finalize (CPU worker) or being routed (dispatcher): the
+    restarted process and the sweeper finish every job without waiting for broker redelivery."""
+    with EmbeddedStack.start(tmp_path / "stack", home=model_home, **RECOVERY) as stack:
+        client = StencilClient(stack.settings)
+        mask = make_mask(0.2, (SIZE, SIZE), seed=4)
+        handles = [client.submit(template=template(140 + i), mask=mask, prompt="x", steps=8, seed=i)
+                   for i in range(6)]
+        wait_until(lambda: any(h.status() != JobStatus.QUEUED for h in handles), timeout=120)
+        killed_at = time.monotonic()
+        stack.kill(victim)
+        time.sleep(1.0)
+        {"cpu": stack.start_cpu_worker, "dispatcher": stack.start_dispatcher}[victim]()
+        for h in handles:
+            left = _bound(stack) - (time.monotonic() - killed_at)
+            assert h.wait(max(1.0, left)).status.terminal, f"{h.id} not terminal within the bound"
+        _results_once(client, handles)
+
+
 def test_the_dispatcher_survives_a_redis_restart(tmp_path: Path, model_home: Path) -> None:
     with EmbeddedStack.start(tmp_path / "stack", home=model_home, redis_appendonly=True, **RECOVERY) as stack:
         client = StencilClient(stack.settings)
