@@ -10,7 +10,8 @@ A live job (``stencil:jobs:live``) has *stalled* when nothing has touched its re
 engine holds its denoising lease (engines renew it every step, for running and waiting jobs).
 Then, by status:
 - ``queued``: left to the intake stream (at-least-once: an unacknowledged entry is reclaimed);
-- ``routed`` / ``waiting`` with its message still in its worker's queue: a backlog, not a loss;
+- ``routed`` / ``waiting`` with its message still in its worker's queue: a backlog, not a loss
+  (unless that GPU worker is dead and another is alive: then it moves there);
 - otherwise (a prepare/finalize whose CPU worker died, a denoise whose message or engine
   vanished): the chain is sent again, to the job's worker if it is alive, else to a live one.
 After ``STENCIL_MAX_REDRIVES`` re-drives the job fails with the reason. One dispatcher sweeps at
@@ -88,8 +89,9 @@ class Sweeper:
             return "moving"
         worker = fields.get("worker", "").removeprefix("gpu.")
         queue = "cpu" if status == JobStatus.ROUTED.value else f"gpu.{worker}"
-        if status in (JobStatus.ROUTED.value, JobStatus.WAITING.value) and self._queued(queue, job_id):
-            return "backlog"
+        if status in (JobStatus.ROUTED.value, JobStatus.WAITING.value) and self._queued(queue, job_id) \
+                and (queue == "cpu" or self._alive(worker) or not any(map(self._alive, self.worker_ids))):
+            return "backlog"  # waits for a live consumer (or for any GPU worker to come back)
         redrives = int(fields.get("redrives") or 0)
         if redrives >= self.max_redrives:
             self.jobs.fail(job_id, f"stalled in {status}: no progress for {self.stall_timeout_s:.0f} s after "

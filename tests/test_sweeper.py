@@ -90,3 +90,16 @@ def test_one_dispatcher_sweeps_at_a_time(store: JobStore) -> None:
     assert a.sweep("d1")["redriven"] == 1
     clock.now += 31
     assert b.sweep("d2")["checked"] == 0  # d1 holds the lock
+
+
+def test_a_backlog_in_a_dead_workers_queue_moves_to_a_live_worker(store: JobStore) -> None:
+    clock, sent = Clock(), []
+    sweeper = _sweeper(store, clock, sent)
+    job = _job_in(store, JobStatus.WAITING)
+    store.r.lpush("gpu.0", json.dumps({"headers": {"argsrepr": f"({{'job_id': '{job}'}},)"}}))
+    clock.now += 31
+    _alive(store, "0", clock)
+    assert sweeper.sweep("d1")["redriven"] == 0  # worker 0 alive: a backlog
+    clock.now += 120  # worker 0's state goes stale (it died), worker 1 is alive
+    _alive(store, "1", clock)
+    assert sweeper.sweep("d1")["redriven"] == 1 and sent == [(job, "1")]
