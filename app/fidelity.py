@@ -11,12 +11,13 @@ the last refresh: the template supplies how activations move with the timestep, 
 far this edit is from the template. The offset drifts, and late steps decide fine detail, so the
 refreshes are spread from step 0 to ``LAST_REFRESH_AT`` of the schedule.
 
-Policies (per job ``fidelity=``; the service default ``STENCIL_FIDELITY``):
+Policies (per job ``fidelity=``; the service default ``STENCIL_FIDELITY``, ``fast``: the fastest
+that meets the fidelity targets in BENCHMARKS.md):
 - ``exact``: a cache recorded for exactly this edit (region warm-up: same mask, prompt, negative
   prompt, seed, guidance) or full compute. Equal to the stock pipeline within 1/255.
-- ``balanced`` (default): exact cache if there is one, else the template's warm-up with
+- ``balanced``: exact cache if there is one, else the template's warm-up with
   ``REFRESHES["balanced"]`` refresh steps. Approximate.
-- ``fast``: as balanced with fewer refresh steps. Approximate.
+- ``fast`` (default): as balanced with fewer refresh steps. Approximate.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from functools import lru_cache
 from pathlib import Path
 
 POLICIES = ("exact", "balanced", "fast")
-DEFAULT_POLICY = "balanced"
 REFRESHES = {"balanced": 3, "fast": 2}
 LAST_REFRESH_AT = 0.85  # share of the schedule where the last refresh step falls
 EXPECTED_FILE = Path(__file__).with_name("fidelity_expected.json")
