@@ -1,5 +1,10 @@
 """Initial noise of a mask-aware edit: its own where tokens are computed, the warm-up's elsewhere.
 
+No longer the service's path: with refresh steps (``app/fidelity.py``) an edit keeps its own noise
+everywhere and the offset correction accounts for it; blending the warm-up's noise in lowers
+fidelity there (docs/bench/fidelity_causes.md). Kept as the ``cache-as-is`` option of the fidelity
+benchmarks, the path it replaced. What follows is why it was introduced.
+
 A masked edit takes the unmasked tokens' activations from its template's warm-up, which denoised
 the template from the warm-up's own initial noise. If the edit started from different noise
 outside the mask, its unmasked latents would follow one trajectory while the cached activations
