@@ -34,6 +34,7 @@ from celery import Celery, chain
 from app.blobs import BlobStore
 from app.celery_app import CPU_QUEUE, gpu_queue
 from app.costmodel import CostModel, UNetArch, find_model, min_service_seconds, token_counts_from_mask
+from app.fidelity import policy_schedule
 from app.jobs import JobRecord, JobStatus, JobStore
 from app.routing import JobDemand, JobLoad, RoutingPolicy, WorkerState, WorkerView, make_router
 from app.settings import Settings
@@ -82,7 +83,8 @@ def parse_worker_hash(worker_id: str, fields: dict[Any, Any], *, now: float, sta
                 job_id=e["job_id"], remaining=rem, mask_ratio=float(e.get("mask_ratio", d.mask_ratio if d else 1.0)),
                 masked_tokens=tuple(tokens) if tokens else (d.masked_tokens if d else None),
                 cached=bool(e["cached"]) if "cached" in e else (d.cached if d else True),
-                template_id=e.get("template_id") or (d.template_id if d else "")))
+                template_id=e.get("template_id") or (d.template_id if d else ""),
+                refresh_share=d.refresh_share if d else 0.0))
         return out
 
     updated = float(f.get("updated") or 0.0)
@@ -282,9 +284,10 @@ class Dispatcher:
         if ratio is None:
             ratio = _env_float("DEFAULT_MASK_RATIO", 1.0)
         cached = bool(p.template_id) and p.kind == "edit" and 0.0 < ratio < 1.0
-        return JobDemand(job_id=rec.id, steps=num_denoise_steps(p.steps, p.strength), mask_ratio=ratio,
-                         masked_tokens=tokens, cached=cached, template_id=p.template_id, priority=p.priority,
-                         deadline=p.deadline)
+        steps = num_denoise_steps(p.steps, p.strength)
+        refresh = len(policy_schedule(p.fidelity or self.s.fidelity, steps)) / steps if cached else 0.0
+        return JobDemand(job_id=rec.id, steps=steps, mask_ratio=ratio, masked_tokens=tokens, cached=cached,
+                         template_id=p.template_id, priority=p.priority, deadline=p.deadline, refresh_share=refresh)
 
     def min_latency(self, demand: JobDemand) -> float | None:
         """Fastest possible denoising time (alone on an idle worker), or None without a fitted model."""

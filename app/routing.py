@@ -50,6 +50,7 @@ class JobDemand:
     template_id: str = ""
     priority: int = 0
     deadline: float | None = None
+    refresh_share: float = 0.0  # cached jobs: share of steps computed fully (fidelity refresh steps)
 
 
 @dataclass
@@ -64,10 +65,12 @@ class JobLoad:
     template_id: str = ""
     step_seconds: float | None = None  # memo of the cost model's marginal step seconds
     token_load: float | None = None  # memo of the masked-token count (least_masked_tokens)
+    refresh_share: float = 0.0
 
     @classmethod
     def from_demand(cls, d: JobDemand) -> "JobLoad":
-        return cls(d.job_id, d.steps, d.mask_ratio, d.masked_tokens, d.cached, d.template_id)
+        return cls(d.job_id, d.steps, d.mask_ratio, d.masked_tokens, d.cached, d.template_id,
+                   refresh_share=d.refresh_share)
 
 
 @dataclass
@@ -223,11 +226,15 @@ class MaskAwareRouter:
         the same job is re-parsed from worker state at every refresh)."""
         sec = job.step_seconds
         if sec is None:
-            key = (job.job_id, job.cached, job.mask_ratio, job.masked_tokens)
+            key = (job.job_id, job.cached, job.mask_ratio, job.masked_tokens, job.refresh_share)
             sec = self._by_job.get(key)
             if sec is None:
                 sec = self.model.job_seconds(mask_ratio=job.mask_ratio, masked_tokens=job.masked_tokens,
                                              cached=job.cached)
+                if job.cached and job.refresh_share > 0:  # refresh steps run at full cost
+                    full = self.model.job_seconds(mask_ratio=job.mask_ratio, masked_tokens=job.masked_tokens,
+                                                  cached=False)
+                    sec = (1 - job.refresh_share) * sec + job.refresh_share * full
                 if len(self._by_job) > 200_000:
                     self._by_job.clear()
                 self._by_job[key] = sec

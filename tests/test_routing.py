@@ -345,3 +345,16 @@ def test_dispatcher_finds_the_fitted_model_or_falls_back(redis_server, tmp_path,
     d = Dispatcher(s, make_celery(s), consumer="t")
     assert isinstance(d.router, MaskAwareRouter) and d.cost_model is not None
     assert d.cost_model.device_kind == "test"
+
+
+def test_refresh_steps_are_costed_at_full_compute() -> None:
+    """A cached job under a fidelity policy with refresh steps computes that share of its steps
+    fully: the router's per-step cost is the blend, not the masked cost alone."""
+    model = small_model()
+    router = make_policy("mask_aware", model)
+    masked = router.job_seconds(JobLoad("a", 20, 0.1, cached=True))
+    full = router.job_seconds(JobLoad("b", 20, 0.1, cached=False))
+    blended = router.job_seconds(JobLoad("c", 20, 0.1, cached=True, refresh_share=0.1))
+    assert masked < blended < full
+    assert blended == pytest.approx(0.9 * masked + 0.1 * full)
+    assert JobLoad.from_demand(JobDemand("d", 20, 0.1, refresh_share=0.15)).refresh_share == 0.15
