@@ -34,13 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from app.adapters import DEFAULT_MAX_LORAS, adapter_set
 from app.fidelity import POLICIES, check_policy
 from app.jobs import JobParams
 
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
-PARAM_FIELDS = ("prompt", "negative_prompt", "steps", "guidance", "strength", "seed", "priority", "fidelity")
+PARAM_FIELDS = ("prompt", "negative_prompt", "steps", "guidance", "strength", "seed", "priority", "fidelity",
+                "loras")
 TERMINAL = ("done", "failed", "cancelled", "expired")
 # Report statuses besides the job statuses: the client gave up waiting (the job may still run;
 # a rerun re-waits it), the row could not be submitted, or the job record vanished.
@@ -64,6 +66,7 @@ class Defaults:
     seed: int = JobParams.seed
     priority: int = JobParams.priority
     fidelity: str = JobParams.fidelity
+    loras: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -93,7 +96,8 @@ def _convert(raw: dict[str, Any], defaults: Defaults) -> dict[str, Any]:
     """The row's job parameters, typed; empty cells take the defaults."""
     types: dict[str, Callable[[Any], Any]] = {"prompt": str, "negative_prompt": str, "steps": _to_int,
                                               "guidance": float, "strength": float, "seed": _to_int,
-                                              "priority": _to_int, "fidelity": check_policy}
+                                              "priority": _to_int, "fidelity": check_policy,
+                                              "loras": lambda v: adapter_set(v, DEFAULT_MAX_LORAS)}
     out: dict[str, Any] = {}
     for name in PARAM_FIELDS:
         value = raw.get(name)
@@ -101,6 +105,8 @@ def _convert(raw: dict[str, Any], defaults: Defaults) -> dict[str, Any]:
             out[name] = getattr(defaults, name)
         else:
             out[name] = types[name](value)
+    if not out["loras"]:  # rows without adapters keep the parameters (and idempotency keys) they had
+        del out["loras"]
     return out
 
 
@@ -586,8 +592,11 @@ def run_edit(client: Any, manifest_path: Path | str, *, defaults: Defaults = Def
 
 def _warm_params(params: dict[str, Any]) -> dict[str, Any]:
     """What a template's activation cache depends on (DESIGN.md section 2: cache validity)."""
-    return {"steps": params["steps"], "strength": params["strength"], "guidance": params["guidance"],
-            "cfg": params["guidance"] > 1.0}
+    out = {"steps": params["steps"], "strength": params["strength"], "guidance": params["guidance"],
+           "cfg": params["guidance"] > 1.0}
+    if params.get("loras"):  # adapters change every token's activations: a cache per adapter set
+        out["loras"] = [list(p) for p in params["loras"]]
+    return out
 
 
 def _region_params(params: dict[str, Any], mask: bytes) -> dict[str, Any]:
@@ -600,12 +609,13 @@ def _region_params(params: dict[str, Any], mask: bytes) -> dict[str, Any]:
 def _warm_via_client(client: Any, template_id: str, params: dict[str, Any], mask: bytes | None = None) -> Any:
     """The service's warm-up job (``StencilClient.warm_template``); returns its handle. With a
     mask, a region warm-up with the row's prompt, negative prompt and seed."""
+    loras = params.get("loras") or ()
     if mask is None:
         return client.warm_template(template_id, steps=params["steps"], guidance=params["guidance"],
-                                    strength=params["strength"])
+                                    strength=params["strength"], loras=loras)
     return client.warm_template(template_id, steps=params["steps"], guidance=params["guidance"],
                                 strength=params["strength"], mask=mask, prompt=params["prompt"],
-                                negative_prompt=params["negative_prompt"], seed=params["seed"])
+                                negative_prompt=params["negative_prompt"], seed=params["seed"], loras=loras)
 
 
 def run_warm(client: Any, manifest_path: Path | str, *, defaults: Defaults = Defaults(),
@@ -679,7 +689,7 @@ def _client():  # type: ignore[no-untyped-def]
 def _defaults(args: argparse.Namespace) -> Defaults:
     return Defaults(prompt=args.prompt, negative_prompt=args.negative_prompt, steps=args.steps,
                     guidance=args.guidance, strength=args.strength, seed=args.seed, priority=args.priority,
-                    fidelity=args.fidelity)
+                    fidelity=args.fidelity, loras=adapter_set(args.loras, DEFAULT_MAX_LORAS))
 
 
 def cmd_catalog_edit(args: argparse.Namespace) -> int:
@@ -717,7 +727,8 @@ def cmd_catalog_warm(args: argparse.Namespace) -> int:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("manifest", help="CSV or JSONL (columns: template, mask, prompt, negative_prompt, steps, "
-                                    "guidance, strength, seed, priority, id) or a folder of x.png + x.mask.png")
+                                    "guidance, strength, seed, priority, fidelity, loras, id) or a folder of "
+                                    "x.png + x.mask.png")
     p.add_argument("--out", default=None, help="report folder (default: <manifest>.catalog/ beside it)")
     p.add_argument("--catalog-id", default=None,
                    help="the catalog's identity in idempotency keys (default: the manifest's absolute path)")
@@ -730,6 +741,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--fidelity", default="", choices=("", *POLICIES),
                    help="exact | balanced | fast for rows without one (default: the service's)")
+    p.add_argument("--loras", default="", help="LoRA adapters for rows without a loras column, e.g. "
+                                               "'papercut:0.8;filmic:0.5'")
 
 
 def add_catalog_commands(subparsers: Any) -> None:

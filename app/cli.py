@@ -35,7 +35,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
                            negative_prompt=args.negative_prompt, steps=args.steps, guidance=args.guidance,
                            strength=args.strength, seed=args.seed, priority=args.priority,
                            deadline=args.deadline, idempotency_key=args.idempotency_key,
-                           keep_unmasked=args.keep_unmasked, fidelity=args.fidelity)
+                           keep_unmasked=args.keep_unmasked, fidelity=args.fidelity, loras=";".join(args.lora),
+                           lora_patch=args.lora_patch)
     sys.stdout.write(handle.id + "\n")
     if args.wait:
         return _wait(handle, args.timeout, args.out)
@@ -76,9 +77,33 @@ def cmd_template_warm(args: argparse.Namespace) -> int:
     handle = _client().warm_template(args.template_id, steps=args.steps, guidance=args.guidance,
                                      strength=args.strength, prompt=args.prompt, seed=args.seed,
                                      negative_prompt=args.negative_prompt,
-                                     mask=Path(args.mask) if args.mask else None)
+                                     mask=Path(args.mask) if args.mask else None, loras=";".join(args.lora))
     sys.stdout.write(handle.id + "\n")
     return _wait(handle, args.timeout, None) if args.wait else 0
+
+
+def cmd_lora_add(args: argparse.Namespace) -> int:
+    from app.client import InvalidAdapter
+
+    try:
+        meta = _client().add_lora(Path(args.file), args.id, timeout=args.timeout)
+    except InvalidAdapter as exc:
+        sys.stderr.write(f"stencil lora add: {exc}\n")
+        return 2
+    sys.stdout.write(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+def cmd_lora_list(args: argparse.Namespace) -> int:
+    rows = _client().list_loras()
+    if args.json:
+        sys.stdout.write(json.dumps(rows, indent=2, sort_keys=True) + "\n")
+        return 0
+    for meta in rows:
+        comps = ", ".join(f"{c} ({v['modules']} modules, rank {'/'.join(map(str, v['ranks']))})"
+                          for c, v in sorted(meta.get("components", {}).items()))
+        sys.stdout.write(f"{meta['id']}\t{meta.get('nbytes', 0) / 2**20:.1f} MiB\t{comps}\n")
+    return 0
 
 
 def cmd_model_save(args: argparse.Namespace) -> int:
@@ -226,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="paste the template back outside the mask (exact template pixels there)")
     s.add_argument("--fidelity", default="", choices=("", *POLICIES),
                    help="exact | balanced | fast (default: the service's STENCIL_FIDELITY)")
+    s.add_argument("--lora", action="append", default=[], metavar="ID[:SCALE]",
+                   help="a LoRA adapter added with `stencil lora add` (repeat for several; scale 1.0 if omitted)")
+    s.add_argument("--lora-patch", default="", choices=("", "exact", "late"),
+                   help="exact: adapters from the first step; late: may start before they are loaded "
+                        "(default: the service's STENCIL_LORA_PATCH)")
     s.add_argument("--steps", type=int, default=20)
     s.add_argument("--guidance", type=float, default=7.5)
     s.add_argument("--strength", type=float, default=1.0)
@@ -268,9 +298,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--mask", default=None, help="a region warm-up: edits with this mask, prompt, negative "
                                                 "prompt, seed and guidance are then exact")
+    s.add_argument("--lora", action="append", default=[], metavar="ID[:SCALE]",
+                   help="record with these adapters (edits with the same adapter set use this cache)")
     s.add_argument("--wait", action="store_true")
     s.add_argument("--timeout", type=float, default=None)
     s.set_defaults(func=cmd_template_warm)
+
+    lo = sub.add_parser("lora", help="LoRA adapters").add_subparsers(dest="lcmd", required=True)
+    s = lo.add_parser("add", help="add an adapter (safetensors, any format diffusers' load_lora_weights reads); "
+                                  "validated against the service's model")
+    s.add_argument("file")
+    s.add_argument("--id", required=True, help="the id jobs name it by (letters, digits, . _ -)")
+    s.add_argument("--timeout", type=float, default=300.0)
+    s.set_defaults(func=cmd_lora_add)
+    s = lo.add_parser("list", help="the stored adapters")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_lora_list)
 
     m = sub.add_parser("model", help="model utilities").add_subparsers(dest="mcmd", required=True)
     s = m.add_parser("save", help="write an embedded model (default: STENCIL_MODEL_ID) as a diffusers pipeline folder")

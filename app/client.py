@@ -23,6 +23,7 @@ import numpy as np
 import redis
 from PIL import Image
 
+from app.adapters import AdapterSet, lora_meta_key, lora_upload_key
 from app.blobs import BlobStore
 from app.jobs import IDEMPOTENCY_PREFIX, JobParams, JobRecord, JobStatus, JobStore, new_job_id
 from app.keys import TEMPLATE_PREFIX, UPLOAD_PREFIX, template_key
@@ -34,6 +35,10 @@ from app.validation import InvalidParameter, object_id
 log = logging.getLogger(__name__)
 
 ImageLike = bytes | Image.Image | np.ndarray | Path
+
+
+class InvalidAdapter(ValueError):
+    """A LoRA adapter the service refused (wrong format, shapes that do not fit the model...)."""
 
 
 class JobFailed(RuntimeError):
@@ -126,6 +131,7 @@ class StencilClient:
                              intake_stream=self.settings.intake_stream)
         self.blobs = BlobStore(self.redis, self.settings.blob_ttl_seconds)
         self.store = store or open_store(self.settings)
+        self._celery: Any = None
 
     def add_template(self, image: ImageLike, template_id: str | None = None) -> str:
         """Store a template image for reuse by many jobs; returns its id. Without an id the
@@ -148,7 +154,8 @@ class StencilClient:
                negative_prompt: str = "", steps: int = 20, guidance: float = 7.5, strength: float = 1.0,
                seed: int = 0, priority: int = 0, deadline: float | None = None,
                idempotency_key: str | None = None, width: int | None = None,
-               height: int | None = None, keep_unmasked: bool = False, fidelity: str = "") -> JobHandle:
+               height: int | None = None, keep_unmasked: bool = False, fidelity: str = "",
+               loras: AdapterSet | list[Any] | str = (), lora_patch: str = "") -> JobHandle:
         """Submit an edit. ``template`` is a stored template id (str) or an image to upload;
         uploads are content-addressed (the same bytes -> the same template id, warmed once).
 
@@ -159,6 +166,13 @@ class StencilClient:
         ``keep_unmasked`` pastes the template back outside the mask (exact template pixels there);
         off, the result is what ``StableDiffusionInpaintPipeline`` returns.
 
+        ``loras``: adapters added with ``add_lora`` and their scales, e.g. ``[("papercut", 0.8),
+        ("filmic", 0.5)]`` (or ``"papercut:0.8;filmic:0.5"``); the result equals diffusers'
+        ``load_lora_weights`` + ``set_adapters`` at those scales. ``lora_patch``: ``exact`` (the
+        adapters apply from the first step) or ``late`` (the job may start before they are loaded
+        and take them within ``STENCIL_LORA_LATE_MAX_FRACTION`` of its steps; the record says at
+        which step: ``lora_applied_step``); "" = the service's ``STENCIL_LORA_PATCH``.
+
         ``deadline`` is absolute (epoch seconds). Malformed or out-of-range parameters raise
         ``InvalidParameter`` (a ``ValueError`` naming the parameter) before anything is stored;
         what only the service can judge (image contents, an unknown template) gives a ``failed``
@@ -168,7 +182,8 @@ class StencilClient:
                            strength=strength, seed=seed, priority=priority, deadline=deadline,
                            template_id=template if isinstance(template, str) else "",
                            width=width, height=height, keep_unmasked=keep_unmasked,
-                           fidelity=fidelity).check(self.settings.max_steps)
+                           fidelity=fidelity, loras=loras, lora_patch=lora_patch,  # type: ignore[arg-type]
+                           ).check(self.settings.max_steps, self.settings.max_loras_per_job)
         job_id = new_job_id()
         if idempotency_key:  # a retry of an accepted submission: nothing to upload again
             existing = self.redis.get(IDEMPOTENCY_PREFIX + idempotency_key)
@@ -187,21 +202,71 @@ class StencilClient:
     def warm_template(self, template_id: str, *, steps: int = 20, guidance: float = 7.5, strength: float = 1.0,
                       prompt: str = "", seed: int = 0, mask: ImageLike | None = None,
                       width: int | None = None, height: int | None = None, priority: int = 0,
-                      negative_prompt: str = "") -> JobHandle:
+                      negative_prompt: str = "", loras: AdapterSet | list[Any] | str = ()) -> JobHandle:
         """Run a template's warm-up: a full inference that records its activations.
 
         Edits of the template with the same steps, strength, guidance layout (CFG or not) and size
         then compute only their masked tokens, approximately (``app/fidelity.py``). With ``mask`` it
         is a region warm-up, keyed by that mask, prompt, negative prompt, seed and guidance: edits
         with exactly those take the exact path (equal to the stock pipeline within 1/255).
+        With ``loras`` the recording is keyed by that adapter set too: edits with those adapters
+        use it (the template's cache recorded without them is only an approximation for them).
         """
         params = JobParams(kind="warm", template_id=template_id, prompt=prompt, negative_prompt=negative_prompt,
                            steps=steps, guidance=guidance, strength=strength, seed=seed, priority=priority,
-                           width=width, height=height).check(self.settings.max_steps)
+                           width=width, height=height, loras=loras,  # type: ignore[arg-type]
+                           ).check(self.settings.max_steps, self.settings.max_loras_per_job)
         job_id = new_job_id()
         if mask is not None:
             self.blobs.put(job_id, "mask", _image_bytes(mask, mask=True))
         return JobHandle(self, self.jobs.create(params, job_id=job_id)[0])
+
+    def add_lora(self, adapter: bytes | Path, lora_id: str, *, timeout: float = 300.0) -> dict[str, Any]:
+        """Add a LoRA adapter (a safetensors file in any format diffusers' ``load_lora_weights``
+        reads) under ``lora_id``; returns its description. A CPU worker validates it against the
+        service's model and stores it in canonical form; refusals raise ``InvalidAdapter`` with
+        the reason. Ids are immutable: adding the same bytes again returns the stored adapter,
+        other bytes under a used id are refused."""
+        import json
+        import uuid
+
+        from app.celery_app import CPU_QUEUE, make_celery
+
+        lora_id = object_id("lora id", lora_id)
+        data = adapter.read_bytes() if isinstance(adapter, Path) else bytes(adapter)
+        digest = hashlib.sha256(data).hexdigest()
+        if self.store.exists(lora_meta_key(lora_id)):
+            meta = json.loads(self.store.get(lora_meta_key(lora_id)))
+            if meta.get("source_sha256") == digest:
+                return meta
+            raise InvalidParameter("lora id", f"{lora_id!r} already names another adapter (ids are immutable)")
+        if len(data) > self.settings.max_lora_bytes:
+            raise InvalidAdapter(f"adapter is {len(data)} bytes, over STENCIL_MAX_LORA_BYTES = "
+                                 f"{self.settings.max_lora_bytes}")
+        token = uuid.uuid4().hex
+        self.store.put(lora_upload_key(token), data)
+        if self._celery is None:
+            self._celery = make_celery(self.settings)
+        try:
+            out = self._celery.send_task("stencil.add_lora", args=(token, lora_id, digest),
+                                         queue=CPU_QUEUE).get(timeout=timeout)
+        finally:
+            self.store.delete(lora_upload_key(token))
+        if out.get("error"):
+            raise InvalidAdapter(f"adapter {lora_id!r} refused: {out['error']}")
+        return out
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        """Every stored adapter's description (id, components, ranks, bytes, source format)."""
+        import json
+
+        from app.adapters import LORA_PREFIX
+
+        out = []
+        for key in sorted(self.store.list(LORA_PREFIX)):
+            if key.endswith("/meta.json"):
+                out.append(json.loads(self.store.get(key)))
+        return out
 
     def submit_many(self, requests: Iterable[Mapping[str, Any]]) -> list[JobHandle]:
         """Submit several jobs (each mapping holds ``submit``'s keyword arguments)."""
@@ -219,4 +284,4 @@ class StencilClient:
         return out
 
 
-__all__ = ["InvalidParameter", "JobFailed", "JobHandle", "StencilClient", "content_id"]
+__all__ = ["InvalidAdapter", "InvalidParameter", "JobFailed", "JobHandle", "StencilClient", "content_id"]

@@ -19,6 +19,14 @@ from typing import Any
 
 import redis
 
+from app.adapters import (
+    DEFAULT_MAX_LORAS,
+    LORA_PATCH_POLICIES,
+    AdapterSet,
+    adapter_set,
+    dump_adapter_set,
+    load_adapter_set,
+)
 from app.blobs import BLOB_PREFIX
 from app.fidelity import check_policy
 from app.validation import MAX_GUIDANCE, MAX_PRIORITY, MAX_SEED, InvalidParameter, integer, number, object_id, text
@@ -50,7 +58,7 @@ TERMINAL = frozenset({JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED, Job
 # Fields a client sets at submission (everything else is written by the service).
 PARAM_FIELDS = (
     "kind", "template_id", "prompt", "negative_prompt", "steps", "guidance", "strength", "seed",
-    "priority", "deadline", "width", "height", "keep_unmasked", "fidelity",
+    "priority", "deadline", "width", "height", "keep_unmasked", "fidelity", "loras", "lora_patch",
 )
 
 # Atomic submission. KEYS[1] = idempotency key ("" = none), KEYS[2] = the new job's hash,
@@ -116,12 +124,18 @@ class JobParams:
     keep_unmasked: bool = False
     # exact | balanced | fast (``app/fidelity.py``); "" = the service's STENCIL_FIDELITY.
     fidelity: str = ""
+    # LoRA adapters and their scales, ``((id, scale), ...)`` (``app/adapters.py``), and when they are
+    # applied: exact (from the first step) or late (once loaded, within a fraction of the steps);
+    # "" = the service's STENCIL_LORA_PATCH.
+    loras: AdapterSet = ()
+    lora_patch: str = ""
 
     def to_fields(self) -> dict[str, str]:
         out: dict[str, str] = {}
         for name in PARAM_FIELDS:
             value = getattr(self, name)
             out[name] = "" if value is None else str(value)
+        out["loras"] = dump_adapter_set(tuple(self.loras))
         return out
 
     @classmethod
@@ -145,17 +159,19 @@ class JobParams:
             kind=fields.get("kind") or "edit",
             keep_unmasked=(fields.get("keep_unmasked") or "").lower() in ("1", "true", "yes"),
             fidelity=fields.get("fidelity") or "",
+            loras=load_adapter_set(fields.get("loras") or ""),
+            lora_patch=fields.get("lora_patch") or "",
         )
 
-    def validate(self, max_steps: int) -> str | None:
+    def validate(self, max_steps: int, max_loras: int = DEFAULT_MAX_LORAS) -> str | None:
         """The reason the parameters are unusable, or None."""
         try:
-            self.check(max_steps)
+            self.check(max_steps, max_loras)
         except ValueError as exc:
             return str(exc)
         return None
 
-    def check(self, max_steps: int) -> "JobParams":
+    def check(self, max_steps: int, max_loras: int = DEFAULT_MAX_LORAS) -> "JobParams":
         """These parameters typed and normalised (``app/validation.py``); raises
         ``InvalidParameter`` naming the first unusable one."""
         if self.kind not in ("edit", "warm"):
@@ -166,6 +182,8 @@ class JobParams:
             fidelity = check_policy(self.fidelity)
         except ValueError:
             raise InvalidParameter("fidelity", "must be one of exact, balanced, fast (or empty)") from None
+        if self.lora_patch not in ("", *LORA_PATCH_POLICIES):
+            raise InvalidParameter("lora_patch", f"must be one of {', '.join(LORA_PATCH_POLICIES)} (or empty)")
         size = {}
         for name in ("width", "height"):
             value = getattr(self, name)
@@ -183,7 +201,8 @@ class JobParams:
             priority=integer("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY),
             prompt=text("prompt", self.prompt), negative_prompt=text("negative_prompt", self.negative_prompt),
             deadline=None if self.deadline is None else number("deadline", self.deadline, 0.0, 1e11),
-            keep_unmasked=bool(self.keep_unmasked), fidelity=fidelity, **size)
+            keep_unmasked=bool(self.keep_unmasked), fidelity=fidelity,
+            loras=adapter_set(self.loras, max_loras), **size)
 
 
 @dataclass

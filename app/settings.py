@@ -86,6 +86,16 @@ class Settings:
     # fast (SSIM >= 0.977, 89 % of the mask-aware saving kept). balanced: >= 0.988, 84 %.
     fidelity: str = "fast"
 
+    # LoRA adapters (app/adapters.py, workers/adapters/): host-RAM LRU of adapters per GPU worker,
+    # the largest adapter file accepted, adapters per job, and when a job's adapters apply:
+    # exact (from its first step) | late (once loaded, within lora_late_max_fraction of its steps).
+    lora_cache_bytes: int = 2 * 1024**3
+    lora_fetch_threads: int = 2
+    max_lora_bytes: int = 1024**3
+    max_loras_per_job: int = 4
+    lora_patch: str = "exact"
+    lora_late_max_fraction: float = 0.3
+
     # Input limits.
     max_image_pixels: int = 4096 * 4096
     max_upload_bytes: int = 32 * 1024 * 1024

@@ -24,6 +24,7 @@ from celery.exceptions import Ignore
 from celery.signals import worker_process_init
 from PIL import Image
 
+from app.adapters import AdapterSet, adapter_digest, dump_adapter_set
 from app.celery_app import app
 from app.fidelity import expected_ssim, policy_schedule
 from app.jobs import JobParams, JobStatus
@@ -31,6 +32,7 @@ from app.keys import UPLOAD_PREFIX, result_key, template_key
 from app.storage import ObjectNotFound, StoreUnavailable
 from app.validation import InvalidParameter, object_id
 from workers import context as ctx
+from workers.adapter_tasks import adapter_problem, text_encoder_adapters
 from workers.images import InvalidInput, decode_image, encode_png, target_size, to_mask, to_rgb
 from workers.tensors import pack, unpack
 
@@ -130,19 +132,25 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
         warm = params.kind == "warm"
         image, mask = _decode_inputs(job_id, params.template_id, warm=warm)
         pipe = ctx.cpu_pipeline()
+        problem = adapter_problem(params.loras, ctx.model_id())
+        if problem:
+            raise InvalidInput(problem)
         if params.width and params.height:
             width, height = params.width, params.height
         else:
             width, height = target_size(*image.size, pipe.vae_scale_factor, ctx.settings().max_side)
-        if ctx.model_family() == "flux":
-            from workers.flux_inputs import prepare_flux_job_tensors
+        with text_encoder_adapters(pipe, params.loras):
+            if ctx.model_family() == "flux":
+                from workers.flux_inputs import prepare_flux_job_tensors
 
-            width, height = width - width % 16, height - height % 16  # 2x2 packing of the latents
-            prepared = prepare_flux_job_tensors(pipe, ctx.scheduler_config(), image, mask, params, height, width)
-        else:
-            prepared = prepare_job_tensors(pipe, ctx.scheduler_config(), image, mask, params, height, width)
+                width, height = width - width % 16, height - height % 16  # 2x2 packing of the latents
+                prepared = prepare_flux_job_tensors(pipe, ctx.scheduler_config(), image, mask, params, height,
+                                                    width)
+            else:
+                prepared = prepare_job_tensors(pipe, ctx.scheduler_config(), image, mask, params, height, width)
     empty = prepared.mask_ratio == 0.0 and params.kind == "edit"
-    meta = dict(prepared.meta, empty=empty, mask_ratio=prepared.mask_ratio)
+    meta = dict(prepared.meta, empty=empty, mask_ratio=prepared.mask_ratio,
+                loras=[[i, s] for i, s in params.loras], lora_patch=params.lora_patch or ctx.settings().lora_patch)
     cache_fields = _cache_plan(job_id, params, meta, prepared) if not empty else {}
     tensors = dict(prepared.tensors)
     if empty or params.keep_unmasked:
@@ -155,14 +163,16 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
 
 
 def template_cache_key(params: JobParams, meta: dict[str, Any], noise_seed: int | None = None,
-                       region: str = ""):  # type: ignore[no-untyped-def]
+                       region: str = "", adapters: AdapterSet | None = None):  # type: ignore[no-untyped-def]
     """The key a template's activations are stored under (DESIGN.md: cache validity). A template's
-    warm-up (no mask) is keyed by its noise seed; a region warm-up (recorded with a mask) by
+    warm-up (no mask) is keyed by its noise seed and its adapter set (``adapters``, default the
+    job's: adapters change every token's activations); a region warm-up (recorded with a mask) by
     ``region``, the digest of everything that makes an edit exact (``region_digest``)."""
     from workers.maskaware.activation_store import TemplateCacheKey
 
     seed = params.seed if noise_seed is None else noise_seed
-    suffix = f"exact-{region}" if region else f"noise-{seed}"
+    lora = adapter_digest(params.loras if adapters is None else adapters)
+    suffix = f"exact-{region}" if region else f"noise-{seed}" + (f"/lora-{lora}" if lora else "")
     return TemplateCacheKey(
         model_id=ctx.model_id(), template_id=params.template_id, height=int(meta["height"]),
         width=int(meta["width"]), scheduler=str(ctx.scheduler_config()["_class_name"]), steps=params.steps,
@@ -179,7 +189,7 @@ def region_digest(pixel_mask: Any, params: JobParams) -> str:
     h = hashlib.sha256()
     h.update(pixel_mask.to(torch.uint8).contiguous().numpy().tobytes())
     h.update(json.dumps([list(pixel_mask.shape), params.prompt, params.negative_prompt, params.seed,
-                         float(params.guidance)]).encode())
+                         float(params.guidance), *([dump_adapter_set(params.loras)] if params.loras else [])]).encode())
     return h.hexdigest()[:24]
 
 
@@ -217,17 +227,28 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: 
         return {**full, "cache_note": "full mask"}
     exact = template_cache_key(params, meta, region=region_digest(pixel_mask, params))
     base = template_cache_key(params, meta, s.warm_seed)
+    # Adapters change every token's activations: a cache recorded with the job's adapter set is
+    # the template cache proper; one recorded without them is a further approximation, corrected
+    # by the same refresh steps (measured in BENCHMARKS.md, "Adapters and mask-aware caches").
+    plain = template_cache_key(params, meta, s.warm_seed, adapters=()) if params.loras else None
     try:
         if ctx.activations().has(exact):
             return _use_cache(job_id, meta, exact, [], {"fidelity": policy, "cache_path": "exact", "approximate": "0"})
-        if policy != "exact" and ctx.activations().has(base):
-            schedule = policy_schedule(policy, int(meta["num_steps"]))
-            fields = {"fidelity": policy, "cache_path": "template", "approximate": "1",
-                      "refresh_plan": ",".join(map(str, schedule))}
-            expected = expected_ssim(ctx.model_id(), policy, params.guidance)
-            if expected is not None:
-                fields["expected_ssim"] = f"{expected:.3f}"
-            return _use_cache(job_id, meta, base, schedule, fields)
+        if policy != "exact":
+            for key, note in ((base, ""), (plain, "template cache recorded without the job's adapters")):
+                if key is None or not ctx.activations().has(key):
+                    continue
+                schedule = policy_schedule(policy, int(meta["num_steps"]))
+                fields = {"fidelity": policy, "cache_path": "template", "approximate": "1",
+                          "refresh_plan": ",".join(map(str, schedule))}
+                if note:
+                    fields["cache_note"] = note
+                expected = expected_ssim(ctx.model_id(), policy, params.guidance)
+                if expected is not None and not note:
+                    fields["expected_ssim"] = f"{expected:.3f}"
+                if key is plain and s.auto_warm:
+                    _trigger_warm(params, meta, base.digest())  # the adapter set's own cache, if it recurs
+                return _use_cache(job_id, meta, key, schedule, fields)
     except TRANSIENT as exc:
         log.warning("job %s: activation store unreachable (%s); full compute", job_id, exc)
         meta["cache_mode"] = "full"
@@ -260,10 +281,11 @@ def _send_prefetch(job_id: str, key: dict[str, Any], steps: int) -> None:
 
 
 def _trigger_warm(params: JobParams, meta: dict[str, Any], digest: str) -> None:
+    """Submit the template's warm-up for this cache key (with the job's adapters, if any). Uploads
+    and adapter sets are warmed when they come back a second time, not for a one-off edit."""
     s = ctx.settings()
     r = ctx.redis_client()
-    if params.template_id.startswith(UPLOAD_PREFIX):
-        # An upload is warmed when its bytes come back, not for a one-off edit.
+    if params.template_id.startswith(UPLOAD_PREFIX) or params.loras:
         seen = f"stencil:seen:{digest}"
         count = r.incr(seen)
         r.expire(seen, s.job_ttl_seconds)
@@ -273,7 +295,7 @@ def _trigger_warm(params: JobParams, meta: dict[str, Any], digest: str) -> None:
         return  # a warm-up for this key is already under way (or recently was)
     warm = JobParams(kind="warm", template_id=params.template_id, prompt=s.warm_prompt, seed=s.warm_seed,
                      steps=params.steps, strength=params.strength, guidance=params.guidance, priority=-10,
-                     width=int(meta["width"]), height=int(meta["height"]))
+                     width=int(meta["width"]), height=int(meta["height"]), loras=params.loras)
     warm_id, _ = ctx.jobs().create(warm)
     log.info("template %s has no cache for this key: warm-up job %s submitted", params.template_id, warm_id)
 

@@ -67,10 +67,11 @@ class RedisEngineHooks(EngineHooks):
     """
 
     def __init__(self, worker_id: str, lease_seconds: float, *, max_batch: int = 8,
-                 resident_templates: Any = None) -> None:
+                 resident_templates: Any = None, resident_adapters: Any = None) -> None:
         self.worker_id = worker_id
         self.max_batch = max_batch
         self.resident_templates = resident_templates
+        self.resident_adapters = resident_adapters
         self.lease_ms = int(lease_seconds * 1000)
         self.last_step_seconds = 0.0
         self.busy_seconds = 0.0
@@ -155,6 +156,8 @@ class RedisEngineHooks(EngineHooks):
         state = {"max_batch": str(self.max_batch)}
         if self.resident_templates is not None:
             state["templates"] = json.dumps(sorted(self.resident_templates()))
+        if self.resident_adapters is not None:
+            state["loras"] = json.dumps(sorted(self.resident_adapters()))
         return state | {"running": view(batch), "waiting": view(waiting), "updated": repr(time.time()),
                 "last_step_seconds": repr(self.last_step_seconds), "holder": holder_id(),
                 "busy_seconds": repr(self.busy_seconds), "steps": str(self.steps)}
@@ -177,21 +180,31 @@ def get_engine() -> Engine:
                                  "recorder": CacheRecorder(ctx.activations()),
                                  "dilation": s.mask_dilation, "prefetch_steps": s.prefetch_steps,
                                  "cache_plan": s.cache_plan, "max_wait_s": s.cache_plan_max_wait_s}
+            # Adapters: the patcher goes in before the mask-aware hooks (see workers/adapters/patcher.py).
+            from workers.adapter_tasks import read_weights
+            from workers.adapters.bank import AdapterBank
+            from workers.adapters.patcher import LoraPatcher
+
+            bank = AdapterBank(read_weights, s.lora_cache_bytes, s.lora_fetch_threads)
+            cache_options.update(adapters=bank, lora_late_max_fraction=s.lora_late_max_fraction)
             if ctx.model_family() == "flux":
                 from workers.engine.flux_runner import FluxRunner
                 from workers.maskaware.flux import MaskAwareFlux
 
                 model = loader.load_flux_transformer(ctx.model_dir(), s.device)
+                lora = LoraPatcher(model, "transformer", bank.get)
                 runner: Any = FluxRunner(model, ctx.scheduler_config(), loader.vae_scale_factor(ctx.model_dir()),
                                          s.device, maskaware=MaskAwareFlux(model) if s.mask_aware else None,
-                                         **cache_options)
+                                         lora=lora, **cache_options)
             else:
                 from workers.engine.sd_runner import SDRunner
                 from workers.maskaware.unet import MaskAwareUNet
 
                 unet = loader.load_unet(ctx.model_dir(), s.device)
+                lora = LoraPatcher(unet, "unet", bank.get)
                 maskaware = MaskAwareUNet(unet, kv_source=s.maskaware_kv_source) if s.mask_aware else None  # type: ignore[arg-type]
-                runner = SDRunner(unet, ctx.scheduler_config(), s.device, maskaware=maskaware, **cache_options)
+                runner = SDRunner(unet, ctx.scheduler_config(), s.device, maskaware=maskaware, lora=lora,
+                                  **cache_options)
             step_time = None
             if s.slo_admission:
                 from app.costmodel import find_model, step_time_predictor
@@ -204,7 +217,8 @@ def get_engine() -> Engine:
 
             caches = cache_options.get("caches")
             hooks = RedisEngineHooks(s.worker_id, s.lease_seconds, max_batch=s.max_batch,
-                                     resident_templates=caches.resident_templates if caches else None)
+                                     resident_templates=caches.resident_templates if caches else None,
+                                     resident_adapters=bank.resident)
             _engine = Engine(runner, BatchScheduler(s.max_batch, s.batching, step_time=step_time, on_expire=expire),
                              hooks, idle_wait=s.engine_idle_sleep).start()
         return _engine
@@ -231,6 +245,27 @@ def prefetch(key: dict[str, Any], steps: int) -> None:
     caches = getattr(get_engine().runner, "caches", None)
     if caches is not None:
         caches.prefetch(TemplateCacheKey.from_dict(key), range(int(steps)))
+
+
+@app.task(name="stencil.prefetch_loras", ignore_result=True, acks_late=False)
+def prefetch_loras(ids: list[str]) -> None:
+    """Start fetching a routed job's adapters into host RAM (deduplicated) while it waits."""
+    adapters = getattr(get_engine().runner, "adapters", None)
+    if adapters is not None:
+        adapters.prefetch(str(i) for i in ids)
+
+
+def _lora_fields(out: dict[str, Any]) -> dict[str, Any]:
+    """What the record says about a job's adapters: from which step they applied (0 = exact; a
+    late job's result is approximate) and how often they were merged vs added as per-row terms."""
+    applied = out.get("lora_applied_step")
+    if applied is None:
+        return {}
+    fields = {"lora_applied_step": applied, "lora_merged_steps": out.get("lora_merged_steps", 0),
+              "lora_term_steps": out.get("lora_term_steps", 0)}
+    if applied > 0:
+        fields["approximate"] = "1"
+    return fields
 
 
 @app.task(name="stencil.denoise", bind=True)
@@ -276,7 +311,8 @@ def denoise(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
                     fetch_hidden=f"{out.get('resident_steps', out['masked_steps']) / used:.3f}" if used else "",
                     # Share of (step, plan unit) computations that used the cache.
                     cached_unit_share=("" if out.get("cached_unit_share") is None
-                                       else f"{out['cached_unit_share']:.3f}"))
+                                       else f"{out['cached_unit_share']:.3f}"),
+                    **_lora_fields(out))
         return prep
     finally:
         lease.release()

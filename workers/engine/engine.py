@@ -71,6 +71,9 @@ class Engine:
                  *, idle_wait: float = 0.05, clock: Callable[[], float] = time.perf_counter) -> None:
         self.runner = runner
         self.scheduler = scheduler
+        for name in ("ready", "runnable"):  # the runner decides what may run (e.g. adapters loaded)
+            if getattr(scheduler, name, None) is None and hasattr(runner, name):
+                setattr(scheduler, name, getattr(runner, name))
         self.hooks = hooks or EngineHooks()
         self.idle_wait = idle_wait
         self.clock = clock
@@ -195,6 +198,8 @@ class Engine:
             try:
                 if not self.step_once():
                     self.hooks.on_idle(list(self.scheduler.waiting))
+                    if self.scheduler.jobs():  # jobs wait for something (e.g. adapters): don't spin
+                        time.sleep(self.idle_wait)
             except Exception:  # the loop must survive anything a job does
                 log.exception("engine iteration failed")
                 time.sleep(self.idle_wait)

@@ -65,6 +65,7 @@ class FluxRunner(BaseRunner):
             text_ids=tensors["text_ids"].to(self.device), image_ids=tensors["image_ids"].to(self.device),
             guidance=float(meta["guidance"]))
         self._init_cache_mode(state, tensors, meta)
+        self._init_adapters(state, meta)
         return state
 
     def _token_masks(self, st: JobState, tensors: dict[str, torch.Tensor]) -> Any:

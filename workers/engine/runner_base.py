@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from workers.adapters import layout
 from workers.engine.job import EngineJob
 from workers.engine.plan import RESIDENT, UNAVAILABLE, BlockCost, StepPlan, Tier, UnitCostModel, plan_optimal
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider, UnitCache
@@ -137,6 +138,10 @@ class JobState:
     delta: dict[str, torch.Tensor] | None = None  # own minus template activations at the last refresh
     anchor: tuple[int, dict[str, torch.Tensor]] | None = None  # a refresh whose template step is not resident
     refresh_steps: int = 0
+    adapters: tuple[tuple[str, float], ...] = ()  # the job's LoRA set ((id, scale), ...)
+    lora_late: bool = False  # may start before its adapters are loaded (``late`` patch policy)
+    lora_applied: int | None = None  # step from which the adapters apply (None: not yet)
+    lora_cutoff: int = 0  # late jobs: the step by which they must apply (they wait there otherwise)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -160,9 +165,13 @@ class BaseRunner(ABC):
 
     def __init__(self, maskaware: Any = None, caches: StepCacheProvider | None = None,
                  recorder: CacheRecorder | None = None, dilation: int = 0, prefetch_steps: int = 4,
-                 cache_plan: str = "plan", max_wait_s: float = 5.0) -> None:
+                 cache_plan: str = "plan", max_wait_s: float = 5.0, lora: Any = None, adapters: Any = None,
+                 lora_late_max_fraction: float = 0.3) -> None:
         if cache_plan not in CACHE_PLANS:
             raise ValueError(f"cache_plan must be one of {CACHE_PLANS}, got {cache_plan!r}")
+        self.lora = lora  # workers.adapters.patcher.LoraPatcher (installed before the mask-aware hooks)
+        self.adapters = adapters  # workers.adapters.bank.AdapterBank
+        self.lora_late_max_fraction = lora_late_max_fraction
         self.maskaware = maskaware
         self.caches = caches
         self.recorder = recorder
@@ -200,6 +209,71 @@ class BaseRunner(ABC):
 
     @abstractmethod
     def _token_masks(self, st: JobState, tensors: dict[str, torch.Tensor]) -> Any: ...
+
+    # -- adapters ------------------------------------------------------------------------------------
+    def _init_adapters(self, st: JobState, meta: dict[str, Any]) -> None:
+        adapters = tuple((str(i), float(c)) for i, c in meta.get("loras") or ())
+        if not adapters:
+            st.lora_applied = 0
+            return
+        if self.lora is None or self.adapters is None:
+            raise ValueError("this worker does not apply LoRA adapters")
+        st.adapters = adapters
+        st.lora_late = meta.get("lora_patch") == "late"
+        st.lora_cutoff = int(self.lora_late_max_fraction * len(st.timesteps))
+        self.adapters.prefetch(i for i, _ in adapters)
+
+    def ready(self, job: EngineJob) -> bool:
+        """May the job be admitted now? An exact job's adapters must be resident (loading never
+        stalls a step); a late one starts without them. Raises if an adapter will never load."""
+        st: JobState = job.state
+        if not st.adapters or st.lora_applied is not None:
+            return True
+        ids = [i for i, _ in st.adapters]
+        why = self.adapters.failure(ids)
+        if why:
+            raise RuntimeError(why)
+        if self.adapters.ready(ids):
+            return True
+        self.adapters.prefetch(ids)
+        return st.lora_late
+
+    def runnable(self, job: EngineJob) -> bool:
+        """May an admitted job take this step? A late job past its cutoff waits for its adapters."""
+        st: JobState = job.state
+        if st.lora_applied is not None or not st.adapters:
+            return True
+        if self.adapters.ready(i for i, _ in st.adapters):
+            return True
+        return job.steps_done < st.lora_cutoff
+
+    def _apply_adapters(self, batch: list[EngineJob]) -> list[EngineJob]:
+        """Order the batch by adapter set (each set's rows contiguous), apply late adapters that
+        arrived, and set up the patcher's merge and per-row terms for this step."""
+        from workers.adapters.patcher import GroupDemand
+
+        if self.lora is None:
+            return batch
+        for job in batch:
+            st: JobState = job.state
+            if st.lora_applied is None and self.adapters.ready(i for i, _ in st.adapters):
+                st.lora_applied = job.steps_done
+        batch = sorted(batch, key=lambda j: self._effective(j.state))
+        demands = [GroupDemand(self._effective(j.state), float(j.state.rows * self.masked_tokens(j.state)[0]),
+                               j.remaining) for j in batch]
+        if not any(d.adapters for d in demands) and not self.lora.merged:
+            self.lora.clear()
+            return batch
+        merged = self.lora.prepare(demands)
+        for job, demand in zip(batch, demands):
+            if demand.adapters:
+                key = "lora_merged_steps" if demand.adapters == merged else "lora_term_steps"
+                job.state.extra[key] = job.state.extra.get(key, 0) + 1
+        return batch
+
+    @staticmethod
+    def _effective(st: JobState) -> tuple[tuple[str, float], ...]:
+        return st.adapters if st.lora_applied is not None else ()
 
     # -- cache modes ---------------------------------------------------------------------------------
     def _init_cache_mode(self, st: JobState, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -410,12 +484,17 @@ class BaseRunner(ABC):
             job.state.extra.pop("unit_cache", None)
         started = time.monotonic()
         self._step_plan = None
+        batch = self._apply_adapters(batch)
         groups = [self._group(job) for job in batch] if self.maskaware is not None else None
         if groups is not None and self._units_on:
             groups = self._plan_groups(batch, groups)
             self._plan_ahead(batch, started)
         self.last_ctx = None
-        output, recorded = self._forward(batch, groups)
+        rows = layout.rows((g, job.state.rows) for g, job in enumerate(batch)) if layout.wanted() else None
+        with layout.use(rows):
+            output, recorded = self._forward(batch, groups)
+        if self.lora is not None:
+            self.lora.finish()
         if self._units_on:
             self._observe_units()
             took = time.monotonic() - started
@@ -523,7 +602,10 @@ class BaseRunner(ABC):
                 # Share of (step, unit) computations that used the cache; 0..1, "" if none.
                 "cached_unit_share": (st.extra.get("cached_units", 0) / total) if total else None,
                 "resident_steps": st.extra.get("resident_steps", 0),
-                "load_wait_s": st.extra.get("wait_s", 0.0)}
+                "load_wait_s": st.extra.get("wait_s", 0.0),
+                "lora_applied_step": st.lora_applied if st.adapters else None,
+                "lora_merged_steps": st.extra.get("lora_merged_steps", 0),
+                "lora_term_steps": st.extra.get("lora_term_steps", 0)}
 
 
 class OffsetCache(Mapping[str, torch.Tensor]):

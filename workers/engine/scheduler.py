@@ -16,25 +16,34 @@ SLO-aware admission (PatchedServe-style), active only when a step-time predictor
   deadline without it misses it with it; finish times integrate the predicted step time over the
   batch's remaining steps (jobs leave as they finish). A refused job stays waiting; smaller jobs
   behind it may still fit.
+
+Readiness (the runner's, injected): a waiting job is admitted only when ``ready(job)`` (e.g. its
+LoRA adapters are resident: loading never stalls a step; jobs behind it may go first), and a
+running job takes a step only when ``runnable(job)``. A ``ready`` that raises fails that job.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
 from app.costmodel import finish_times
 from workers.engine.job import EngineJob, JobExpired
 
+log = logging.getLogger(__name__)
+
 MODES = ("continuous", "static")
 
 StepTimePredictor = Callable[[Sequence[EngineJob]], float]
 ExpireCallback = Callable[[EngineJob, str], None]
+JobPredicate = Callable[[EngineJob], bool]
 
 
 class BatchScheduler:
     def __init__(self, max_batch: int, mode: str = "continuous", *, step_time: StepTimePredictor | None = None,
-                 on_expire: ExpireCallback | None = None, clock: Callable[[], float] = time.time) -> None:
+                 on_expire: ExpireCallback | None = None, clock: Callable[[], float] = time.time,
+                 ready: JobPredicate | None = None, runnable: JobPredicate | None = None) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if mode not in MODES:
@@ -44,6 +53,8 @@ class BatchScheduler:
         self.step_time = step_time
         self.on_expire = on_expire
         self.clock = clock  # wall clock: deadlines are absolute epoch seconds
+        self.ready = ready
+        self.runnable = runnable
         self.waiting: list[EngineJob] = []
         self.running: list[EngineJob] = []
         self.expired: list[EngineJob] = []  # since the last ``pop_expired`` (last 1000 at most)
@@ -68,6 +79,23 @@ class BatchScheduler:
         out, self.expired = self.expired, []
         return out
 
+    def _is_ready(self, job: EngineJob) -> bool:
+        if self.ready is None:
+            return True
+        try:
+            return self.ready(job)
+        except Exception as exc:  # this job can never run: fail it, keep the others
+            log.warning("job %s cannot be admitted: %s", job.job_id, exc)
+            self.waiting.remove(job)
+            if not job.future.done():
+                job.future.set_exception(exc)
+            return False
+
+    def _batch(self) -> list[EngineJob]:
+        if self.runnable is None:
+            return list(self.running)
+        return [j for j in self.running if self.runnable(j)]
+
     def schedule(self) -> tuple[list[EngineJob], list[EngineJob]]:
         """Admit waiting jobs per the batching mode; returns (batch for this step, newly admitted)."""
         if self.step_time is not None:
@@ -75,11 +103,15 @@ class BatchScheduler:
         admitted: list[EngineJob] = []
         if self.mode == "continuous" or not self.running:
             self.waiting.sort(key=EngineJob.sort_key)
-            while self.waiting and len(self.running) < self.max_batch:
-                job = self.waiting.pop(0)
+            for job in list(self.waiting):
+                if len(self.running) >= self.max_batch:
+                    break
+                if not self._is_ready(job):
+                    continue
+                self.waiting.remove(job)
                 self.running.append(job)
                 admitted.append(job)
-        return list(self.running), admitted
+        return self._batch(), admitted
 
     # -- SLO-aware admission ---------------------------------------------------------------------
     def alone_seconds(self, job: EngineJob) -> float:
@@ -115,6 +147,8 @@ class BatchScheduler:
             for job in list(self.waiting):
                 if len(self.running) >= self.max_batch:
                     break
+                if not self._is_ready(job):
+                    continue
                 trial = self.running + [job]
                 after = self._misses(trial, now, predict)
                 hurt = {i for i in after if i < len(self.running)} - misses
@@ -125,7 +159,7 @@ class BatchScheduler:
                 self.running.append(job)
                 admitted.append(job)
                 misses = after
-        return list(self.running), admitted
+        return self._batch(), admitted
 
     def complete_step(self, batch: list[EngineJob]) -> list[EngineJob]:
         """Count one step for each job of the batch; retire and return the finished ones."""

@@ -72,6 +72,7 @@ class SDRunner(BaseRunner):
             prompt_embeds=embeds, do_cfg=do_cfg, guidance=float(meta["guidance"]),
         )
         self._init_cache_mode(state, tensors, meta)
+        self._init_adapters(state, meta)
         return state
 
     def _token_masks(self, st: JobState, tensors: dict[str, torch.Tensor]) -> Any:

@@ -92,6 +92,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
+from workers.adapters import layout
 from workers.maskaware.flux_tokens import pixel_to_token_mask
 
 log = logging.getLogger(__name__)
@@ -189,6 +190,7 @@ class _Plan:
         self._rots: dict[tuple[Any, ...], _Rot] = {}
         self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._moved: dict[int, torch.Tensor] = {}
+        self._layouts: dict[str, layout.Layout] = {}
         self._rec: list[dict[str, list[torch.Tensor]] | None] = [
             {} if g.mode == "record" else None for g in ctx.groups]
         self._build()
@@ -331,6 +333,25 @@ class _Plan:
     def rows_modulation(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.all_active else t[self.active_idx]
 
+    def lay(self, kind: str) -> contextlib.AbstractContextManager[None]:
+        """The adapter row layout of what the block math feeds to modules (``workers/adapters/layout``):
+        ``rows`` = one row per active batch row ([Ba, ...]: modulation, text), ``img`` = the packed
+        image tokens, ``tok`` = the single blocks' pack (each active row's text, then the image tokens).
+        A no-op unless some job of the step has adapter terms."""
+        if not layout.wanted():
+            return contextlib.nullcontext()
+        lay = self._layouts.get(kind)
+        if lay is None:  # built when first needed: "tok" needs the text length, known after the embedders
+            act = self.active
+            if kind == "rows":
+                lay = layout.rows((row.group, 1) for row in act)
+            elif kind == "img":
+                lay = layout.flat((row.group, row.m) for row in act)
+            else:
+                lay = layout.flat([(row.group, self.T) for row in act] + [(row.group, row.m) for row in act])
+            self._layouts[kind] = lay
+        return layout.use(lay)
+
 
 # ---------------------------------------------------------------------------------------------
 # Block math on the packed state (same submodules and op order as the stock forwards).
@@ -424,18 +445,20 @@ def double_block_forward(block: FluxTransformerBlock, name: str, plan: _Plan, te
     """``FluxTransformerBlock.forward`` on the packed state (updates ``plan.img`` / ``plan.txt``)."""
     x, c = plan.img, plan.txt
     temb = plan.rows_modulation(temb)
-    emb = block.norm1.linear(block.norm1.silu(temb))
+    with plan.lay("rows"):
+        emb = block.norm1.linear(block.norm1.silu(temb))
+        cn, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(c, emb=temb)
+        tq, tk, tv = _added_qkv(block.attn, cn)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
     xn = plan.modulate_(block.norm1.norm(x), scale_msa, shift_msa)
-    cn, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(c, emb=temb)
 
     attn = block.attn
     hd = attn.head_dim
-    q, k, v = _qkv(attn, xn)
+    with plan.lay("img"):
+        q, k, v = _qkv(attn, xn)
     if plan.kv_format == "raw":
         plan.record(name, "k", k)
     plan.record(name, "v", v)
-    tq, tk, tv = _added_qkv(attn, cn)
     img_attn = q.new_empty(q.shape)
     txt_attn = tq.new_empty(tq.shape)
     _attend(plan, attn, name, rope,
@@ -443,15 +466,17 @@ def double_block_forward(block: FluxTransformerBlock, name: str, plan: _Plan, te
             attn.norm_added_q(tq.unflatten(-1, (-1, hd))), attn.norm_added_k(tk.unflatten(-1, (-1, hd))),
             tv.unflatten(-1, (-1, hd)), img_attn, txt_attn)
 
-    attn_out = attn.to_out[1](attn.to_out[0](img_attn))
-    ctx_out = attn.to_add_out(txt_attn)
-    plan.gated_add_(x, gate_msa, attn_out)                  # x is this call's own pack: in place is safe
-    xn = plan.modulate_(block.norm2(x), scale_mlp, shift_mlp)
-    plan.gated_add_(x, gate_mlp, block.ff(xn))
+    with plan.lay("img"):
+        attn_out = attn.to_out[1](attn.to_out[0](img_attn))
+        plan.gated_add_(x, gate_msa, attn_out)                  # x is this call's own pack: in place is safe
+        xn = plan.modulate_(block.norm2(x), scale_mlp, shift_mlp)
+        plan.gated_add_(x, gate_mlp, block.ff(xn))
 
-    c = c + c_gate_msa.unsqueeze(1) * ctx_out
-    cn = block.norm2_context(c) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
-    c = c + c_gate_mlp.unsqueeze(1) * block.ff_context(cn)
+    with plan.lay("rows"):
+        ctx_out = attn.to_add_out(txt_attn)
+        c = c + c_gate_msa.unsqueeze(1) * ctx_out
+        cn = block.norm2_context(c) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
+        c = c + c_gate_mlp.unsqueeze(1) * block.ff_context(cn)
     if c.dtype == torch.float16:
         c = c.clip(-65504, 65504)
     plan.img, plan.txt = x, c
@@ -468,7 +493,8 @@ def single_block_forward(block: FluxSingleTransformerBlock, name: str, plan: _Pl
         plan.tok = torch.cat([plan.txt.reshape(nt, D), plan.img])
     tok = plan.tok
     temb = plan.rows_modulation(temb)
-    emb = block.norm.linear(block.norm.silu(temb))
+    with plan.lay("rows"):
+        emb = block.norm.linear(block.norm.silu(temb))
     shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
     h = block.norm.norm(tok)
     if T:
@@ -478,14 +504,15 @@ def single_block_forward(block: FluxSingleTransformerBlock, name: str, plan: _Pl
 
     attn = block.attn
     hd = attn.head_dim
-    q, k, v = _qkv(attn, h)
-    width = q.shape[-1]
-    # proj_out's input [attention output, MLP activations] is written in place: no concatenation.
-    cat = h.new_empty(h.shape[0], width + block.proj_mlp.out_features)
-    if type(block.act_mlp) is torch.nn.GELU:
-        torch._C._nn.gelu(block.proj_mlp(h), approximate=block.act_mlp.approximate, out=cat[:, width:])
-    else:
-        cat[:, width:] = block.act_mlp(block.proj_mlp(h))
+    with plan.lay("tok"):
+        q, k, v = _qkv(attn, h)
+        width = q.shape[-1]
+        # proj_out's input [attention output, MLP activations] is written in place: no concatenation.
+        cat = h.new_empty(h.shape[0], width + block.proj_mlp.out_features)
+        if type(block.act_mlp) is torch.nn.GELU:
+            torch._C._nn.gelu(block.proj_mlp(h), approximate=block.act_mlp.approximate, out=cat[:, width:])
+        else:
+            cat[:, width:] = block.act_mlp(block.proj_mlp(h))
     if plan.kv_format == "raw":
         plan.record(name, "k", k[nt:])
     plan.record(name, "v", v[nt:])
@@ -497,7 +524,8 @@ def single_block_forward(block: FluxSingleTransformerBlock, name: str, plan: _Pl
             q[:nt].view(ba, T, heads, hd), k[:nt].view(ba, T, heads, hd), v[:nt].reshape(ba, T, heads, hd),
             cat[nt:, :width], cat[:nt, :width].unflatten(0, (ba, T)))
 
-    y = block.proj_out(cat)
+    with plan.lay("tok"):
+        y = block.proj_out(cat)
     if T:
         tok[:nt].view(ba, T, D).addcmul_(y[:nt].view(ba, T, D), gate_msa[:, None])
     plan.gated_add_(tok, gate_msa, y, base=nt)
@@ -556,7 +584,8 @@ class _XEmbedHook(_Hook):
             return self.fn_ref.original_forward(hidden_states)
         B, N, C = hidden_states.shape
         flat = hidden_states.reshape(B * N, C)
-        plan.img = self.fn_ref.original_forward(flat if plan.identity else flat.index_select(0, plan.img_flat))
+        with plan.lay("img"):
+            plan.img = self.fn_ref.original_forward(flat if plan.identity else flat.index_select(0, plan.img_flat))
         return plan.img.new_zeros(()).expand(B, N, module.out_features)
 
 
@@ -567,7 +596,9 @@ class _ContextEmbedHook(_Hook):
             return self.fn_ref.original_forward(hidden_states)
         B, T, _ = hidden_states.shape
         plan.T = T
-        plan.txt = self.fn_ref.original_forward(hidden_states if plan.all_active else hidden_states[plan.active_idx])
+        rows = hidden_states if plan.all_active else hidden_states[plan.active_idx]
+        with plan.lay("rows"):
+            plan.txt = self.fn_ref.original_forward(rows)
         return plan.txt.new_zeros(()).expand(B, T, module.out_features)
 
 
@@ -597,7 +628,8 @@ class _NormOutHook(_Hook):
             return self.fn_ref.original_forward(x, conditioning_embedding)
         if plan.active:
             cond = plan.rows_modulation(conditioning_embedding)
-            emb = module.linear(module.silu(cond).to(plan.img.dtype))
+            with plan.lay("rows"):
+                emb = module.linear(module.silu(cond).to(plan.img.dtype))
             scale, shift = torch.chunk(emb, 2, dim=1)
             plan.img = plan.modulate_(module.norm(plan.img), scale, shift)
         return x
@@ -608,7 +640,8 @@ class _ProjOutHook(_Hook):
         plan = self.ctrl._plan
         if plan is None:
             return self.fn_ref.original_forward(hidden_states)
-        y = self.fn_ref.original_forward(plan.img)                   # [M, out]
+        with plan.lay("img"):
+            y = self.fn_ref.original_forward(plan.img)               # [M, out]
         if plan.identity:
             out = y.view(plan.B, plan.N, -1)
         else:

@@ -83,6 +83,7 @@ from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
+from workers.adapters import layout
 from workers.maskaware.tokens import TokenMasks, build_token_masks
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class _Plan:
     """How one block call at a given token count splits the batch."""
 
     full_rows: torch.Tensor | None  # None: every row takes the original forward
+    full_groups: list[tuple[int, int]]  # (group, rows) of the full sub-batch, in order (adapter row layout)
     record: list[tuple[int, int, int]]  # (group, position in the full sub-batch, rows)
     masked: list[_MaskedGroup]
     empty: list[tuple[int, int, int]]  # (group, start, rows) with no masked token at this level
@@ -179,6 +181,7 @@ class BatchContext:
 
     def _make_plan(self, n: int, device: torch.device, forced: frozenset[int]) -> _Plan:
         full: list[int] = []
+        full_groups: list[tuple[int, int]] = []
         record: list[tuple[int, int, int]] = []
         masked: list[_MaskedGroup] = []
         empty: list[tuple[int, int, int]] = []
@@ -195,9 +198,10 @@ class BatchContext:
             if grp.mode == "record":
                 record.append((g, len(full), grp.rows))
             full.extend(range(s, s + grp.rows))
+            full_groups.append((g, grp.rows))
         all_full = len(full) == self.total_rows
         rows = None if all_full else torch.tensor(full, dtype=torch.long, device=device)
-        return _Plan(rows, record, masked, empty)
+        return _Plan(rows, full_groups, record, masked, empty)
 
     def computed_tokens(self, plan: _Plan, n: int) -> int:
         """Token rows that enter the token-wise layers of a block under ``plan``."""
@@ -522,7 +526,8 @@ class MaskAwareUNet:
         out = torch.empty_like(h)
         if plan.full_rows is not None and plan.full_rows.numel():
             sub = {k: _slice_rows(v, plan.full_rows, b) for k, v in arguments.items()}
-            out.index_copy_(0, plan.full_rows, self._full_forward(info, original, sub, plan, ctx))
+            with layout.use(layout.rows(plan.full_groups) if layout.wanted() else None):
+                out.index_copy_(0, plan.full_rows, self._full_forward(info, original, sub, plan, ctx))
         for g, s, r in plan.empty:
             out[s:s + r] = self._cached(ctx, g, info.name, "y", (r, n, h.shape[2])) if info.needs_y \
                 else h[s:s + r]
@@ -571,13 +576,23 @@ class MaskAwareUNet:
             raise NotImplementedError("attention masks are not supported for masked groups")
         if arguments.get("cross_attention_kwargs"):
             raise NotImplementedError("cross_attention_kwargs are not supported for masked groups")
-        blk = info.module
-        a1, a2 = blk.attn1, blk.attn2
         n, c = h.shape[1], h.shape[2]
-        ci = a1.to_k.out_features
         groups = plan.masked
         x = torch.cat([h[mg.start:mg.start + mg.rows].index_select(1, mg.idx).reshape(-1, c)
                        for mg in groups])
+        # Adapter terms: token-wise layers see the ragged pack, per-row layers the groups' rows.
+        want = layout.wanted()
+        packed = layout.use(layout.flat((mg.g, mg.rows * mg.m) for mg in groups) if want else None)
+        by_rows = layout.rows((mg.g, mg.rows) for mg in groups) if want else None
+        with packed:
+            self._masked_layers(info, h, x, arguments, groups, ctx, out, n, c, by_rows)
+
+    def _masked_layers(self, info: _BlockInfo, h: torch.Tensor, x: torch.Tensor, arguments: dict,
+                       groups: list[_MaskedGroup], ctx: BatchContext, out: torch.Tensor, n: int, c: int,
+                       by_rows: layout.Layout | None) -> None:
+        blk = info.module
+        a1, a2 = blk.attn1, blk.attn2
+        ci = a1.to_k.out_features
         # 1. self-attention: Q (and, with cached K/V, fresh K/V) from masked tokens only
         if self.kv_source == "cache":
             n1 = blk.norm1(x)
@@ -585,7 +600,8 @@ class MaskAwareUNet:
         else:
             hm = torch.cat([h[mg.start:mg.start + mg.rows] for mg in groups])
             n1_all = blk.norm1(hm)
-            k_all, v_all = a1.to_k(n1_all), a1.to_v(n1_all)
+            with layout.use(by_rows):
+                k_all, v_all = a1.to_k(n1_all), a1.to_v(n1_all)
             row0, parts = 0, []
             for mg in groups:
                 parts.append(n1_all[row0:row0 + mg.rows].index_select(1, mg.idx).reshape(-1, c))
@@ -613,7 +629,8 @@ class MaskAwareUNet:
             src = None if ehs is None else torch.cat([ehs[mg.start:mg.start + mg.rows] for mg in groups])
             if src is None:  # attn2 without text is self-attention over the block's input
                 raise NotImplementedError("attn2 without encoder_hidden_states is not supported")
-            k2, v2 = a2.to_k(src), a2.to_v(src)
+            with layout.use(by_rows):
+                k2, v2 = a2.to_k(src), a2.to_v(src)
             outs, off, row0 = [], 0, 0
             for mg in groups:
                 cnt = mg.rows * mg.m

@@ -1,0 +1,359 @@
+"""Apply per-job LoRA adapter sets to one model inside batched steps: merge in place or add
+per-row low-rank terms, chosen per step from measured costs.
+
+Two ways to give a row the adapters of its job (``AdapterSet``: ``(id, scale)`` pairs):
+- **merged**: ``W = W0 + sum(scale * scaling * B @ A)`` written into the module's weight. Free at
+  compute time, but one set for the whole model. Undone exactly: the first merge of a module keeps
+  its pristine weight ``W0`` (on the weight's device), and every merge or unmerge recomputes from
+  ``W0``, so the base weights are bit-identical after any number of merges (never ``W + d - d``).
+- **terms**: the base (or merged) weights plus, for the rows of each job whose set differs from the
+  merged one, ``(own - merged)`` as low-rank products ``B (A x)``: jobs with different adapters
+  share one step. The rows of a job are found through the row layout the caller declares
+  (``workers/adapters/layout.py``): the runner's batch rows, or the token packs the mask-aware
+  controllers build.
+
+Per step (``prepare``) the patcher picks the merged set ``M`` (none, the current one, or one of the
+batch's sets) minimising ``switch(current -> M) + horizon * terms(M)``, where ``terms(M)`` is the
+batch's low-rank work given ``M`` and ``horizon`` the steps the batch is expected to keep this
+composition; the two costs are FLOP counts turned into seconds by rates measured on this device
+(EMA of timed merges and timed term computations). A uniform batch merges; a mixed one usually
+runs terms, or merges the set most of its rows share.
+
+How terms reach the computation: ``install`` gives every ``nn.Linear`` / ``nn.Conv2d`` of the
+model a forward that adds the module's terms, if any. It must run before the mask-aware hooks are
+installed, so that hooks calling a module's original forward on a token pack (diffusers
+``ModelHook.fn_ref.original_forward``) still get the terms, and capture hooks record activations
+that include them. With no terms the forward is the stock one plus one attribute check.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.adapters import layout
+from workers.adapters.lora import LoraModule, LoraWeights
+
+log = logging.getLogger(__name__)
+
+AdapterSet = tuple[tuple[str, float], ...]
+Resolver = Callable[[str], LoraWeights]
+
+
+class _Terms:
+    """One module's per-group low-rank terms for the current step: group -> (A_cat, B_cat)."""
+
+    __slots__ = ("by_group", "patcher", "name")
+
+    def __init__(self, patcher: "LoraPatcher", name: str) -> None:
+        self.by_group: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.patcher = patcher
+        self.name = name
+
+    def linear(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        lay = layout.current()
+        if lay is None:
+            raise RuntimeError(f"{self.name}: adapter terms but no row layout declared")
+        t0 = time.perf_counter()
+        if lay.flat:
+            xs, ys = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        else:
+            xs, ys = x, y
+        if xs.shape[0] != lay.total:
+            raise ValueError(f"{self.name}: input has {xs.shape[0]} rows, the row layout declares {lay.total}")
+        for g, lo, hi in lay.spans:
+            ab = self.by_group.get(g)
+            if ab is not None:
+                ys[lo:hi].add_(F.linear(F.linear(xs[lo:hi], ab[0]), ab[1]))
+        self.patcher.term_seconds += time.perf_counter() - t0
+        return y
+
+    def conv(self, mod: torch.nn.Conv2d, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        lay = layout.current()
+        if lay is None or lay.flat or x.shape[0] != lay.total:
+            raise ValueError(f"{self.name}: conv adapter terms need a batch-row layout of {x.shape[0]} rows")
+        t0 = time.perf_counter()
+        for g, lo, hi in lay.spans:
+            ab = self.by_group.get(g)
+            if ab is not None:
+                h = F.conv2d(x[lo:hi], ab[0], None, mod.stride, mod.padding, mod.dilation, mod.groups)
+                y[lo:hi].add_(F.conv2d(h, ab[1]))
+        self.patcher.term_seconds += time.perf_counter() - t0
+        return y
+
+
+class LoraLinear(torch.nn.Linear):
+    """``nn.Linear`` that adds its current adapter terms (``install``)."""
+
+    _stencil_terms: _Terms | None = None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        y = F.linear(input, self.weight, self.bias)
+        terms = self._stencil_terms
+        return y if terms is None else terms.linear(input, y)
+
+
+class LoraConv2d(torch.nn.Conv2d):
+    """``nn.Conv2d`` that adds its current adapter terms (``install``)."""
+
+    _stencil_terms: _Terms | None = None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        y = self._conv_forward(input, self.weight, self.bias)
+        terms = self._stencil_terms
+        return y if terms is None else terms.conv(self, input, y)
+
+
+_SWAP = {torch.nn.Linear: LoraLinear, torch.nn.Conv2d: LoraConv2d}
+
+
+def install(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Give every plain Linear/Conv2d of ``model`` the terms-aware forward (same class otherwise:
+    weights, state dict and ``isinstance`` checks are unchanged). Returns path -> module."""
+    out = {}
+    for path, mod in model.named_modules():
+        cls = _SWAP.get(type(mod))
+        if cls is not None:
+            registry = getattr(mod, "_diffusers_hook", None)
+            if registry is not None and registry.hooks:
+                # Those hooks captured the stock forward: they would bypass the terms (module doc).
+                raise RuntimeError(f"{path} already has diffusers hooks: install adapters before mask-aware hooks")
+            mod.__class__ = cls
+        if isinstance(mod, (LoraLinear, LoraConv2d)):
+            out[path] = mod
+    return out
+
+
+@dataclass
+class GroupDemand:
+    """One job of the step as the patcher sees it."""
+
+    adapters: AdapterSet
+    tokens: float  # token rows the job computes this step (rows x tokens): what terms cost scales with
+    remaining: int = 1
+
+
+@dataclass
+class PatchStats:
+    merges: int = 0
+    merge_seconds: float = 0.0
+    term_seconds: float = 0.0
+    steps_merged: int = 0
+    steps_terms: int = 0
+    last_merged: AdapterSet = ()
+
+
+class _Rate:
+    """Seconds per unit of work (EMA), from measurements."""
+
+    def __init__(self, prior: float) -> None:
+        self.value = prior
+        self.seen = False
+
+    def observe(self, work: float, seconds: float) -> None:
+        if work <= 0 or seconds <= 0:
+            return
+        r = seconds / work
+        self.value = r if not self.seen else 0.8 * self.value + 0.2 * r
+        self.seen = True
+
+
+class LoraPatcher:
+    """Per-step adapter application for one model (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, component: str, resolve: Resolver, *,
+                 max_term_cache: int = 256) -> None:
+        self.model = model
+        self.component = component
+        self.resolve = resolve
+        self.modules = install(model)
+        self.merged: AdapterSet = ()
+        self._backup: dict[str, torch.Tensor] = {}
+        self._active: dict[str, _Terms] = {}  # modules with terms this step
+        self._term_cache: dict[tuple[str, AdapterSet], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._max_term_cache = max_term_cache
+        self._device_mods: dict[str, dict[str, LoraModule]] = {}
+        self._units_memo: dict[str, tuple[float, float]] = {}
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        # Both costs are FLOP counts turned into seconds by rates measured here (one prior for both).
+        self.merge_rate = _Rate(2e-10)
+        self.term_rate = _Rate(2e-10)
+        self.term_seconds = 0.0  # accumulated by the modules' terms during a step
+        self._predicted_units = 0.0
+        self.stats = PatchStats()
+
+    # -- adapters on the device ----------------------------------------------------------------
+    def _mods(self, lora_id: str) -> dict[str, LoraModule]:
+        mods = self._device_mods.get(lora_id)
+        if mods is None:
+            weights = self.resolve(lora_id)
+            mods = {}
+            for path, m in weights.modules(self.component).items():
+                if path not in self.modules:
+                    raise KeyError(f"adapter {lora_id}: {self.component} has no module {path}")
+                mods[path] = m.to(self.device, self.dtype)
+            self._device_mods[lora_id] = mods
+        return mods
+
+    def forget(self, lora_id: str) -> None:
+        """Drop an adapter's device copy (it must not be merged)."""
+        if any(i == lora_id for i, _ in self.merged):
+            raise RuntimeError(f"adapter {lora_id} is merged")
+        self._device_mods.pop(lora_id, None)
+        self._units_memo.pop(lora_id, None)
+        self._term_cache = {k: v for k, v in self._term_cache.items() if all(i != lora_id for i, _ in k[1])}
+
+    def _units(self, lora_id: str) -> tuple[float, float]:
+        """(term FLOPs per token row, merge FLOPs) of one adapter on this model."""
+        memo = self._units_memo.get(lora_id)
+        if memo is None:
+            term = merge = 0.0
+            for m in self._mods(lora_id).values():
+                fan_in = m.down[0].numel()
+                term += 2 * m.rank * (fan_in + m.up.shape[0])
+                merge += 2 * m.rank * fan_in * m.up.shape[0]
+            memo = self._units_memo[lora_id] = (term, merge)
+        return memo
+
+    # -- merging -------------------------------------------------------------------------------
+    def merge(self, adapters: AdapterSet) -> None:
+        """Make the weights hold ``adapters`` (``()``: the pristine base weights), exactly."""
+        if adapters == self.merged:
+            return
+        t0 = time.perf_counter()
+        new = dict(adapters)
+        ids = {i for i, _ in self.merged} | set(new)
+        paths: set[str] = set()
+        for i in ids:
+            paths.update(self._mods(i))
+        with torch.no_grad():
+            for path in sorted(paths):
+                w = self.modules[path].weight
+                base = self._backup.get(path)
+                if base is None:
+                    base = self._backup[path] = w.detach().clone()
+                contrib = [(self._mods(i)[path], s) for i, s in new.items() if path in self._mods(i)]
+                if not contrib:
+                    w.copy_(base)
+                    continue
+                acc = base.to(torch.float32)
+                for m, s in contrib:
+                    acc = acc + m.delta(s, torch.float32)
+                w.copy_(acc.to(w.dtype))
+        took = time.perf_counter() - t0
+        self.merge_rate.observe(sum(self._units(i)[1] for i in ids), took)
+        self.stats.merges += 1
+        self.stats.merge_seconds += took
+        self.merged = adapters
+        log.debug("%s: merged %s in %.4f s (%d modules)", self.component, adapters, took, len(paths))
+
+    def base_identical(self) -> bool:
+        """True when no adapter is merged and every touched weight equals its pristine copy."""
+        return not self.merged and all(torch.equal(self.modules[p].weight, w) for p, w in self._backup.items())
+
+    # -- per-step plan -------------------------------------------------------------------------
+    @staticmethod
+    def diff(own: AdapterSet, merged: AdapterSet) -> AdapterSet:
+        """The term a row needs: its own set minus the merged one, as (id, coefficient) pairs."""
+        out = dict(own)
+        for i, s in merged:
+            out[i] = out.get(i, 0.0) - s
+        return tuple(sorted((i, c) for i, c in out.items() if c != 0.0))
+
+    def _term_units(self, groups: Sequence[GroupDemand], merged: AdapterSet) -> float:
+        return sum(g.tokens * self._units(i)[0] for g in groups for i, _ in self.diff(g.adapters, merged))
+
+    def choose(self, groups: Sequence[GroupDemand]) -> AdapterSet:
+        """The merged set for this step (module doc): least predicted seconds over the horizon."""
+        if not groups:
+            return self.merged
+        sets = list(dict.fromkeys(g.adapters for g in groups))
+        candidates = list(dict.fromkeys([self.merged, (), *sets]))
+        horizon = max(1.0, statistics.median(g.remaining for g in groups))
+        best, best_cost = self.merged, math.inf
+        for cand in candidates:
+            switch = 0.0
+            if cand != self.merged:
+                switch = sum(self._units(i)[1] for i in {i for i, _ in self.merged} | {i for i, _ in cand})
+            cost = switch * self.merge_rate.value + horizon * self._term_units(groups, cand) * self.term_rate.value
+            if cost < best_cost * (1 - 1e-9):
+                best, best_cost = cand, cost
+        return best
+
+    def prepare(self, groups: Sequence[GroupDemand]) -> AdapterSet:
+        """Set up one step: merge the chosen set and give every module its per-group terms (group =
+        index in ``groups``, as the row layouts name them). Returns the merged set."""
+        merged = self.choose(groups)
+        self.merge(merged)
+        active: dict[str, _Terms] = {}
+        for g, demand in enumerate(groups):
+            diff = self.diff(demand.adapters, merged)
+            if not diff:
+                continue
+            for path, ab in self._group_terms(diff).items():
+                terms = active.get(path)
+                if terms is None:
+                    terms = active[path] = self._active.get(path) or _Terms(self, f"{self.component}.{path}")
+                    terms.by_group.clear()
+                terms.by_group[g] = ab
+        for path in self._active.keys() - active.keys():
+            self.modules[path]._stencil_terms = None
+        for path, terms in active.items():
+            self.modules[path]._stencil_terms = terms
+        self._active = active
+        layout.set_wanted(bool(active))
+        self._predicted_units = self._term_units(groups, merged) if active else 0.0
+        self.term_seconds = 0.0
+        if active:
+            self.stats.steps_terms += 1
+        elif merged:
+            self.stats.steps_merged += 1
+        self.stats.last_merged = merged
+        return merged
+
+    def finish(self) -> None:
+        """After the step's forward: calibrate the term rate (predicted units vs measured seconds)."""
+        if self._predicted_units > 0 and self.term_seconds > 0:
+            self.term_rate.observe(self._predicted_units, self.term_seconds)
+            self.stats.term_seconds += self.term_seconds
+        self._predicted_units = 0.0
+
+    def _group_terms(self, diff: AdapterSet) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per module: A = [A_1; A_2; ...], B = [c_1 s_1 B_1, c_2 s_2 B_2, ...] (one matmul pair)."""
+        paths: set[str] = set()
+        for i, _ in diff:
+            paths.update(self._mods(i))
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for path in paths:
+            ab = self._term_cache.get((path, diff))
+            if ab is None:
+                downs, ups = [], []
+                for i, c in diff:
+                    m = self._mods(i).get(path)
+                    if m is not None:
+                        downs.append(m.down)
+                        ups.append(m.up * (c * m.scaling))
+                ab = (torch.cat(downs), torch.cat(ups, dim=1))
+                if len(self._term_cache) >= self._max_term_cache:
+                    self._term_cache.pop(next(iter(self._term_cache)))
+                self._term_cache[(path, diff)] = ab
+            out[path] = ab
+        return out
+
+    def clear(self) -> None:
+        """No terms (between steps, or a step without adapters); the merged set stays."""
+        for path in self._active:
+            self.modules[path]._stencil_terms = None
+        self._active = {}
+        layout.set_wanted(False)
+
+
+__all__ = ["AdapterSet", "GroupDemand", "LoraConv2d", "LoraLinear", "LoraPatcher", "install"]
