@@ -348,7 +348,8 @@ class Dispatcher:
         worker = self.router.choose(demand, view)
         self.decisions.add(time.perf_counter() - start)
         if demand.adapters:  # fetch them while the job is prepared (deduplicated on the worker)
-            self.celery.send_task("stencil.prefetch_loras", args=(list(demand.adapters),), queue=gpu_queue(worker))
+            loras = [[i, s] for i, s in rec.params.loras]
+            self.celery.send_task("stencil.prefetch_loras", args=(loras,), queue=gpu_queue(worker))
         self.send_chain(job_id, worker)
         if self.jobs.transition(job_id, JobStatus.ROUTED, expect=(JobStatus.QUEUED,), worker=gpu_queue(worker)):
             self.view.assign(worker, demand)

@@ -248,11 +248,20 @@ def prefetch(key: dict[str, Any], steps: int) -> None:
 
 
 @app.task(name="stencil.prefetch_loras", ignore_result=True, acks_late=False)
-def prefetch_loras(ids: list[str]) -> None:
-    """Start fetching a routed job's adapters into host RAM (deduplicated) while it waits."""
-    adapters = getattr(get_engine().runner, "adapters", None)
-    if adapters is not None:
-        adapters.prefetch(str(i) for i in ids)
+def prefetch_loras(loras: list[list[Any]]) -> None:
+    """Start fetching a routed job's adapters into host RAM (deduplicated) while it is prepared;
+    on an idle engine also merge them in the background, so its first step swaps them in."""
+    engine = get_engine()
+    runner = engine.runner
+    if getattr(runner, "adapters", None) is None:
+        return
+    adapters = tuple(sorted((str(i), float(s)) for i, s in loras))
+
+    def stage() -> None:
+        if not engine.scheduler.jobs() and runner.lora is not None:
+            runner.lora.stage(adapters)
+
+    runner.adapters.prefetch((i for i, _ in adapters), on_ready=stage)
 
 
 def _lora_fields(out: dict[str, Any]) -> dict[str, Any]:

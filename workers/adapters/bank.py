@@ -52,8 +52,10 @@ class AdapterBank:
         self.fetches += 1
         return self.read(lora_id)
 
-    def prefetch(self, ids: Iterable[str]) -> None:
-        """Start loading adapters that are not resident (deduplicated; returns at once)."""
+    def prefetch(self, ids: Iterable[str], on_ready: Callable[[], None] | None = None) -> None:
+        """Start loading adapters that are not resident (deduplicated; returns at once). ``on_ready``
+        runs (on a fetch thread) once all of them are resident."""
+        ids = list(ids)
         now = time.monotonic()
         for lora_id in ids:
             with self._lock:
@@ -65,6 +67,19 @@ class AdapterBank:
                 self._failed.pop(lora_id, None)
                 self._pending.add(lora_id)
             self._pool.submit(self._fetch, lora_id)
+        if on_ready is not None:
+            self._pool.submit(self._when_ready, ids, on_ready)
+
+    def _when_ready(self, ids: list[str], on_ready: Callable[[], None]) -> None:
+        """Runs after the fetches queued before it (one queue): call back if they all landed."""
+        deadline = time.monotonic() + 60.0
+        while not self.ready(ids) and self.failure(ids) is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # a fetch still running on another fetch thread
+        if self.ready(ids):
+            try:
+                on_ready()
+            except Exception:
+                log.exception("adapter ready callback failed")
 
     def ready(self, ids: Iterable[str]) -> bool:
         return all(i in self.host for i in ids)

@@ -2,10 +2,11 @@
 per-row low-rank terms, chosen per step from measured costs.
 
 Two ways to give a row the adapters of its job (``AdapterSet``: ``(id, scale)`` pairs):
-- **merged**: ``W = W0 + sum(scale * scaling * B @ A)`` written into the module's weight. Free at
-  compute time, but one set for the whole model. Undone exactly: the first merge of a module keeps
-  its pristine weight ``W0`` (on the weight's device), and every merge or unmerge recomputes from
-  ``W0``, so the base weights are bit-identical after any number of merges (never ``W + d - d``).
+- **merged**: the module's weight is ``W0 + sum(scale * scaling * B @ A)``. Free at compute time,
+  but one set for the whole model. The merged weights live beside the pristine ones
+  (``workers/adapters/merge.py``): switching is a pointer swap, the pristine weights are never
+  written (bit-identical after any number of merges), and a set can be merged in the background
+  (``stage``) before a batch needs it.
 - **terms**: the base (or merged) weights plus, for the rows of each job whose set differs from the
   merged one, ``(own - merged)`` as low-rank products ``B (A x)``: jobs with different adapters
   share one step. The rows of a job are found through the row layout the caller declares
@@ -31,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 
 from workers.adapters import layout
 from workers.adapters.lora import LoraModule, LoraWeights
+from workers.adapters.merge import MergedWeights
 
 log = logging.getLogger(__name__)
 
@@ -169,13 +172,13 @@ class LoraPatcher:
     """Per-step adapter application for one model (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, component: str, resolve: Resolver, *,
-                 max_term_cache: int = 256) -> None:
+                 max_term_cache: int = 256, merge_buffers: int = 2) -> None:
         self.model = model
         self.component = component
         self.resolve = resolve
         self.modules = install(model)
-        self.merged: AdapterSet = ()
-        self._backup: dict[str, torch.Tensor] = {}
+        self.weights = MergedWeights(self.modules, self._mods, merge_buffers)
+        self._lock = threading.Lock()  # _mods is also called from the background merge thread
         self._active: dict[str, _Terms] = {}  # modules with terms this step
         self._term_cache: dict[tuple[str, AdapterSet], tuple[torch.Tensor, torch.Tensor]] = {}
         self._max_term_cache = max_term_cache
@@ -191,17 +194,23 @@ class LoraPatcher:
         self.stats = PatchStats()
 
     # -- adapters on the device ----------------------------------------------------------------
+    @property
+    def merged(self) -> AdapterSet:
+        """The set the weights hold now (``()``: the pristine base weights)."""
+        return self.weights.current
+
     def _mods(self, lora_id: str) -> dict[str, LoraModule]:
-        mods = self._device_mods.get(lora_id)
-        if mods is None:
-            weights = self.resolve(lora_id)
-            mods = {}
-            for path, m in weights.modules(self.component).items():
-                if path not in self.modules:
-                    raise KeyError(f"adapter {lora_id}: {self.component} has no module {path}")
-                mods[path] = m.to(self.device, self.dtype)
-            self._device_mods[lora_id] = mods
-        return mods
+        with self._lock:
+            mods = self._device_mods.get(lora_id)
+            if mods is None:
+                weights = self.resolve(lora_id)
+                mods = {}
+                for path, m in weights.modules(self.component).items():
+                    if path not in self.modules:
+                        raise KeyError(f"adapter {lora_id}: {self.component} has no module {path}")
+                    mods[path] = m.to(self.device, self.dtype)
+                self._device_mods[lora_id] = mods
+            return mods
 
     def forget(self, lora_id: str) -> None:
         """Drop an adapter's device copy (it must not be merged)."""
@@ -228,36 +237,24 @@ class LoraPatcher:
         """Make the weights hold ``adapters`` (``()``: the pristine base weights), exactly."""
         if adapters == self.merged:
             return
+        ids = {i for i, _ in self.merged} | {i for i, _ in adapters}
+        before = self.weights.sync_seconds
         t0 = time.perf_counter()
-        new = dict(adapters)
-        ids = {i for i, _ in self.merged} | set(new)
-        paths: set[str] = set()
-        for i in ids:
-            paths.update(self._mods(i))
-        with torch.no_grad():
-            for path in sorted(paths):
-                w = self.modules[path].weight
-                base = self._backup.get(path)
-                if base is None:
-                    base = self._backup[path] = w.detach().clone()
-                contrib = [(self._mods(i)[path], s) for i, s in new.items() if path in self._mods(i)]
-                if not contrib:
-                    w.copy_(base)
-                    continue
-                acc = base.to(torch.float32)
-                for m, s in contrib:
-                    acc = acc + m.delta(s, torch.float32)
-                w.copy_(acc.to(w.dtype))
+        self.weights.switch(adapters)
         took = time.perf_counter() - t0
-        self.merge_rate.observe(sum(self._units(i)[1] for i in ids), took)
+        if self.weights.sync_seconds > before:  # a merge on this path (not a swap): calibrate its rate
+            self.merge_rate.observe(sum(self._units(i)[1] for i in ids), self.weights.sync_seconds - before)
         self.stats.merges += 1
         self.stats.merge_seconds += took
-        self.merged = adapters
-        log.debug("%s: merged %s in %.4f s (%d modules)", self.component, adapters, took, len(paths))
+        log.debug("%s: switched to %s in %.4f s", self.component, adapters, took)
+
+    def stage(self, adapters: AdapterSet) -> bool:
+        """Merge ``adapters`` in the background so a later switch to them is a swap."""
+        return self.weights.stage(adapters)
 
     def base_identical(self) -> bool:
-        """True when no adapter is merged and every touched weight equals its pristine copy."""
-        return not self.merged and all(torch.equal(self.modules[p].weight, w) for p, w in self._backup.items())
+        """True when no adapter is merged and every adapted weight is its pristine self."""
+        return self.weights.base_identical()
 
     # -- per-step plan -------------------------------------------------------------------------
     @staticmethod
@@ -271,18 +268,20 @@ class LoraPatcher:
     def _term_units(self, groups: Sequence[GroupDemand], merged: AdapterSet) -> float:
         return sum(g.tokens * self._units(i)[0] for g in groups for i, _ in self.diff(g.adapters, merged))
 
-    def choose(self, groups: Sequence[GroupDemand]) -> AdapterSet:
+    def choose(self, groups: Sequence[GroupDemand], ready_only: bool = False) -> AdapterSet:
         """The merged set for this step (module doc): least predicted seconds over the horizon."""
         if not groups:
             return self.merged
         sets = list(dict.fromkeys(g.adapters for g in groups))
         candidates = list(dict.fromkeys([self.merged, (), *sets]))
+        if ready_only:
+            candidates = [c for c in candidates if self.weights.ready(c)]
         horizon = max(1.0, statistics.median(g.remaining for g in groups))
         best, best_cost = self.merged, math.inf
         for cand in candidates:
             switch = 0.0
-            if cand != self.merged:
-                switch = sum(self._units(i)[1] for i in {i for i, _ in self.merged} | {i for i, _ in cand})
+            if not self.weights.ready(cand):  # a merge on the critical path, not a swap
+                switch = sum(self._units(i)[1] for i in {i for i, _ in cand})
             cost = switch * self.merge_rate.value + horizon * self._term_units(groups, cand) * self.term_rate.value
             if cost < best_cost * (1 - 1e-9):
                 best, best_cost = cand, cost
@@ -292,6 +291,10 @@ class LoraPatcher:
         """Set up one step: merge the chosen set and give every module its per-group terms (group =
         index in ``groups``, as the row layouts name them). Returns the merged set."""
         merged = self.choose(groups)
+        if not self.weights.ready(merged) and self.stage(merged):
+            # Merging it now would stall this step: merge it in the background and run this step
+            # with what is ready (terms for the rest); a later step swaps it in at no cost.
+            merged = self.choose(groups, ready_only=True)
         self.merge(merged)
         active: dict[str, _Terms] = {}
         for g, demand in enumerate(groups):
