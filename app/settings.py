@@ -95,6 +95,9 @@ class Settings:
     max_loras_per_job: int = 4
     lora_patch: str = "exact"
     lora_late_max_fraction: float = 0.3
+    # Spare copies of the adapted weights that merged sets live in (switching = a pointer swap,
+    # merged in the background); 0 = merge in place (less memory, merges on the critical path).
+    lora_merge_buffers: int = 2
 
     # Input limits.
     max_image_pixels: int = 4096 * 4096

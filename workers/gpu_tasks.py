@@ -192,7 +192,7 @@ def get_engine() -> Engine:
                 from workers.maskaware.flux import MaskAwareFlux
 
                 model = loader.load_flux_transformer(ctx.model_dir(), s.device)
-                lora = LoraPatcher(model, "transformer", bank.get)
+                lora = LoraPatcher(model, "transformer", bank.get, merge_buffers=s.lora_merge_buffers)
                 runner: Any = FluxRunner(model, ctx.scheduler_config(), loader.vae_scale_factor(ctx.model_dir()),
                                          s.device, maskaware=MaskAwareFlux(model) if s.mask_aware else None,
                                          lora=lora, **cache_options)
@@ -201,7 +201,7 @@ def get_engine() -> Engine:
                 from workers.maskaware.unet import MaskAwareUNet
 
                 unet = loader.load_unet(ctx.model_dir(), s.device)
-                lora = LoraPatcher(unet, "unet", bank.get)
+                lora = LoraPatcher(unet, "unet", bank.get, merge_buffers=s.lora_merge_buffers)
                 maskaware = MaskAwareUNet(unet, kv_source=s.maskaware_kv_source) if s.mask_aware else None  # type: ignore[arg-type]
                 runner = SDRunner(unet, ctx.scheduler_config(), s.device, maskaware=maskaware, lora=lora,
                                   **cache_options)
