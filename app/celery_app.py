@@ -24,7 +24,7 @@ def make_celery(settings: Settings | None = None) -> Celery:
         "stencil",
         broker=settings.celery_broker,
         backend=settings.celery_backend,
-        include=["workers.cpu_tasks", "workers.gpu_tasks", "workers.adapter_tasks"],
+        include=["workers.cpu_tasks", "workers.gpu_tasks", "workers.adapter_tasks", "workers.controlnets.registry"],
     )
     celery.conf.update(
         task_serializer="json",

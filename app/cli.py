@@ -36,7 +36,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                            strength=args.strength, seed=args.seed, priority=args.priority,
                            deadline=args.deadline, idempotency_key=args.idempotency_key,
                            keep_unmasked=args.keep_unmasked, fidelity=args.fidelity, loras=";".join(args.lora),
-                           lora_patch=args.lora_patch)
+                           lora_patch=args.lora_patch, controls=[parse_control(c) for c in args.control])
     sys.stdout.write(handle.id + "\n")
     if args.wait:
         return _wait(handle, args.timeout, args.out)
@@ -80,6 +80,45 @@ def cmd_template_warm(args: argparse.Namespace) -> int:
                                      mask=Path(args.mask) if args.mask else None, loras=";".join(args.lora))
     sys.stdout.write(handle.id + "\n")
     return _wait(handle, args.timeout, None) if args.wait else 0
+
+
+def parse_control(text: str) -> tuple[str, Path, float, float, float]:
+    """``ID:IMAGE[:SCALE[:START:END]]`` (the CLI's form of a control)."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3, 5):
+        raise InvalidParameter("--control", f"expected ID:IMAGE[:SCALE[:START:END]], got {text!r}")
+    numbers = [float(v) for v in parts[2:]] if all(_is_number(v) for v in parts[2:]) else None
+    if numbers is None:
+        raise InvalidParameter("--control", f"SCALE, START and END must be numbers in {text!r}")
+    scale, start, end = (numbers + [1.0, 0.0, 1.0][len(numbers):])[:3]
+    return parts[0], Path(parts[1]), scale, start, end
+
+
+def _is_number(v: str) -> bool:
+    try:
+        float(v)
+    except ValueError:
+        return False
+    return True
+
+
+def cmd_controlnet_add(args: argparse.Namespace) -> int:
+    from app.client import InvalidAdapter
+
+    try:
+        meta = _client().add_controlnet(Path(args.dir), args.id, timeout=args.timeout)
+    except InvalidAdapter as exc:
+        sys.stderr.write(f"stencil controlnet add: {exc}\n")
+        return 2
+    sys.stdout.write(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+def cmd_controlnet_list(args: argparse.Namespace) -> int:
+    for meta in _client().list_controlnets():
+        sys.stdout.write(f"{meta['id']}\t{meta.get('nbytes', 0) / 2**20:.1f} MiB\t"
+                         f"{meta.get('parameters', 0) / 1e6:.1f} M parameters\n")
+    return 0
 
 
 def cmd_lora_add(args: argparse.Namespace) -> int:
@@ -253,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exact | balanced | fast (default: the service's STENCIL_FIDELITY)")
     s.add_argument("--lora", action="append", default=[], metavar="ID[:SCALE]",
                    help="a LoRA adapter added with `stencil lora add` (repeat for several; scale 1.0 if omitted)")
+    s.add_argument("--control", action="append", default=[], metavar="ID:IMAGE[:SCALE[:START:END]]",
+                   help="a ControlNet added with `stencil controlnet add` and its control image (repeatable)")
     s.add_argument("--lora-patch", default="", choices=("", "exact", "late"),
                    help="exact: adapters from the first step; late: may start before they are loaded "
                         "(default: the service's STENCIL_LORA_PATCH)")
@@ -314,6 +355,16 @@ def build_parser() -> argparse.ArgumentParser:
     s = lo.add_parser("list", help="the stored adapters")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_lora_list)
+
+    cn = sub.add_parser("controlnet", help="ControlNets").add_subparsers(dest="ccmd", required=True)
+    s = cn.add_parser("add", help="add a diffusers ControlNetModel folder (config.json + safetensors weights); "
+                                  "checked against the service's model")
+    s.add_argument("dir")
+    s.add_argument("--id", required=True, help="the id jobs name it by (letters, digits, . _ -)")
+    s.add_argument("--timeout", type=float, default=600.0)
+    s.set_defaults(func=cmd_controlnet_add)
+    s = cn.add_parser("list", help="the stored ControlNets")
+    s.set_defaults(func=cmd_controlnet_list)
 
     m = sub.add_parser("model", help="model utilities").add_subparsers(dest="mcmd", required=True)
     s = m.add_parser("save", help="write an embedded model (default: STENCIL_MODEL_ID) as a diffusers pipeline folder")

@@ -25,6 +25,7 @@ from PIL import Image
 
 from app.adapters import AdapterSet, lora_meta_key, lora_upload_key
 from app.blobs import BlobStore
+from app.controls import control_blob, control_spec
 from app.jobs import IDEMPOTENCY_PREFIX, JobParams, JobRecord, JobStatus, JobStore, new_job_id
 from app.keys import TEMPLATE_PREFIX, UPLOAD_PREFIX, template_key
 from app.masks import mask_from_array
@@ -38,7 +39,7 @@ ImageLike = bytes | Image.Image | np.ndarray | Path
 
 
 class InvalidAdapter(ValueError):
-    """A LoRA adapter the service refused (wrong format, shapes that do not fit the model...)."""
+    """An add-on (LoRA adapter, ControlNet) the service refused (format, shapes that do not fit...)."""
 
 
 class JobFailed(RuntimeError):
@@ -155,7 +156,8 @@ class StencilClient:
                seed: int = 0, priority: int = 0, deadline: float | None = None,
                idempotency_key: str | None = None, width: int | None = None,
                height: int | None = None, keep_unmasked: bool = False, fidelity: str = "",
-               loras: AdapterSet | list[Any] | str = (), lora_patch: str = "") -> JobHandle:
+               loras: AdapterSet | list[Any] | str = (), lora_patch: str = "",
+               controls: Iterable[Any] = ()) -> JobHandle:
         """Submit an edit. ``template`` is a stored template id (str) or an image to upload;
         uploads are content-addressed (the same bytes -> the same template id, warmed once).
 
@@ -173,17 +175,23 @@ class StencilClient:
         and take them within ``STENCIL_LORA_LATE_MAX_FRACTION`` of its steps; the record says at
         which step: ``lora_applied_step``); "" = the service's ``STENCIL_LORA_PATCH``.
 
+        ``controls``: ControlNets added with ``add_controlnet`` and their control images, e.g.
+        ``[("canny", edges_png, 0.8)]`` or ``(id, image, scale, start, end)`` or mappings; the
+        result equals ``StableDiffusionControlNetInpaintPipeline`` with those ControlNets,
+        ``controlnet_conditioning_scale``, ``control_guidance_start`` and ``_end``.
+
         ``deadline`` is absolute (epoch seconds). Malformed or out-of-range parameters raise
         ``InvalidParameter`` (a ``ValueError`` naming the parameter) before anything is stored;
         what only the service can judge (image contents, an unknown template) gives a ``failed``
         job with a reason.
         """
+        specs = [control_spec(c) for c in controls]
         params = JobParams(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
                            strength=strength, seed=seed, priority=priority, deadline=deadline,
                            template_id=template if isinstance(template, str) else "",
                            width=width, height=height, keep_unmasked=keep_unmasked,
                            fidelity=fidelity, loras=loras, lora_patch=lora_patch,  # type: ignore[arg-type]
-                           ).check(self.settings.max_steps, self.settings.max_loras_per_job)
+                           controls=tuple(c for c, _ in specs)).check(self.settings.max_steps, *self._limits())
         job_id = new_job_id()
         if idempotency_key:  # a retry of an accepted submission: nothing to upload again
             existing = self.redis.get(IDEMPOTENCY_PREFIX + idempotency_key)
@@ -194,6 +202,8 @@ class StencilClient:
             data = _image_bytes(template, mask=False)
             params.template_id = self._store_once(content_id(data, UPLOAD_PREFIX), data)
         self.blobs.put(job_id, "mask", _image_bytes(mask, mask=True))
+        for i, (_c, image) in enumerate(specs):
+            self.blobs.put(job_id, control_blob(i), _image_bytes(image, mask=False))
         job_id_final, created = self.jobs.create(params, idempotency_key=idempotency_key, job_id=job_id)
         if not created:
             self.blobs.delete_job(job_id)
@@ -202,24 +212,86 @@ class StencilClient:
     def warm_template(self, template_id: str, *, steps: int = 20, guidance: float = 7.5, strength: float = 1.0,
                       prompt: str = "", seed: int = 0, mask: ImageLike | None = None,
                       width: int | None = None, height: int | None = None, priority: int = 0,
-                      negative_prompt: str = "", loras: AdapterSet | list[Any] | str = ()) -> JobHandle:
+                      negative_prompt: str = "", loras: AdapterSet | list[Any] | str = (),
+                      controls: Iterable[Any] = ()) -> JobHandle:
         """Run a template's warm-up: a full inference that records its activations.
 
         Edits of the template with the same steps, strength, guidance layout (CFG or not) and size
         then compute only their masked tokens, approximately (``app/fidelity.py``). With ``mask`` it
         is a region warm-up, keyed by that mask, prompt, negative prompt, seed and guidance: edits
         with exactly those take the exact path (equal to the stock pipeline within 1/255).
-        With ``loras`` the recording is keyed by that adapter set too: edits with those adapters
-        use it (the template's cache recorded without them is only an approximation for them).
+        With ``loras`` or ``controls`` the recording is keyed by those too: edits with the same
+        adapters and controls use it (a cache recorded without them only approximates them).
         """
+        specs = [control_spec(c) for c in controls]
         params = JobParams(kind="warm", template_id=template_id, prompt=prompt, negative_prompt=negative_prompt,
                            steps=steps, guidance=guidance, strength=strength, seed=seed, priority=priority,
                            width=width, height=height, loras=loras,  # type: ignore[arg-type]
-                           ).check(self.settings.max_steps, self.settings.max_loras_per_job)
+                           controls=tuple(c for c, _ in specs)).check(self.settings.max_steps, *self._limits())
         job_id = new_job_id()
         if mask is not None:
             self.blobs.put(job_id, "mask", _image_bytes(mask, mask=True))
+        for i, (_c, image) in enumerate(specs):
+            self.blobs.put(job_id, control_blob(i), _image_bytes(image, mask=False))
         return JobHandle(self, self.jobs.create(params, job_id=job_id)[0])
+
+    def _limits(self) -> tuple[int, int]:
+        return self.settings.max_loras_per_job, self.settings.max_controls_per_job
+
+    def add_controlnet(self, folder: Path, controlnet_id: str, *, timeout: float = 600.0) -> dict[str, Any]:
+        """Add a ControlNet (a diffusers ``ControlNetModel`` folder: ``config.json`` and
+        ``diffusion_pytorch_model.safetensors``) under ``controlnet_id``; returns its description.
+        A CPU worker checks that it fits the service's model; refusals raise ``InvalidAdapter``."""
+        import json
+        import uuid
+
+        from app.celery_app import CPU_QUEUE, make_celery
+        from app.controls import CONTROL_FILES, controlnet_meta_key, controlnet_upload_key
+
+        controlnet_id = object_id("controlnet id", controlnet_id)
+        folder = Path(folder)
+        missing = [n for n in CONTROL_FILES if not (folder / n).is_file()]
+        if missing:
+            raise InvalidAdapter(f"{folder.name}: not a diffusers ControlNetModel folder with safetensors weights "
+                                 f"(missing {', '.join(missing)}; pickle-based .bin weights are refused)")
+        digest = hashlib.sha256()
+        for name in CONTROL_FILES:
+            with open(folder / name, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(chunk)
+        if self.store.exists(controlnet_meta_key(controlnet_id)):
+            meta = json.loads(self.store.get(controlnet_meta_key(controlnet_id)))
+            if meta.get("source_sha256") == digest.hexdigest():
+                return meta
+            raise InvalidParameter("controlnet id", f"{controlnet_id!r} already names another ControlNet "
+                                                    "(ids are immutable)")
+        size = sum((folder / n).stat().st_size for n in CONTROL_FILES)
+        if size > self.settings.max_controlnet_bytes:
+            raise InvalidAdapter(f"ControlNet is {size} bytes, over STENCIL_MAX_CONTROLNET_BYTES = "
+                                 f"{self.settings.max_controlnet_bytes}")
+        token = uuid.uuid4().hex
+        for name in CONTROL_FILES:
+            self.store.put(controlnet_upload_key(token, name), (folder / name).read_bytes())
+        if self._celery is None:
+            self._celery = make_celery(self.settings)
+        try:
+            out = self._celery.send_task("stencil.add_controlnet", args=(token, controlnet_id, digest.hexdigest()),
+                                         queue=CPU_QUEUE).get(timeout=timeout)
+        finally:
+            for name in CONTROL_FILES:
+                self.store.delete(controlnet_upload_key(token, name))
+        if out.get("error"):
+            raise InvalidAdapter(f"ControlNet {controlnet_id!r} refused: {out['error']}")
+        return out
+
+    def list_controlnets(self) -> list[dict[str, Any]]:
+        """Every stored ControlNet's description."""
+        import json
+
+        from app.controls import CONTROLNET_PREFIX
+
+        return [json.loads(self.store.get(k)) for k in sorted(self.store.list(CONTROLNET_PREFIX))
+                if k.endswith("/meta.json")]
 
     def add_lora(self, adapter: bytes | Path, lora_id: str, *, timeout: float = 300.0) -> dict[str, Any]:
         """Add a LoRA adapter (a safetensors file in any format diffusers' ``load_lora_weights``

@@ -34,6 +34,7 @@ from celery import Celery, chain
 from app.adapters import lora_meta_key
 from app.blobs import BlobStore
 from app.celery_app import CPU_QUEUE, gpu_queue
+from app.controls import controlnet_meta_key
 from app.costmodel import CostModel, UNetArch, find_model, min_service_seconds, token_counts_from_mask
 from app.fidelity import policy_schedule
 from app.jobs import JobRecord, JobStatus, JobStore
@@ -86,17 +87,25 @@ def parse_worker_hash(worker_id: str, fields: dict[Any, Any], *, now: float, sta
                 masked_tokens=tuple(tokens) if tokens else (d.masked_tokens if d else None),
                 cached=bool(e["cached"]) if "cached" in e else (d.cached if d else True),
                 template_id=e.get("template_id") or (d.template_id if d else ""),
-                refresh_share=d.refresh_share if d else 0.0, adapters=d.adapters if d else ()))
+                refresh_share=d.refresh_share if d else 0.0, addons=d.addons if d else ()))
         return out
 
     updated = float(f.get("updated") or 0.0)
     return WorkerState(
         worker_id=worker_id, running=jobs(f.get("running", "[]")), waiting=jobs(f.get("waiting", "[]")),
         templates=frozenset(json.loads(f["templates"])) if f.get("templates") else None,
-        adapters=frozenset(json.loads(f["loras"])) if "loras" in f else None,
+        addons=_published_addons(f),
         last_step_seconds=float(f.get("last_step_seconds") or 0.0), updated=updated,
         max_batch=int(f.get("max_batch") or max_batch),
         alive=not updated or now - updated <= stale_s)
+
+
+def _published_addons(f: dict[str, str]) -> frozenset[str] | None:
+    """The add-ons a worker says it holds (``lora:<id>``, ``controlnet:<id>``); None if it says nothing."""
+    if "loras" not in f and "controlnets" not in f:
+        return None
+    return frozenset(f"{kind}:{i}" for kind, field in (("lora", "loras"), ("controlnet", "controlnets"))
+                     for i in json.loads(f.get(field) or "[]"))
 
 
 class LiveWorkerView:
@@ -229,7 +238,7 @@ class Dispatcher:
             stale_s=_env_float("WORKER_STALE_SECONDS", 120.0),
             inflight_ttl_s=_env_float("INFLIGHT_TTL_SECONDS", 600.0))
         self.decisions = DecisionStats()
-        self._adapter_sizes: dict[str, int] = {}
+        self._addon_sizes: dict[str, int] = {}
         self._object_store: Any = None
         self.slo_overhead_s = _env_float("SLO_OVERHEAD_SECONDS", 0.0)  # prepare + finalize, if known
         # A stable name (per host) lets a restarted dispatcher re-read its own pending entries.
@@ -291,20 +300,22 @@ class Dispatcher:
         cached = bool(p.template_id) and p.kind == "edit" and 0.0 < ratio < 1.0
         steps = num_denoise_steps(p.steps, p.strength)
         refresh = len(policy_schedule(p.fidelity or self.s.fidelity, steps)) / steps if cached else 0.0
-        adapters = tuple(i for i, _ in p.loras)
+        addons = tuple(f"lora:{i}" for i, _ in p.loras) + tuple(dict.fromkeys(f"controlnet:{c[0]}" for c in p.controls))
         return JobDemand(job_id=rec.id, steps=steps, mask_ratio=ratio, masked_tokens=tokens, cached=cached,
                          template_id=p.template_id, priority=p.priority, deadline=p.deadline, refresh_share=refresh,
-                         adapters=adapters, adapter_bytes=sum(self._adapter_bytes(a) for a in adapters))
+                         addons=addons, addon_bytes=tuple(self._addon_bytes(a) for a in addons))
 
-    def _adapter_bytes(self, lora_id: str) -> int:
-        """An adapter's canonical size from its description (cached; 0 if unknown)."""
-        size = self._adapter_sizes.get(lora_id)
+    def _addon_bytes(self, addon: str) -> int:
+        """An add-on's size from its description in the object store (cached; 0 if unknown)."""
+        size = self._addon_sizes.get(addon)
         if size is None:
+            kind, _, name = addon.partition(":")
+            key = lora_meta_key(name) if kind == "lora" else controlnet_meta_key(name)
             try:
-                size = int(json.loads(self._store().get(lora_meta_key(lora_id))).get("nbytes", 0))
-            except Exception:  # unknown adapter: prepare fails the job with the reason
+                size = int(json.loads(self._store().get(key)).get("nbytes", 0))
+            except Exception:  # unknown add-on: prepare fails the job with the reason
                 return 0
-            self._adapter_sizes[lora_id] = size
+            self._addon_sizes[addon] = size
         return size
 
     def _store(self):  # type: ignore[no-untyped-def]
@@ -327,7 +338,7 @@ class Dispatcher:
             return "missing"
         if rec.status != JobStatus.QUEUED:
             return f"skipped ({rec.status.value})"
-        reason = rec.params.validate(self.s.max_steps, self.s.max_loras_per_job)
+        reason = rec.params.validate(self.s.max_steps, self.s.max_loras_per_job, self.s.max_controls_per_job)
         if reason:
             self.jobs.fail(job_id, reason)
             return "invalid"
@@ -347,9 +358,12 @@ class Dispatcher:
         start = time.perf_counter()
         worker = self.router.choose(demand, view)
         self.decisions.add(time.perf_counter() - start)
-        if demand.adapters:  # fetch them while the job is prepared (deduplicated on the worker)
+        if rec.params.loras:  # fetch them while the job is prepared (deduplicated on the worker)
             loras = [[i, s] for i, s in rec.params.loras]
             self.celery.send_task("stencil.prefetch_loras", args=(loras,), queue=gpu_queue(worker))
+        if rec.params.controls:
+            ids = list(dict.fromkeys(c[0] for c in rec.params.controls))
+            self.celery.send_task("stencil.prefetch_controlnets", args=(ids,), queue=gpu_queue(worker))
         self.send_chain(job_id, worker)
         if self.jobs.transition(job_id, JobStatus.ROUTED, expect=(JobStatus.QUEUED,), worker=gpu_queue(worker)):
             self.view.assign(worker, demand)

@@ -28,6 +28,7 @@ from app.adapters import (
     load_adapter_set,
 )
 from app.blobs import BLOB_PREFIX
+from app.controls import DEFAULT_MAX_CONTROLS, Control, check_controls, dump_controls, load_controls
 from app.fidelity import check_policy
 from app.validation import MAX_GUIDANCE, MAX_PRIORITY, MAX_SEED, InvalidParameter, integer, number, object_id, text
 
@@ -59,6 +60,7 @@ TERMINAL = frozenset({JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED, Job
 PARAM_FIELDS = (
     "kind", "template_id", "prompt", "negative_prompt", "steps", "guidance", "strength", "seed",
     "priority", "deadline", "width", "height", "keep_unmasked", "fidelity", "loras", "lora_patch",
+    "controls",
 )
 
 # Atomic submission. KEYS[1] = idempotency key ("" = none), KEYS[2] = the new job's hash,
@@ -129,6 +131,9 @@ class JobParams:
     # "" = the service's STENCIL_LORA_PATCH.
     loras: AdapterSet = ()
     lora_patch: str = ""
+    # ControlNets: ``((controlnet id, conditioning scale, start, end), ...)`` (``app/controls.py``);
+    # the images are the job's ``control<i>`` blobs.
+    controls: tuple[Control, ...] = ()
 
     def to_fields(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -136,6 +141,7 @@ class JobParams:
             value = getattr(self, name)
             out[name] = "" if value is None else str(value)
         out["loras"] = dump_adapter_set(tuple(self.loras))
+        out["controls"] = dump_controls(tuple(self.controls))
         return out
 
     @classmethod
@@ -161,17 +167,20 @@ class JobParams:
             fidelity=fields.get("fidelity") or "",
             loras=load_adapter_set(fields.get("loras") or ""),
             lora_patch=fields.get("lora_patch") or "",
+            controls=load_controls(fields.get("controls") or ""),
         )
 
-    def validate(self, max_steps: int, max_loras: int = DEFAULT_MAX_LORAS) -> str | None:
+    def validate(self, max_steps: int, max_loras: int = DEFAULT_MAX_LORAS,
+                 max_controls: int = DEFAULT_MAX_CONTROLS) -> str | None:
         """The reason the parameters are unusable, or None."""
         try:
-            self.check(max_steps, max_loras)
+            self.check(max_steps, max_loras, max_controls)
         except ValueError as exc:
             return str(exc)
         return None
 
-    def check(self, max_steps: int, max_loras: int = DEFAULT_MAX_LORAS) -> "JobParams":
+    def check(self, max_steps: int, max_loras: int = DEFAULT_MAX_LORAS,
+              max_controls: int = DEFAULT_MAX_CONTROLS) -> "JobParams":
         """These parameters typed and normalised (``app/validation.py``); raises
         ``InvalidParameter`` naming the first unusable one."""
         if self.kind not in ("edit", "warm"):
@@ -202,7 +211,7 @@ class JobParams:
             prompt=text("prompt", self.prompt), negative_prompt=text("negative_prompt", self.negative_prompt),
             deadline=None if self.deadline is None else number("deadline", self.deadline, 0.0, 1e11),
             keep_unmasked=bool(self.keep_unmasked), fidelity=fidelity,
-            loras=adapter_set(self.loras, max_loras), **size)
+            loras=adapter_set(self.loras, max_loras), controls=check_controls(self.controls, max_controls), **size)
 
 
 @dataclass

@@ -8,7 +8,7 @@ tests and the cluster simulator (ops/simulate.py) run the very same objects.
 ``STENCIL_ROUTING_POLICY``:
 - ``round_robin``: the baseline; ignores load.
 - ``least_requests``: fewest jobs (running + waiting + in flight); blind to job size and progress;
-  among equals, the worker holding more of the job's adapters.
+  among equals, the worker holding more of the job's add-ons (LoRA adapters, ControlNets).
 - ``least_masked_tokens``: fewest masked tokens (uncached jobs count all their tokens) over the
   worker's jobs; sees size, not progress, batch limits or fixed per-step costs.
 - ``mask_aware``: the paper's Algorithm 2. For each worker, the fitted cost model predicts each
@@ -17,8 +17,9 @@ tests and the cluster simulator (ops/simulate.py) run the very same objects.
   the cost is the time until the new job would finish there. A worker that already holds the
   job's template in host RAM (or has a job of that template on the way) is cheaper by the
   predicted fetch time (only for workers that publish their resident templates: residency that is
-  not known is not guessed); likewise for the job's LoRA adapters (their bytes at the fetch
-  tier's bandwidth, unless resident or on the way with another job there: adapter affinity).
+  not known is not guessed); likewise for the job's add-ons, LoRA adapters and ControlNets (their
+  bytes at the fetch tier's bandwidth, unless resident or on the way with another job there:
+  add-on affinity).
   Ties go to the worker with fewer jobs, then round robin. Workers
   whose cheap lower bound already exceeds the best cost found are skipped (same choice, faster).
 
@@ -54,8 +55,8 @@ class JobDemand:
     priority: int = 0
     deadline: float | None = None
     refresh_share: float = 0.0  # cached jobs: share of steps computed fully (fidelity refresh steps)
-    adapters: tuple[str, ...] = ()  # LoRA adapter ids
-    adapter_bytes: int = 0  # their canonical size (what a worker without them has to fetch)
+    addons: tuple[str, ...] = ()  # "lora:<id>", "controlnet:<id>": models the job needs besides the base
+    addon_bytes: tuple[int, ...] = ()  # their sizes (what a worker without them has to fetch)
 
 
 @dataclass
@@ -71,12 +72,12 @@ class JobLoad:
     step_seconds: float | None = None  # memo of the cost model's marginal step seconds
     token_load: float | None = None  # memo of the masked-token count (least_masked_tokens)
     refresh_share: float = 0.0
-    adapters: tuple[str, ...] = ()
+    addons: tuple[str, ...] = ()
 
     @classmethod
     def from_demand(cls, d: JobDemand) -> "JobLoad":
         return cls(d.job_id, d.steps, d.mask_ratio, d.masked_tokens, d.cached, d.template_id,
-                   refresh_share=d.refresh_share, adapters=d.adapters)
+                   refresh_share=d.refresh_share, addons=d.addons)
 
 
 @dataclass
@@ -88,7 +89,7 @@ class WorkerState:
     waiting: list[JobLoad] = field(default_factory=list)
     inflight: list[JobLoad] = field(default_factory=list)
     templates: frozenset[str] | None = frozenset()  # resident in host RAM; None = not published
-    adapters: frozenset[str] | None = None  # LoRA adapters resident in host RAM; None = not published
+    addons: frozenset[str] | None = None  # add-ons resident ("lora:<id>", ...); None = not published
     last_step_seconds: float = 0.0
     updated: float = 0.0  # epoch seconds of the engine's last publish (0 = never seen)
     max_batch: int = 8
@@ -107,15 +108,15 @@ class WorkerState:
     def jobs(self) -> Iterable[JobLoad]:
         return itertools.chain(self.running, self.waiting, self.inflight)
 
-    def missing_adapters(self, adapters: Iterable[str]) -> list[str]:
-        """The adapters this worker would have to fetch: neither resident nor on the way with one of
+    def missing_addons(self, addons: Iterable[str]) -> list[str]:
+        """The add-ons this worker would have to fetch: neither resident nor on the way with one of
         its jobs. Unknown residency (not published) counts as resident: nothing is guessed."""
-        if self.adapters is None:
+        if self.addons is None:
             return []
-        wanted = [a for a in adapters if a not in self.adapters]
+        wanted = [a for a in addons if a not in self.addons]
         if not wanted:
             return []
-        coming = {a for j in self.jobs() for a in j.adapters}
+        coming = {a for j in self.jobs() for a in j.addons}
         return [a for a in wanted if a not in coming]
 
 
@@ -183,7 +184,7 @@ class LeastRequestsRouter:
 
     def choose(self, job: JobDemand, view: WorkerView) -> str:
         return min(self._rot.order(view.candidates()),
-                   key=lambda w: (w.n_jobs, len(w.missing_adapters(job.adapters)))).worker_id
+                   key=lambda w: (w.n_jobs, len(w.missing_addons(job.addons)))).worker_id
 
 
 class LeastMaskedTokensRouter:
@@ -299,8 +300,8 @@ class MaskAwareRouter:
             self._bounds[w.worker_id] = (w.stamp, steps, ahead)
         return steps * (self.model.intercept + mine_s) + ahead
 
-    def cost(self, job: JobLoad, w: WorkerState, fetch_s: float, adapter_bytes: dict[str, int] | None = None) -> float:
-        """Predicted seconds until ``job`` finishes on ``w`` (+ fetch if its template or adapters are cold)."""
+    def cost(self, job: JobLoad, w: WorkerState, fetch_s: float, addon_bytes: dict[str, int] | None = None) -> float:
+        """Predicted seconds until ``job`` finishes on ``w`` (+ fetch if its template or add-ons are cold)."""
         mine_s, mine_r = self.job_seconds(job), job.remaining
         t_admit, alive = self.profile(w)
         t = finish_after_admission(t_admit, alive, mine_s, mine_r, self.model.intercept)
@@ -310,8 +311,8 @@ class MaskAwareRouter:
         if fetch_s and job.template_id and job.cached and w.templates is not None \
                 and job.template_id not in w.templates and job.template_id not in self._job_templates(w):
             t += fetch_s
-        if adapter_bytes and job.adapters:
-            cold = sum(adapter_bytes.get(a, 0) for a in w.missing_adapters(job.adapters))
+        if addon_bytes and job.addons:
+            cold = sum(addon_bytes.get(a, 0) for a in w.missing_addons(job.addons))
             if cold:
                 t += self.model.load_seconds(cold, self.fetch_tier) if self.fetch_tier in self.model.tiers else 0.0
         return t
@@ -327,8 +328,7 @@ class MaskAwareRouter:
         load = JobLoad.from_demand(job)
         mine_s, steps = self.job_seconds(load), load.remaining
         fetch_s = self.model.template_fetch_seconds(job.steps, self.fetch_tier) if job.template_id else 0.0
-        per_adapter = job.adapter_bytes // max(1, len(job.adapters))
-        adapter_bytes = {a: per_adapter for a in job.adapters} if job.adapters else None
+        addon_bytes = dict(zip(job.addons, job.addon_bytes)) if job.addons else None
         order = self._rot.order(view.candidates())
         bounds: list[tuple[float, int]] = []
         for i, w in enumerate(order):
@@ -342,7 +342,7 @@ class MaskAwareRouter:
             if bound > best_cost * (1.0 + 1e-9):
                 break  # this bound and all later ones exceed the best exact cost
             w = order[i]
-            keys[i] = (self.cost(load, w, fetch_s, adapter_bytes), w.n_jobs)
+            keys[i] = (self.cost(load, w, fetch_s, addon_bytes), w.n_jobs)
             best_cost = min(best_cost, keys[i][0])
         return order[min(keys, key=lambda i: (keys[i], i))].worker_id
 

@@ -99,6 +99,14 @@ class Settings:
     # merged in the background); 0 = merge in place (less memory, merges on the critical path).
     lora_merge_buffers: int = 2
 
+    # ControlNets (app/controls.py, workers/controlnets/): resident ControlNets per GPU worker (bytes
+    # of weights on the device), the largest ControlNet accepted, controls per job, and whether a
+    # step computes its ControlNets concurrently with the UNet's down path ("thread") or before it.
+    controlnet_cache_bytes: int = 6 * 1024**3
+    max_controlnet_bytes: int = 8 * 1024**3
+    max_controls_per_job: int = 4
+    controlnet_parallel: str = "thread"
+
     # Input limits.
     max_image_pixels: int = 4096 * 4096
     max_upload_bytes: int = 32 * 1024 * 1024

@@ -24,15 +24,17 @@ from celery.exceptions import Ignore
 from celery.signals import worker_process_init
 from PIL import Image
 
-from app.adapters import AdapterSet, adapter_digest, dump_adapter_set
+from app.adapters import AdapterSet, adapter_digest
 from app.celery_app import app
+from app.controls import control_blob, controls_digest
 from app.fidelity import expected_ssim, policy_schedule
-from app.jobs import JobParams, JobStatus
+from app.jobs import JobParams, JobStatus, new_job_id
 from app.keys import UPLOAD_PREFIX, result_key, template_key
 from app.storage import ObjectNotFound, StoreUnavailable
 from app.validation import InvalidParameter, object_id
 from workers import context as ctx
 from workers.adapter_tasks import adapter_problem, text_encoder_adapters
+from workers.controlnets.inputs import controls_problem, image_digest, prepare_control_images
 from workers.images import InvalidInput, decode_image, encode_png, target_size, to_mask, to_rgb
 from workers.tensors import pack, unpack
 
@@ -91,6 +93,7 @@ def _load_template(job_id: str, template_id: str) -> bytes:
 
 
 def _decode_inputs(job_id: str, template_id: str, *, warm: bool) -> tuple[Image.Image, Image.Image]:
+    """The template (upright RGB) and the mask (the template's size; none for a warm-up: empty)."""
     s = ctx.settings()
     try:
         image = to_rgb(decode_image(_load_template(job_id, template_id), what="template image",
@@ -112,6 +115,24 @@ def _decode_inputs(job_id: str, template_id: str, *, warm: bool) -> tuple[Image.
     return image, mask
 
 
+def _decode_controls(job_id: str, count: int, size: tuple[int, int]) -> tuple[list[Image.Image], list[str]]:
+    """The job's control images (RGB, the template's size) and the digests of their bytes."""
+    s = ctx.settings()
+    images, digests = [], []
+    for i in range(count):
+        data = ctx.blobs().get(job_id, control_blob(i))
+        if data is None:
+            raise InvalidInput(f"control image {i} is missing (expired or never uploaded)")
+        image = to_rgb(decode_image(data, what=f"control image {i}", max_pixels=s.max_image_pixels,
+                                    max_bytes=s.max_upload_bytes))
+        if image.size != size:
+            raise InvalidInput(f"control image {i} size {image.size[0]}x{image.size[1]} does not match image size "
+                               f"{size[0]}x{size[1]}")
+        images.append(image)
+        digests.append(image_digest(data))
+    return images, digests
+
+
 @app.task(name="stencil.prepare", bind=True, autoretry_for=TRANSIENT, retry_backoff=True, max_retries=5)
 def prepare(self: Any, job_id: str) -> dict[str, Any]:
     from workers.sd_inputs import prepare_job_tensors
@@ -131,10 +152,12 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
         params = rec.params
         warm = params.kind == "warm"
         image, mask = _decode_inputs(job_id, params.template_id, warm=warm)
-        pipe = ctx.cpu_pipeline()
-        problem = adapter_problem(params.loras, ctx.model_id())
+        problem = (adapter_problem(params.loras, ctx.model_id())
+                   or controls_problem(params.controls, ctx.model_id(), ctx.model_family()))
         if problem:
             raise InvalidInput(problem)
+        controls, control_digests = _decode_controls(job_id, len(params.controls), image.size)
+        pipe = ctx.cpu_pipeline()
         if params.width and params.height:
             width, height = params.width, params.height
         else:
@@ -148,9 +171,13 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
                                                     width)
             else:
                 prepared = prepare_job_tensors(pipe, ctx.scheduler_config(), image, mask, params, height, width)
+                prepared.tensors.update(prepare_control_images(pipe, controls, height, width,
+                                                               bool(prepared.meta["do_cfg"])))
     empty = prepared.mask_ratio == 0.0 and params.kind == "edit"
     meta = dict(prepared.meta, empty=empty, mask_ratio=prepared.mask_ratio,
-                loras=[[i, s] for i, s in params.loras], lora_patch=params.lora_patch or ctx.settings().lora_patch)
+                loras=[[i, s] for i, s in params.loras], lora_patch=params.lora_patch or ctx.settings().lora_patch,
+                controls=[list(c) for c in params.controls],
+                addons=addons_digest(params.loras, params.controls, control_digests))
     cache_fields = _cache_plan(job_id, params, meta, prepared) if not empty else {}
     tensors = dict(prepared.tensors)
     if empty or params.keep_unmasked:
@@ -162,17 +189,24 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
             "mask_ratio": prepared.mask_ratio}
 
 
+def addons_digest(loras: AdapterSet, controls: tuple, control_digests: list[str]) -> str:
+    """A short name of a job's add-ons (adapters, ControlNets and their images); "" for none."""
+    parts = [p for p in (adapter_digest(loras), controls_digest(controls, control_digests)) if p]
+    return "-".join(parts)
+
+
 def template_cache_key(params: JobParams, meta: dict[str, Any], noise_seed: int | None = None,
-                       region: str = "", adapters: AdapterSet | None = None):  # type: ignore[no-untyped-def]
+                       region: str = "", addons: str | None = None):  # type: ignore[no-untyped-def]
     """The key a template's activations are stored under (DESIGN.md: cache validity). A template's
-    warm-up (no mask) is keyed by its noise seed and its adapter set (``adapters``, default the
-    job's: adapters change every token's activations); a region warm-up (recorded with a mask) by
-    ``region``, the digest of everything that makes an edit exact (``region_digest``)."""
+    warm-up (no mask) is keyed by its noise seed and its add-ons (``addons``, default the job's
+    ``meta["addons"]``: adapters and ControlNets change every token's activations); a region
+    warm-up (recorded with a mask) by ``region``, the digest of everything that makes an edit
+    exact (``region_digest``)."""
     from workers.maskaware.activation_store import TemplateCacheKey
 
     seed = params.seed if noise_seed is None else noise_seed
-    lora = adapter_digest(params.loras if adapters is None else adapters)
-    suffix = f"exact-{region}" if region else f"noise-{seed}" + (f"/lora-{lora}" if lora else "")
+    extra = meta.get("addons", "") if addons is None else addons
+    suffix = f"exact-{region}" if region else f"noise-{seed}" + (f"/with-{extra}" if extra else "")
     return TemplateCacheKey(
         model_id=ctx.model_id(), template_id=params.template_id, height=int(meta["height"]),
         width=int(meta["width"]), scheduler=str(ctx.scheduler_config()["_class_name"]), steps=params.steps,
@@ -180,16 +214,16 @@ def template_cache_key(params: JobParams, meta: dict[str, Any], noise_seed: int 
         layout=f"{_cache_layout()}/{suffix}")
 
 
-def region_digest(pixel_mask: Any, params: JobParams) -> str:
+def region_digest(pixel_mask: Any, params: JobParams, addons: str = "") -> str:
     """What a recording must share with an edit for the edit to be exact: the mask as the model
-    sees it, prompt, negative prompt, seed and guidance scale (steps, strength and size are in
-    the key already)."""
+    sees it, prompt, negative prompt, seed, guidance scale and add-ons (steps, strength and size
+    are in the key already)."""
     import torch
 
     h = hashlib.sha256()
     h.update(pixel_mask.to(torch.uint8).contiguous().numpy().tobytes())
     h.update(json.dumps([list(pixel_mask.shape), params.prompt, params.negative_prompt, params.seed,
-                         float(params.guidance), *([dump_adapter_set(params.loras)] if params.loras else [])]).encode())
+                         float(params.guidance), *([addons] if addons else [])]).encode())
     return h.hexdigest()[:24]
 
 
@@ -218,24 +252,24 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: 
         return full
     pixel_mask = prepared.tensors["pixel_mask"]
     if params.kind == "warm":
-        region = region_digest(pixel_mask, params) if ratio > 0 else ""
+        region = region_digest(pixel_mask, params, meta.get("addons", "")) if ratio > 0 else ""
         key = template_cache_key(params, meta, region=region)
         meta.update(cache_mode="record", cache_key=key.to_dict())
         return {"cache_mode": "record", "cache_digest": key.digest(), "region": region}
     if ratio >= 1.0:
         meta["cache_mode"] = "full"
         return {**full, "cache_note": "full mask"}
-    exact = template_cache_key(params, meta, region=region_digest(pixel_mask, params))
+    exact = template_cache_key(params, meta, region=region_digest(pixel_mask, params, meta.get("addons", "")))
     base = template_cache_key(params, meta, s.warm_seed)
-    # Adapters change every token's activations: a cache recorded with the job's adapter set is
-    # the template cache proper; one recorded without them is a further approximation, corrected
-    # by the same refresh steps (measured in BENCHMARKS.md, "Adapters and mask-aware caches").
-    plain = template_cache_key(params, meta, s.warm_seed, adapters=()) if params.loras else None
+    # Add-ons change every token's activations: a cache recorded with the job's adapters and
+    # controls is the template cache proper; one recorded without them is a further approximation,
+    # corrected by the same refresh steps (measured in BENCHMARKS.md, "Add-ons and mask-aware caches").
+    plain = template_cache_key(params, meta, s.warm_seed, addons="") if meta.get("addons") else None
     try:
         if ctx.activations().has(exact):
             return _use_cache(job_id, meta, exact, [], {"fidelity": policy, "cache_path": "exact", "approximate": "0"})
         if policy != "exact":
-            for key, note in ((base, ""), (plain, "template cache recorded without the job's adapters")):
+            for key, note in ((base, ""), (plain, "template cache recorded without the job's add-ons")):
                 if key is None or not ctx.activations().has(key):
                     continue
                 schedule = policy_schedule(policy, int(meta["num_steps"]))
@@ -247,7 +281,7 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: 
                 if expected is not None and not note:
                     fields["expected_ssim"] = f"{expected:.3f}"
                 if key is plain and s.auto_warm:
-                    _trigger_warm(params, meta, base.digest())  # the adapter set's own cache, if it recurs
+                    _trigger_warm(job_id, params, meta, base.digest())  # the add-ons' own cache, if they recur
                 return _use_cache(job_id, meta, key, schedule, fields)
     except TRANSIENT as exc:
         log.warning("job %s: activation store unreachable (%s); full compute", job_id, exc)
@@ -257,7 +291,7 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: 
     if policy == "exact":
         return {**full, "cache_note": "no exact cache for this edit"}
     if s.auto_warm:
-        _trigger_warm(params, meta, base.digest())
+        _trigger_warm(job_id, params, meta, base.digest())
     return {**full, "cache_note": "template not warmed"}
 
 
@@ -280,12 +314,13 @@ def _send_prefetch(job_id: str, key: dict[str, Any], steps: int) -> None:
         log.warning("job %s: prefetch request failed: %s", job_id, exc)
 
 
-def _trigger_warm(params: JobParams, meta: dict[str, Any], digest: str) -> None:
-    """Submit the template's warm-up for this cache key (with the job's adapters, if any). Uploads
-    and adapter sets are warmed when they come back a second time, not for a one-off edit."""
+def _trigger_warm(job_id: str, params: JobParams, meta: dict[str, Any], digest: str) -> None:
+    """Submit the template's warm-up for this cache key (with the job's add-ons, if any: adapters,
+    and ControlNets with copies of its control images). Uploads and add-on sets are warmed when
+    they come back a second time, not for a one-off edit."""
     s = ctx.settings()
     r = ctx.redis_client()
-    if params.template_id.startswith(UPLOAD_PREFIX) or params.loras:
+    if params.template_id.startswith(UPLOAD_PREFIX) or meta.get("addons"):
         seen = f"stencil:seen:{digest}"
         count = r.incr(seen)
         r.expire(seen, s.job_ttl_seconds)
@@ -295,8 +330,12 @@ def _trigger_warm(params: JobParams, meta: dict[str, Any], digest: str) -> None:
         return  # a warm-up for this key is already under way (or recently was)
     warm = JobParams(kind="warm", template_id=params.template_id, prompt=s.warm_prompt, seed=s.warm_seed,
                      steps=params.steps, strength=params.strength, guidance=params.guidance, priority=-10,
-                     width=int(meta["width"]), height=int(meta["height"]), loras=params.loras)
-    warm_id, _ = ctx.jobs().create(warm)
+                     width=int(meta["width"]), height=int(meta["height"]), loras=params.loras,
+                     controls=params.controls)
+    warm_id = new_job_id()
+    for i in range(len(params.controls)):
+        ctx.blobs().put(warm_id, control_blob(i), ctx.blobs().get(job_id, control_blob(i)) or b"")
+    ctx.jobs().create(warm, job_id=warm_id)
     log.info("template %s has no cache for this key: warm-up job %s submitted", params.template_id, warm_id)
 
 

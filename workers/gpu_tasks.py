@@ -67,11 +67,13 @@ class RedisEngineHooks(EngineHooks):
     """
 
     def __init__(self, worker_id: str, lease_seconds: float, *, max_batch: int = 8,
-                 resident_templates: Any = None, resident_adapters: Any = None) -> None:
+                 resident_templates: Any = None, resident_adapters: Any = None,
+                 resident_controlnets: Any = None) -> None:
         self.worker_id = worker_id
         self.max_batch = max_batch
         self.resident_templates = resident_templates
         self.resident_adapters = resident_adapters
+        self.resident_controlnets = resident_controlnets
         self.lease_ms = int(lease_seconds * 1000)
         self.last_step_seconds = 0.0
         self.busy_seconds = 0.0
@@ -158,6 +160,8 @@ class RedisEngineHooks(EngineHooks):
             state["templates"] = json.dumps(sorted(self.resident_templates()))
         if self.resident_adapters is not None:
             state["loras"] = json.dumps(sorted(self.resident_adapters()))
+        if self.resident_controlnets is not None:
+            state["controlnets"] = json.dumps(sorted(self.resident_controlnets()))
         return state | {"running": view(batch), "waiting": view(waiting), "updated": repr(time.time()),
                 "last_step_seconds": repr(self.last_step_seconds), "holder": holder_id(),
                 "busy_seconds": repr(self.busy_seconds), "steps": str(self.steps)}
@@ -197,13 +201,17 @@ def get_engine() -> Engine:
                                          s.device, maskaware=MaskAwareFlux(model) if s.mask_aware else None,
                                          lora=lora, **cache_options)
             else:
+                from workers.controlnets.bank import ControlNetBank, store_loader
                 from workers.engine.sd_runner import SDRunner
                 from workers.maskaware.unet import MaskAwareUNet
 
                 unet = loader.load_unet(ctx.model_dir(), s.device)
                 lora = LoraPatcher(unet, "unet", bank.get, merge_buffers=s.lora_merge_buffers)
                 maskaware = MaskAwareUNet(unet, kv_source=s.maskaware_kv_source) if s.mask_aware else None  # type: ignore[arg-type]
+                controlnets = ControlNetBank(store_loader(ctx.object_store().get, s.device, unet.dtype),
+                                             s.controlnet_cache_bytes)
                 runner = SDRunner(unet, ctx.scheduler_config(), s.device, maskaware=maskaware, lora=lora,
+                                  controlnets=controlnets, controlnet_parallel=s.controlnet_parallel == "thread",
                                   **cache_options)
             step_time = None
             if s.slo_admission:
@@ -218,7 +226,9 @@ def get_engine() -> Engine:
             caches = cache_options.get("caches")
             hooks = RedisEngineHooks(s.worker_id, s.lease_seconds, max_batch=s.max_batch,
                                      resident_templates=caches.resident_templates if caches else None,
-                                     resident_adapters=bank.resident)
+                                     resident_adapters=bank.resident,
+                                     resident_controlnets=getattr(getattr(runner, "controlnets", None), "resident",
+                                                                  None))
             _engine = Engine(runner, BatchScheduler(s.max_batch, s.batching, step_time=step_time, on_expire=expire),
                              hooks, idle_wait=s.engine_idle_sleep).start()
         return _engine
@@ -262,6 +272,14 @@ def prefetch_loras(loras: list[list[Any]]) -> None:
             runner.lora.stage(adapters)
 
     runner.adapters.prefetch((i for i, _ in adapters), on_ready=stage)
+
+
+@app.task(name="stencil.prefetch_controlnets", ignore_result=True, acks_late=False)
+def prefetch_controlnets(ids: list[str]) -> None:
+    """Start loading a routed job's ControlNets (resident LRU) while the job is prepared."""
+    controlnets = getattr(get_engine().runner, "controlnets", None)
+    if controlnets is not None:
+        controlnets.prefetch(str(i) for i in ids)
 
 
 def _lora_fields(out: dict[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 Each job keeps its own scheduler instance, timesteps, generator, mask and prompt embeddings; one
 UNet call serves every job of the batch with a per-row timestep tensor. With classifier-free
 guidance a job contributes two adjacent rows (uncond, cond), as the stock pipeline orders them.
-Cache modes and the transactional step are in ``runner_base``.
+Jobs with ControlNets get their residuals in the same call (``workers/controlnets/step.py``),
+computed before the UNet or concurrently with its down path. Cache modes and the transactional
+step are in ``runner_base``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 from diffusers import UNet2DConditionModel
 
+from workers.controlnets.step import Concurrent, JobControl, Use, residuals
 from workers.engine.job import EngineJob
 from workers.engine.runner_base import BaseRunner, JobState
 from workers.maskaware.unet import MaskAwareUNet, RowGroup
@@ -30,6 +33,7 @@ class SDJobState(JobState):
     prompt_embeds: torch.Tensor | None = None
     do_cfg: bool = True
     guidance: float = 7.5
+    controls: tuple[JobControl, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -40,13 +44,16 @@ class SDRunner(BaseRunner):
     """Executes denoising steps of SD inpainting jobs on one device."""
 
     def __init__(self, unet: UNet2DConditionModel, scheduler_config: dict[str, Any], device: str = "cpu",
-                 *, maskaware: MaskAwareUNet | None = None, **cache_options: Any) -> None:
+                 *, maskaware: MaskAwareUNet | None = None, controlnets: Any = None,
+                 controlnet_parallel: bool = False, **cache_options: Any) -> None:
         if unet.config.in_channels != 9:
             raise ValueError(f"an inpainting UNet has 9 input channels, this one has {unet.config.in_channels}")
         super().__init__(maskaware, **cache_options)
         self.unet = unet
         self.scheduler_config = scheduler_config
         self.device = torch.device(device)
+        self.controlnets = controlnets  # workers.controlnets.bank.ControlNetBank
+        self.concurrent = Concurrent(unet) if controlnets is not None and controlnet_parallel else None
 
     def init_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> SDJobState:
         """Build a job's state from its prepared tensors (validated against the model)."""
@@ -70,10 +77,63 @@ class SDRunner(BaseRunner):
             mask=tensors["mask"].to(self.device, torch.float32),
             masked_image_latents=tensors["masked_image_latents"].to(self.device, torch.float32),
             prompt_embeds=embeds, do_cfg=do_cfg, guidance=float(meta["guidance"]),
+            controls=self._controls(tensors, meta, 2 if do_cfg else 1),
         )
         self._init_cache_mode(state, tensors, meta)
         self._init_adapters(state, meta)
         return state
+
+    def _controls(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], rows: int) -> tuple[JobControl, ...]:
+        specs = meta.get("controls") or ()
+        if specs and self.controlnets is None:
+            raise ValueError("this worker serves no ControlNets")
+        out = []
+        for i, (controlnet_id, scale, start, end) in enumerate(specs):
+            image = tensors[f"control{i}"].to(self.device, torch.float32)
+            if image.shape[0] != rows:
+                raise ValueError(f"control image {i} has {image.shape[0]} rows, the job {rows}")
+            out.append(JobControl(str(controlnet_id), image, float(scale), float(start), float(end)))
+        if out:
+            self.controlnets.prefetch({c.controlnet_id for c in out}, count=False)
+        return tuple(out)
+
+    def ready(self, job: EngineJob) -> bool:
+        """Adapters (``BaseRunner.ready``) and ControlNets resident before a job is admitted."""
+        st: SDJobState = job.state
+        if st.controls:
+            ids = {c.controlnet_id for c in st.controls}
+            why = self.controlnets.failure(ids)
+            if why:
+                raise RuntimeError(why)
+            if not self.controlnets.ready(ids):
+                self.controlnets.prefetch(ids, count=False)
+                return False
+            if "controlnets" not in st.extra:  # held from admission to the end: never evicted mid-job
+                st.extra["controlnets"] = {i: self.controlnets.get(i) for i in ids}
+        return super().ready(job)
+
+    def _control_kwargs(self, batch: list[EngineJob], sample: torch.Tensor, times: torch.Tensor,
+                        embeds: torch.Tensor) -> dict[str, Any]:
+        """The UNet's residual arguments for this step (empty when no job's ControlNet is on)."""
+        uses, row = [], 0
+        for job in batch:
+            st: SDJobState = job.state
+            for k, c in enumerate(st.controls):
+                factor = c.factor(job.steps_done, len(st.timesteps))
+                if factor != 0.0:
+                    uses.append(Use(k, c.controlnet_id, row, st.rows, c.image, factor))
+            row += st.rows
+        if not uses:
+            return {}
+        models = {i: m for job in batch for i, m in job.state.extra.get("controlnets", {}).items()}
+
+        def compute() -> tuple[list[torch.Tensor], torch.Tensor]:
+            return residuals(models.__getitem__, sample, times, embeds, uses)
+
+        if self.concurrent is not None:
+            return self.concurrent.submit(compute)
+        down, mid = compute()
+        return {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
 
     def _token_masks(self, st: JobState, tensors: dict[str, torch.Tensor]) -> Any:
         latent_hw = (st.latents.shape[-2], st.latents.shape[-1])
@@ -83,23 +143,30 @@ class SDRunner(BaseRunner):
         return RowGroup(rows, mode, token_mask=token_mask, cache=cache)  # type: ignore[arg-type]
 
     def _forward(self, batch: list[EngineJob], groups: list[Any] | None) -> tuple[torch.Tensor, list[Any]]:
-        inputs, times, embeds = [], [], []
+        latents, masks, times, embeds = [], [], [], []
         for job in batch:
             st: SDJobState = job.state
             t = st.timesteps[job.steps_done]
             x = torch.cat([st.latents] * 2) if st.do_cfg else st.latents
-            x = st.scheduler.scale_model_input(x, t)
-            inputs.append(torch.cat([x, st.mask, st.masked_image_latents], dim=1))
+            latents.append(st.scheduler.scale_model_input(x, t))
+            masks.append(torch.cat([st.mask, st.masked_image_latents], dim=1))
             times.append(t.reshape(1).expand(st.rows))
             embeds.append(st.prompt_embeds)
         if len({e.shape[1] for e in embeds}) != 1:
             raise ValueError("prompt embeddings of different lengths in one batch")
-        args = (torch.cat(inputs), torch.cat(times))
-        kwargs = {"encoder_hidden_states": torch.cat(embeds), "return_dict": False}
-        if groups is None:
-            return self.unet(*args, **kwargs)[0], []
-        with self.maskaware.batch(groups) as ctx:
-            out = self.unet(*args, **kwargs)[0]
+        sample, t_rows, text = torch.cat(latents), torch.cat(times), torch.cat(embeds)
+        kwargs = {"encoder_hidden_states": text, "return_dict": False,
+                  **self._control_kwargs(batch, sample, t_rows, text)}
+        args = (torch.cat([sample, torch.cat(masks)], dim=1), t_rows)
+        try:
+            if groups is None:
+                return self.unet(*args, **kwargs)[0], []
+            with self.maskaware.batch(groups) as ctx:
+                out = self.unet(*args, **kwargs)[0]
+        except Exception:
+            if self.concurrent is not None:
+                self.concurrent.abandon()
+            raise
         self.last_ctx = ctx  # per-unit timings for the plan's cost model
         return out, list(ctx.recorded)
 

@@ -1,0 +1,123 @@
+"""Adding a ControlNet: a CPU worker checks a diffusers ``ControlNetModel`` folder against the
+service's model before anything is stored (``stencil.add_controlnet``).
+
+Checked without loading the weights: the config builds a ``ControlNetModel``, the safetensors
+header names exactly that model's tensors with exactly its shapes, and the structure fits the
+UNet whose down blocks it feeds (block widths, layers per block, block types, cross-attention
+width, latent channels), so its residuals have the shapes the UNet adds them at. Pickle-based
+weights are never read. A refusal is returned as ``{"error": reason}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import torch
+
+from app.celery_app import app
+from app.controls import CONTROL_FILES, controlnet_key, controlnet_meta_key, controlnet_upload_key
+from app.storage import ObjectNotFound
+from workers import context as ctx
+
+log = logging.getLogger(__name__)
+
+_MATCH = ("block_out_channels", "layers_per_block", "cross_attention_dim", "transformer_layers_per_block")
+
+
+class InvalidControlNet(ValueError):
+    """A ControlNet that cannot serve this model; the message says why."""
+
+
+def _header(data: bytes) -> dict[str, Any]:
+    if data[:2] == b"PK" or data[:1] == b"\x80":
+        raise InvalidControlNet("pickle-based weights are refused: upload diffusion_pytorch_model.safetensors")
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+    if n <= 1 or 8 + n > len(data) or data[8:9] != b"{":
+        raise InvalidControlNet("diffusion_pytorch_model.safetensors is not a safetensors file")
+    header = json.loads(data[8:8 + n])
+    header.pop("__metadata__", None)
+    return header
+
+
+def _per_level(value: Any, levels: int) -> list[Any] | None:
+    """A config value that may be given once or per UNet level, as a list per level."""
+    if value is None:
+        return None
+    return list(value) if isinstance(value, (list, tuple)) else [value] * levels
+
+
+def check_controlnet(config: dict[str, Any], weights: bytes, unet_config: dict[str, Any],
+                     latent_channels: int) -> int:
+    """Raise ``InvalidControlNet`` unless it fits; returns the number of parameters."""
+    from diffusers import ControlNetModel
+
+    if config.get("_class_name") != "ControlNetModel":
+        raise InvalidControlNet(f"config.json is a {config.get('_class_name')!r}, not a ControlNetModel")
+    if config.get("global_pool_conditions"):
+        raise InvalidControlNet("global-pool ControlNets (guess mode) are not supported")
+    if config.get("in_channels", 4) != latent_channels:
+        raise InvalidControlNet(f"the ControlNet takes {config.get('in_channels')} latent channels, "
+                                f"this model's latents have {latent_channels}")
+    levels = len(unet_config.get("block_out_channels", ()))
+    for name in _MATCH:
+        ours, theirs = _per_level(unet_config.get(name), levels), _per_level(config.get(name), levels)
+        if theirs is not None and ours != theirs:
+            raise InvalidControlNet(f"{name} is {config.get(name)}, the model's UNet has {unet_config.get(name)}: "
+                                    "its residuals would not fit")
+    down = [t.replace("CrossAttn", "") for t in config.get("down_block_types", [])]
+    if down != [t.replace("CrossAttn", "") for t in unet_config.get("down_block_types", [])]:
+        raise InvalidControlNet("down_block_types do not match the model's UNet")
+    try:
+        with torch.device("meta"):
+            model = ControlNetModel.from_config(config)
+    except Exception as exc:
+        raise InvalidControlNet(f"config.json does not build a ControlNetModel: {type(exc).__name__}: {exc}") from None
+    want = {k: list(v.shape) for k, v in model.state_dict().items()}
+    have = {k: v.get("shape") for k, v in _header(weights).items()}
+    missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+    if missing or extra:
+        raise InvalidControlNet(f"weights do not match the config: {len(missing)} missing, {len(extra)} unexpected "
+                                f"(e.g. {(missing or extra)[0]})")
+    wrong = [k for k in want if want[k] != have[k]]
+    if wrong:
+        raise InvalidControlNet(f"{wrong[0]} has shape {have[wrong[0]]}, the config needs {want[wrong[0]]}")
+    return sum(v.numel() for v in model.state_dict().values())
+
+
+@app.task(name="stencil.add_controlnet")
+def add_controlnet(token: str, controlnet_id: str, source_sha256: str) -> dict[str, Any]:
+    store = ctx.object_store()
+    if store.exists(controlnet_meta_key(controlnet_id)):
+        meta = json.loads(store.get(controlnet_meta_key(controlnet_id)))
+        if meta.get("source_sha256") == source_sha256:
+            return meta
+        return {"error": f"{controlnet_id!r} already names another ControlNet (ids are immutable)"}
+    if ctx.model_family() != "sd":
+        return {"error": "ControlNets are served for SD-family models only (diffusers has no Flux Fill ControlNet "
+                         "inpainting pipeline)"}
+    try:
+        raw = {name: store.get(controlnet_upload_key(token, name)) for name in CONTROL_FILES}
+    except ObjectNotFound:
+        return {"error": "the uploaded ControlNet is missing (expired or never uploaded)"}
+    try:
+        config = json.loads(raw["config.json"])
+        unet_config = json.loads((ctx.model_dir() / "unet" / "config.json").read_text())
+        latent = json.loads((ctx.model_dir() / "vae" / "config.json").read_text()).get("latent_channels", 4)
+        params = check_controlnet(config, raw["diffusion_pytorch_model.safetensors"], unet_config, latent)
+    except (InvalidControlNet, json.JSONDecodeError) as exc:
+        log.info("ControlNet %s refused: %s", controlnet_id, exc)
+        return {"error": str(exc) if isinstance(exc, InvalidControlNet) else "config.json is not valid JSON"}
+    for name in CONTROL_FILES:
+        store.put(controlnet_key(controlnet_id, name), raw[name])
+    meta = {"id": controlnet_id, "model_id": ctx.model_id(), "source_sha256": source_sha256, "parameters": params,
+            "nbytes": len(raw["diffusion_pytorch_model.safetensors"]), "added": time.time(),
+            "conditioning_channels": config.get("conditioning_channels", 3)}
+    store.put(controlnet_meta_key(controlnet_id), json.dumps(meta, sort_keys=True).encode())
+    log.info("ControlNet %s added (%d parameters)", controlnet_id, params)
+    return meta
+
+
+__all__ = ["InvalidControlNet", "add_controlnet", "check_controlnet"]
