@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from app.adapters import DEFAULT_MAX_LORAS, adapter_set
+from app.controls import control_spec
 from app.fidelity import POLICIES, check_policy
 from app.jobs import JobParams
 
@@ -200,9 +201,31 @@ class Manifest:
                     raise ValueError("no mask")
                 row.template, row.template_is_path = self._template(template)
                 row.mask = self._file(mask, "mask")
+                if raw.get("controls"):
+                    row.params["controls"] = self._controls(raw["controls"])
             except (ValueError, TypeError, OverflowError) as exc:
                 row.error = f"bad row: {exc}"
             yield row
+
+    def _controls(self, value: Any) -> list[list[Any]]:
+        """A row's controls: ``id:image[:scale[:start:end]]`` separated by ``;`` (CSV) or a JSON list of
+        ``{"id", "image", "scale", "start", "end"}`` (JSONL); images resolved beside the manifest."""
+        if isinstance(value, str):
+            items: list[Any] = []
+            for part in filter(None, (p.strip() for p in value.split(";"))):
+                fields = part.split(":")
+                if len(fields) not in (2, 3, 5):
+                    raise ValueError(f"control {part!r} is not id:image[:scale[:start:end]]")
+                items.append([fields[0], fields[1], *map(float, fields[2:])])
+        elif isinstance(value, list):
+            items = value
+        else:
+            raise ValueError("controls must be a list or 'id:image[:scale]' text")
+        out = []
+        for item in items:
+            (cid, scale, start, end), image = control_spec(item)
+            out.append([cid, str(self._file(str(image), "control image")), scale, start, end])
+        return out
 
     def _file(self, value: str, what: str) -> Path:
         path = Path(value).expanduser()
@@ -402,7 +425,7 @@ class CatalogRun:
     def _submit(self, row: Row, key: str, mask: bytes, attempt: int) -> None:
         template, _ = self._template_ref(row)
         idem = key if attempt == 0 else f"{key}:{attempt}"
-        handle = self.client.submit(template=template, mask=mask, idempotency_key=idem, **row.params)
+        handle = self.client.submit(template=template, mask=mask, idempotency_key=idem, **_with_files(row.params))
         if handle.created:
             self.stats.submitted += 1
         else:
@@ -594,9 +617,18 @@ def _warm_params(params: dict[str, Any]) -> dict[str, Any]:
     """What a template's activation cache depends on (DESIGN.md section 2: cache validity)."""
     out = {"steps": params["steps"], "strength": params["strength"], "guidance": params["guidance"],
            "cfg": params["guidance"] > 1.0}
-    if params.get("loras"):  # adapters change every token's activations: a cache per adapter set
+    if params.get("loras"):  # add-ons change every token's activations: a cache per add-on set
         out["loras"] = [list(p) for p in params["loras"]]
+    if params.get("controls"):
+        out["controls"] = params["controls"]
     return out
+
+
+def _with_files(params: dict[str, Any]) -> dict[str, Any]:
+    """Row parameters as the client takes them (control images as files to upload)."""
+    if not params.get("controls"):
+        return params
+    return {**params, "controls": [(c[0], Path(c[1]), *c[2:]) for c in params["controls"]]}
 
 
 def _region_params(params: dict[str, Any], mask: bytes) -> dict[str, Any]:
@@ -609,13 +641,13 @@ def _region_params(params: dict[str, Any], mask: bytes) -> dict[str, Any]:
 def _warm_via_client(client: Any, template_id: str, params: dict[str, Any], mask: bytes | None = None) -> Any:
     """The service's warm-up job (``StencilClient.warm_template``); returns its handle. With a
     mask, a region warm-up with the row's prompt, negative prompt and seed."""
-    loras = params.get("loras") or ()
+    addons = {"loras": params.get("loras") or (), "controls": _with_files(params).get("controls") or ()}
     if mask is None:
         return client.warm_template(template_id, steps=params["steps"], guidance=params["guidance"],
-                                    strength=params["strength"], loras=loras)
+                                    strength=params["strength"], **addons)
     return client.warm_template(template_id, steps=params["steps"], guidance=params["guidance"],
                                 strength=params["strength"], mask=mask, prompt=params["prompt"],
-                                negative_prompt=params["negative_prompt"], seed=params["seed"], loras=loras)
+                                negative_prompt=params["negative_prompt"], seed=params["seed"], **addons)
 
 
 def run_warm(client: Any, manifest_path: Path | str, *, defaults: Defaults = Defaults(),
@@ -727,8 +759,8 @@ def cmd_catalog_warm(args: argparse.Namespace) -> int:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("manifest", help="CSV or JSONL (columns: template, mask, prompt, negative_prompt, steps, "
-                                    "guidance, strength, seed, priority, fidelity, loras, id) or a folder of "
-                                    "x.png + x.mask.png")
+                                    "guidance, strength, seed, priority, fidelity, loras, controls, id) or a folder "
+                                    "of x.png + x.mask.png")
     p.add_argument("--out", default=None, help="report folder (default: <manifest>.catalog/ beside it)")
     p.add_argument("--catalog-id", default=None,
                    help="the catalog's identity in idempotency keys (default: the manifest's absolute path)")

@@ -119,6 +119,30 @@ def test_csv_jsonl_and_folder_manifests_normalise_the_same_rows(tmp_path: Path) 
     assert Manifest(tmp_path).count() == 3 and Manifest(tmp_path / "m.csv").count() == 4
 
 
+def test_rows_carry_adapters_and_controls_to_the_client(tmp_path: Path) -> None:
+    from app.catalog import _with_files
+
+    make_template(tmp_path / "a.png", 1)
+    make_mask_png(tmp_path / "a.mask.png", 1)
+    make_mask_png(tmp_path / "edges.png", 2)
+    (tmp_path / "m.csv").write_text("id,template,mask,loras,controls\n"
+                                    "a,a.png,a.mask.png,papercut:0.8;filmic,canny:edges.png:0.7\n"
+                                    "b,a.png,a.mask.png,,canny:nowhere.png\n"
+                                    "c,a.png,a.mask.png,x:y:z,\n")
+    (tmp_path / "m.jsonl").write_text(json.dumps({
+        "id": "a", "template": "a.png", "mask": "a.mask.png", "loras": [["papercut", 0.8], "filmic"],
+        "controls": [{"id": "canny", "image": "edges.png", "scale": 0.7}]}) + "\n")
+    csv_rows = list(Manifest(tmp_path / "m.csv").rows(Defaults()))
+    jsonl_rows = list(Manifest(tmp_path / "m.jsonl").rows(Defaults()))
+    for row in (csv_rows[0], jsonl_rows[0]):
+        assert row.error is None, row.error
+        assert row.params["loras"] == (("filmic", 1.0), ("papercut", 0.8))
+        assert row.params["controls"] == [["canny", str(tmp_path / "edges.png"), 0.7, 0.0, 1.0]]
+        assert _with_files(row.params)["controls"][0][1] == tmp_path / "edges.png"
+    assert "control image file 'nowhere.png' not found" in (csv_rows[1].error or "")
+    assert "loras" in (csv_rows[2].error or "")
+
+
 def test_row_key_depends_on_catalog_row_and_content(tmp_path: Path) -> None:
     (tmp_path / "m.csv").write_text("id,template,mask\n")
     m = Manifest(tmp_path / "m.csv")
