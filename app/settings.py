@@ -112,6 +112,7 @@ class Settings:
     max_upload_bytes: int = 32 * 1024 * 1024
     max_steps: int = 200
     max_side: int = 1024  # longer image side is scaled down to this before processing
+    min_side: int = 64  # smaller images are refused (a UNet's coarsest level needs a few tokens)
 
     # Jobs.
     job_ttl_seconds: int = 7 * 24 * 3600

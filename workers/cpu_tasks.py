@@ -115,6 +115,25 @@ def _decode_inputs(job_id: str, template_id: str, *, warm: bool) -> tuple[Image.
     return image, mask
 
 
+def job_size(image_size: tuple[int, int], params: JobParams, multiple: int) -> tuple[int, int]:
+    """The size a job is processed at: its explicit width and height, or the image's, scaled down to
+    STENCIL_MAX_SIDE and rounded down to the model's latent factor (VAE downscale; x2 for Flux's
+    2x2 token packing). Sizes the model cannot take fail the job with the reason."""
+    s = ctx.settings()
+    if params.width and params.height:
+        for name, value in (("width", params.width), ("height", params.height)):
+            if value % multiple:
+                raise InvalidInput(f"{name} {value} is not a multiple of {multiple} (this model's latent factor)")
+            if not s.min_side <= value <= s.max_side:
+                raise InvalidInput(f"{name} {value} is outside this service's sizes: {s.min_side} to "
+                                   f"{s.max_side} px (STENCIL_MIN_SIDE, STENCIL_MAX_SIDE)")
+        return params.width, params.height
+    if min(image_size) < s.min_side:
+        raise InvalidInput(f"image is {image_size[0]}x{image_size[1]}, under this service's minimum side of "
+                           f"{s.min_side} px (STENCIL_MIN_SIDE)")
+    return target_size(*image_size, multiple, s.max_side)
+
+
 def _decode_controls(job_id: str, count: int, size: tuple[int, int]) -> tuple[list[Image.Image], list[str]]:
     """The job's control images (RGB, the template's size) and the digests of their bytes."""
     s = ctx.settings()
@@ -158,15 +177,11 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
             raise InvalidInput(problem)
         controls, control_digests = _decode_controls(job_id, len(params.controls), image.size)
         pipe = ctx.cpu_pipeline()
-        if params.width and params.height:
-            width, height = params.width, params.height
-        else:
-            width, height = target_size(*image.size, pipe.vae_scale_factor, ctx.settings().max_side)
+        width, height = job_size(image.size, params, pipe.vae_scale_factor * (2 if ctx.model_family() == "flux" else 1))
         with text_encoder_adapters(pipe, params.loras):
             if ctx.model_family() == "flux":
                 from workers.flux_inputs import prepare_flux_job_tensors
 
-                width, height = width - width % 16, height - height % 16  # 2x2 packing of the latents
                 prepared = prepare_flux_job_tensors(pipe, ctx.scheduler_config(), image, mask, params, height,
                                                     width)
             else:

@@ -21,6 +21,7 @@ the ControlNets on a side stream or another device (SwiftDiffusion's ControlNet-
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -113,13 +114,13 @@ class Concurrent:
 
     def __init__(self, unet: torch.nn.Module) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stencil-controlnet")
-        self._mid: Future | None = None
+        self._tls = threading.local()  # the pending mid residual of the UNet call on this thread
         self.busy_seconds = 0.0  # ControlNet compute time (thread)
         self.waited_seconds = 0.0  # of which the UNet waited for (not hidden)
         unet.mid_block.register_forward_hook(self._add_mid)
 
     def _add_mid(self, module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor | None:
-        future, self._mid = self._mid, None
+        future, self._tls.mid = getattr(self._tls, "mid", None), None
         if future is None:
             return None
         return output + self._wait(future)[1]
@@ -140,13 +141,13 @@ class Concurrent:
                 self.busy_seconds += time.perf_counter() - t0
 
         future = self._pool.submit(run)
-        self._mid = future
+        self._tls.mid = future
         return {"down_block_additional_residuals": LazyResiduals(future, self._wait),
                 "mid_block_additional_residual": torch.zeros(())}
 
     def abandon(self) -> None:
         """After a failed UNet call: no residual may leak into the next call."""
-        self._mid = None
+        self._tls.mid = None
 
 
 __all__ = ["Concurrent", "JobControl", "LazyResiduals", "Use", "residuals"]

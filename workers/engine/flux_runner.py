@@ -2,19 +2,22 @@
 
 One transformer call per step for the whole batch: packed latents concatenated with each job's
 masked-image latents and mask, per-row timestep and guidance, per-row pooled and text
-embeddings. Rows of one call must share the image-token count and text length (the stock
-forward takes one ``img_ids``); a mixed batch fails the step and the engine retries job by job.
-Cache modes and the transactional step are in ``runner_base``.
+embeddings. Jobs of different image sizes share the call too: the stock forward takes one dense
+input and one ``img_ids``, so each job's tokens are placed on the union of their token grids (its
+token at (y, x) where the larger grid has (y, x): RoPE at its own positions) and the mask-aware
+plan computes and attends to each job's own tokens only (``RowGroup.positions``); padding is never
+computed. Cache modes and the transactional step are in ``runner_base``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from diffusers import FluxTransformer2DModel
+from diffusers import FluxPipeline, FluxTransformer2DModel
 
 from workers.engine.job import EngineJob
 from workers.engine.runner_base import BaseRunner, JobState
@@ -74,19 +77,47 @@ class FluxRunner(BaseRunner):
     def _row_group(self, rows: int, mode: str, token_mask: Any = None, cache: Any = None) -> RowGroup:
         return RowGroup(rows, mode, token_mask=token_mask, cache=cache)  # type: ignore[arg-type]
 
-    def _forward(self, batch: list[EngineJob], groups: list[Any] | None) -> tuple[torch.Tensor, list[Any]]:
+    def _forward(self, batch: list[EngineJob], groups: list[Any] | None) -> tuple[Any, list[Any]]:
         states: list[FluxJobState] = [job.state for job in batch]
-        if len({(s.latents.shape[1], s.prompt_embeds.shape[1]) for s in states}) != 1:
-            raise ValueError("Flux jobs of different resolution or text length in one batch")
-        hidden = torch.cat([torch.cat((s.latents, s.masked_image_latents), dim=2) for s in states])
-        times = torch.stack([s.timesteps[job.steps_done] for s, job in zip(states, batch)]).to(hidden.dtype)
+        if len({s.prompt_embeds.shape[1] for s in states}) != 1:
+            raise ValueError("Flux jobs with text of different lengths in one batch")
+        times = torch.stack([s.timesteps[job.steps_done] for s, job in zip(states, batch)])
+        if len({s.latents.shape[1] for s in states}) == 1:
+            hidden = torch.cat([torch.cat((s.latents, s.masked_image_latents), dim=2) for s in states])
+            return self._call(states, hidden, times, states[0].image_ids, groups)
+        if groups is None:  # no mask-aware plan to skip padding: one call per size
+            outs: list[Any] = [None] * len(batch)
+            by_n: dict[int, list[int]] = {}
+            for i, s in enumerate(states):
+                by_n.setdefault(s.latents.shape[1], []).append(i)
+            for idx in by_n.values():
+                sub = [states[i] for i in idx]
+                hidden = torch.cat([torch.cat((s.latents, s.masked_image_latents), dim=2) for s in sub])
+                out, _ = self._call(sub, hidden, times[idx], sub[0].image_ids, None)
+                for k, i in enumerate(idx):
+                    outs[i] = out[k:k + 1]
+            return outs, []
+        grid_h = max(int(s.image_ids[:, 1].max()) + 1 for s in states)
+        grid_w = max(int(s.image_ids[:, 2].max()) + 1 for s in states)
+        positions = [(s.image_ids[:, 1] * grid_w + s.image_ids[:, 2]).long() for s in states]
+        channels = states[0].latents.shape[2] + states[0].masked_image_latents.shape[2]
+        hidden = torch.zeros(len(states), grid_h * grid_w, channels, dtype=states[0].latents.dtype, device=self.device)
+        for k, (s, pos) in enumerate(zip(states, positions)):
+            hidden[k, pos] = torch.cat((s.latents, s.masked_image_latents), dim=2)[0]
+        ids = FluxPipeline._prepare_latent_image_ids(1, grid_h, grid_w, self.device, states[0].image_ids.dtype)
+        groups = [dataclasses.replace(g, positions=pos) for g, pos in zip(groups, positions)]
+        out, recorded = self._call(states, hidden, times, ids, groups)
+        return [out[k:k + 1, pos] for k, pos in enumerate(positions)], recorded
+
+    def _call(self, states: list[FluxJobState], hidden: torch.Tensor, times: torch.Tensor, img_ids: torch.Tensor,
+              groups: list[Any] | None) -> tuple[torch.Tensor, list[Any]]:
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.tensor([s.guidance for s in states], dtype=torch.float32, device=self.device)
-        kwargs = dict(hidden_states=hidden, timestep=times / 1000, guidance=guidance,
+        kwargs = dict(hidden_states=hidden, timestep=times.to(hidden.dtype) / 1000, guidance=guidance,
                       pooled_projections=torch.cat([s.pooled for s in states]),
                       encoder_hidden_states=torch.cat([s.prompt_embeds for s in states]),
-                      txt_ids=states[0].text_ids, img_ids=states[0].image_ids, return_dict=False)
+                      txt_ids=states[0].text_ids, img_ids=img_ids, return_dict=False)
         if groups is None:
             return self.transformer(**kwargs)[0], []
         with self.maskaware.batch(groups) as ctx:

@@ -197,8 +197,9 @@ class BaseRunner(ABC):
     def init_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> JobState: ...
 
     @abstractmethod
-    def _forward(self, batch: list[EngineJob], groups: list[Any] | None) -> tuple[torch.Tensor, list[Any]]:
-        """One denoiser call for the batch; returns (model output rows, recorded caches)."""
+    def _forward(self, batch: list[EngineJob], groups: list[Any] | None) -> tuple[Any, list[Any]]:
+        """One denoiser call for the batch; returns (model output rows, recorded caches). The output is
+        one tensor of all rows in batch order, or (jobs of different sizes) a list of each job's rows."""
 
     @abstractmethod
     def _guided(self, job: EngineJob, rows: torch.Tensor) -> torch.Tensor:
@@ -341,7 +342,7 @@ class BaseRunner(ABC):
                 resident, failed = self.caches.unit_status(st.cache_key, job.steps_done)  # type: ignore[union-attr]
                 if not failed:
                     pending.append((i, resident))
-        if not pending:
+        if not pending or not _one_shape(batch):  # the unit plan's costs are per latent size
             return groups
         pending_idx = {i for i, _ in pending}
         plan_jobs = []
@@ -412,7 +413,7 @@ class BaseRunner(ABC):
         units resident (or re-plans the rest with lead 0); whole steps ahead stay with background
         prefetch. Only with ``cache_plan="plan"`` and a trained cost model."""
         self._ahead = {}  # the previous lookahead was consumed by this step's ``_plan_groups``
-        if self.cache_plan != "plan" or self.caches is None:
+        if self.cache_plan != "plan" or self.caches is None or not _one_shape(batch):
             return
         ahead: list[tuple[int, set[str]]] = []
         plan_jobs = []
@@ -504,9 +505,9 @@ class BaseRunner(ABC):
                      for job in batch]
         try:
             row = 0
-            for job in batch:
+            for i, job in enumerate(batch):
                 st: JobState = job.state
-                pred = self._guided(job, output[row:row + st.rows])
+                pred = self._guided(job, output[i] if isinstance(output, list) else output[row:row + st.rows])
                 row += st.rows
                 t = st.timesteps[job.steps_done]
                 new = st.scheduler.step(pred, t, st.latents, **_step_kwargs(st.scheduler, st.generator),
@@ -637,6 +638,11 @@ class OffsetCache(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.base)
+
+
+def _one_shape(batch: list[EngineJob]) -> bool:
+    """All jobs of the batch have one latent size (the load/compute plan is per size)."""
+    return len({tuple(job.state.latents.shape[-2:]) for job in batch}) == 1
 
 
 def _step_kwargs(scheduler: Any, generator: torch.Generator) -> dict[str, Any]:

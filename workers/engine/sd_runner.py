@@ -11,15 +11,18 @@ step are in ``runner_base``.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from diffusers import UNet2DConditionModel
 
+from workers.adapters import layout
 from workers.controlnets.step import Concurrent, JobControl, Use, residuals
 from workers.engine.job import EngineJob
 from workers.engine.runner_base import BaseRunner, JobState
+from workers.maskaware.lockstep import Lockstep
 from workers.maskaware.unet import MaskAwareUNet, RowGroup
 from workers.models.loader import make_scheduler
 
@@ -54,6 +57,7 @@ class SDRunner(BaseRunner):
         self.device = torch.device(device)
         self.controlnets = controlnets  # workers.controlnets.bank.ControlNetBank
         self.concurrent = Concurrent(unet) if controlnets is not None and controlnet_parallel else None
+        self._pool: ThreadPoolExecutor | None = None  # threads of lockstep calls (mixed sizes)
 
     def init_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> SDJobState:
         """Build a job's state from its prepared tensors (validated against the model)."""
@@ -142,7 +146,52 @@ class SDRunner(BaseRunner):
     def _row_group(self, rows: int, mode: str, token_mask: Any = None, cache: Any = None) -> RowGroup:
         return RowGroup(rows, mode, token_mask=token_mask, cache=cache)  # type: ignore[arg-type]
 
-    def _forward(self, batch: list[EngineJob], groups: list[Any] | None) -> tuple[torch.Tensor, list[Any]]:
+    def _forward(self, batch: list[EngineJob], groups: list[Any] | None) -> tuple[Any, list[Any]]:
+        """One UNet call for the batch; jobs of different latent sizes: one call per size, run in
+        lockstep so that the transformer blocks still pack every job's tokens (exact, nothing
+        padded or cropped: ``workers/maskaware/lockstep.py``)."""
+        shapes: dict[tuple[int, ...], list[int]] = {}
+        for i, job in enumerate(batch):
+            shapes.setdefault(tuple(job.state.latents.shape[-2:]), []).append(i)
+        if len(shapes) == 1:
+            out, recorded = self._call(batch, groups)
+            return out, recorded
+        parts = list(shapes.values())
+        if groups is None:  # no mask-aware hooks: one call per size (batched within each size)
+            results = [self._call([batch[i] for i in idx], None) for idx in parts]
+        else:
+            for gid, grp in enumerate(groups):
+                grp.gid = gid
+            wanted, rows = layout.wanted(), layout.current()
+
+            def call(idx: list[int]):  # type: ignore[no-untyped-def]
+                def run():  # type: ignore[no-untyped-def]
+                    layout.set_wanted(wanted)
+                    sub = layout.row_groups(g for i in idx for g in [i] * batch[i].state.rows) if rows else None
+                    with layout.use(sub):
+                        return self._call([batch[i] for i in idx], [groups[i] for i in idx], lockstep=True)
+                return run
+
+            results = Lockstep(self._lockstep_pool()).run([call(idx) for idx in parts])
+        self.last_ctx = None  # per-unit timings of lockstep calls include waits: not for the cost model
+        per_job: dict[int, tuple[torch.Tensor, Any]] = {}
+        for idx, (out, recorded) in zip(parts, results):
+            row = 0
+            for k, i in enumerate(idx):
+                rows = batch[i].state.rows
+                per_job[i] = (out[row:row + rows], recorded[k] if recorded else None)
+                row += rows
+        # Rows of different sizes do not stack: one output per job, in batch order.
+        return [per_job[i][0] for i in range(len(batch))], [per_job[i][1] for i in range(len(batch))]
+
+    def _lockstep_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(8, thread_name_prefix="stencil-lockstep")
+        return self._pool
+
+    def _call(self, batch: list[EngineJob], groups: list[Any] | None,
+              lockstep: bool = False) -> tuple[torch.Tensor, list[Any]]:
+        """One UNet call over jobs of one latent size."""
         latents, masks, times, embeds = [], [], [], []
         for job in batch:
             st: SDJobState = job.state
@@ -167,7 +216,8 @@ class SDRunner(BaseRunner):
             if self.concurrent is not None:
                 self.concurrent.abandon()
             raise
-        self.last_ctx = ctx  # per-unit timings for the plan's cost model
+        if not lockstep:
+            self.last_ctx = ctx  # per-unit timings for the plan's cost model
         return out, list(ctx.recorded)
 
     def _guided(self, job: EngineJob, rows: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,10 @@ class RowGroup:
     mode: Mode = "full"
     token_mask: torch.Tensor | None = None
     cache: StepCache | None = None
+    # Jobs of different sizes in one call: where this job's tokens (in its own packing order) sit
+    # in the call's union token grid; the other grid positions are padding, never computed or
+    # attended to. None: the job fills the grid (its own order is the grid's).
+    positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -160,6 +164,8 @@ class _Row:
     off: int = 0                  # offset of this row's tokens in the packed image state
     active: int = -1              # index among rows that compute anything
     unsel: torch.Tensor | None = None   # sorted positions taken from the cache (sel is not None)
+    unsel_cache: torch.Tensor | None = None  # the same tokens' indices in the cache (its own order)
+    own: int = 0                  # tokens of this job (N unless placed on a larger grid)
 
 
 @dataclass
@@ -198,20 +204,27 @@ class _Plan:
     def _build(self) -> None:
         r = 0
         for gi, g in enumerate(self.ctx.groups):
-            sel, unsel, cache = None, None, None
+            sel, unsel, unsel_cache, cache = None, None, None, None
+            pos = None if g.positions is None else g.positions.to(self.device)
+            own = self.N if pos is None else int(pos.numel())
             if g.mode == "masked":
                 mask = g.token_mask.to(self.device).flatten().bool()
-                if mask.numel() != self.N:
-                    raise ValueError(f"group {gi}: token mask has {mask.numel()} tokens, model input has {self.N}")
+                if mask.numel() != own:
+                    raise ValueError(f"group {gi}: token mask has {mask.numel()} tokens, the job has {own}")
                 if not bool(mask.all()):
-                    sel = torch.nonzero(mask).flatten()
-                    unsel = torch.nonzero(~mask).flatten()
+                    sel_own, unsel_cache = torch.nonzero(mask).flatten(), torch.nonzero(~mask).flatten()
+                    sel = sel_own if pos is None else pos[sel_own]
+                    unsel = unsel_cache if pos is None else pos[unsel_cache]
                     cache = g.cache
                     if sel.numel() > 0:
-                        self._check_cache(gi, g.rows, cache)
+                        self._check_cache(gi, g.rows, cache, own)
+            if sel is None and pos is not None and own != self.N:  # all its tokens, on a larger grid
+                sel = pos
+                unsel = unsel_cache = pos[:0]
             for crow in range(g.rows):
                 m = self.N if sel is None else int(sel.numel())
-                self.rows.append(_Row(r, gi, sel, m, cache, g.mode == "record", crow, unsel=unsel))
+                self.rows.append(_Row(r, gi, sel, m, cache, g.mode == "record", crow, unsel=unsel,
+                                      unsel_cache=unsel_cache, own=own))
                 r += 1
         off, a = 0, 0
         for row in self.rows:
@@ -236,7 +249,7 @@ class _Plan:
         self.ctx.image_tokens_computed = self.M
         self.ctx.image_tokens_total = self.B * self.N
 
-    def _check_cache(self, gi: int, rows: int, cache: StepCache | None) -> None:
+    def _check_cache(self, gi: int, rows: int, cache: StepCache | None, own: int) -> None:
         if cache is None:
             raise ValueError(f"group {gi}: a partial mask needs the template's step cache")
         for name in self.names:
@@ -245,9 +258,9 @@ class _Plan:
                 if key not in cache:
                     raise KeyError(f"group {gi}: step cache lacks {key} (controller kv_format={self.kv_format!r})")
                 t = cache[key]
-                if t.ndim != 3 or t.shape[0] not in (1, rows) or t.shape[1] != self.N:
+                if t.ndim != 3 or t.shape[0] not in (1, rows) or t.shape[1] != own:
                     raise ValueError(f"group {gi}: cache {key} has shape {tuple(t.shape)}, "
-                                     f"want [{rows} or 1, N={self.N}, D]")
+                                     f"want [{rows} or 1, N={own}, D]")
 
     # --- helpers used by the block math ----------------------------------------------------
 
@@ -424,17 +437,20 @@ def _attend(plan: _Plan, attn: Any, name: str, rope: tuple[torch.Tensor, torch.T
         _rope_to(q[seg], rot, query[T:])
         _rope_to(k[seg], rot, kb[T:T + m])
         vb[T:T + m].copy_(v[seg])
-        if row.sel is not None:
+        end = T + m + (0 if row.unsel is None else int(row.unsel.numel()))  # this job's keys only
+        if row.unsel is not None and end > T + m:
             ck = plan.cached(row, f"{name}.{plan.k_key}", k)               # [N, C]
             if plan.kv_format == "raw":
-                _rope_to(attn.norm_k(ck.index_select(0, row.unsel).unflatten(-1, (heads, hd))),
-                         cached_rot, kb[T + m:])
+                _rope_to(attn.norm_k(ck.index_select(0, row.unsel_cache).unflatten(-1, (heads, hd))),
+                         cached_rot, kb[T + m:end])
             else:
-                torch.index_select(ck, 0, row.unsel, out=kb[T + m:].flatten(1))
-            torch.index_select(plan.cached(row, f"{name}.v", v), 0, row.unsel, out=vb[T + m:].flatten(1))
-        elif plan.kv_format == "roped":
-            plan.record_row(row, name, K_SUFFIX["roped"], kb[T:])
-        out = dispatch_attention_fn(query[None], kb[None], vb[None], backend=backend)[0]   # [T+m, H, hd]
+                torch.index_select(ck, 0, row.unsel_cache, out=kb[T + m:end].flatten(1))
+            torch.index_select(plan.cached(row, f"{name}.v", v), 0, row.unsel_cache, out=vb[T + m:end].flatten(1))
+        elif row.unsel is None and plan.kv_format == "roped":
+            plan.record_row(row, name, K_SUFFIX["roped"], kb[T:end])
+        elif row.record and plan.kv_format == "roped":
+            plan.record_row(row, name, K_SUFFIX["roped"], kb[T:T + m])
+        out = dispatch_attention_fn(query[None], kb[None, :end], vb[None, :end], backend=backend)[0]  # [T+m, H, hd]
         if T:
             txt_out[a].unflatten(-1, (heads, hd)).copy_(out[:T])
         img_out[seg].unflatten(-1, (heads, hd)).copy_(out[T:])
@@ -647,12 +663,17 @@ class _ProjOutHook(_Hook):
         else:
             out = y.new_zeros(plan.B, plan.N, module.out_features)
             for row in plan.rows:
-                if row.sel is not None and row.cache is not None and OUTPUT_KEY in row.cache:
-                    out[row.row] = plan.cached(row, OUTPUT_KEY, y)  # copied into a fresh buffer
+                if row.unsel is not None and row.unsel.numel() and row.cache is not None and OUTPUT_KEY in row.cache:
+                    cached = plan.cached(row, OUTPUT_KEY, y)  # copied into a fresh buffer
+                    if row.own == plan.N:
+                        out[row.row] = cached
+                    else:  # on a larger grid: the job's tokens at their places
+                        out[row.row].index_copy_(0, row.unsel, cached.index_select(0, row.unsel_cache))
             out.view(plan.B * plan.N, -1).index_copy_(0, plan.img_flat, y)
         for row in plan.rows:
             if row.record:
-                plan._rec[row.group].setdefault(OUTPUT_KEY, []).append(out[row.row].detach().clone())
+                mine = out[row.row] if row.own == plan.N else out[row.row].index_select(0, row.sel)
+                plan._rec[row.group].setdefault(OUTPUT_KEY, []).append(mine.detach().clone())
         return out
 
 

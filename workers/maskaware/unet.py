@@ -71,6 +71,7 @@ import contextlib
 import inspect
 import logging
 import math
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor, AttnP
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
 from workers.adapters import layout
+from workers.maskaware.lockstep import Lockstep
 from workers.maskaware.tokens import TokenMasks, build_token_masks
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,7 @@ class RowGroup:
     token_mask: TokenMasks | None = None
     cache: Mapping[str, torch.Tensor] | None = None  # read-only, this group's current step
     full_units: frozenset[str] = frozenset()  # masked mode: these units compute every token
+    gid: int = -1  # the job's group index in the whole step (several calls in lockstep); -1: its index here
 
 
 @dataclass
@@ -330,8 +333,7 @@ class MaskAwareUNet:
             raise ValueError(f"kv_source must be 'cache' or 'recompute', got {kv_source!r}")
         self.unet = unet
         self.kv_source: KVSource = kv_source
-        self._ctx: BatchContext | None = None
-        self._capture: dict[str, torch.Tensor] | None = None
+        self._tls = threading.local()  # one batch context per thread: calls in lockstep run on threads
         cfg = unet.config
         self.num_levels = len(cfg.down_block_types)
         n_up = len(cfg.up_block_types)
@@ -372,6 +374,22 @@ class MaskAwareUNet:
                     HookRegistry.check_if_exists_or_initialize(lin).register_hook(
                         _CaptureHook(self, slot), _CAPTURE_HOOK)
         log.info("mask-aware hooks on %d transformer blocks (kv_source=%s)", len(self._blocks), kv_source)
+
+    @property
+    def _ctx(self) -> BatchContext | None:
+        return getattr(self._tls, "ctx", None)
+
+    @_ctx.setter
+    def _ctx(self, value: BatchContext | None) -> None:
+        self._tls.ctx = value
+
+    @property
+    def _capture(self) -> dict[str, torch.Tensor] | None:
+        return getattr(self._tls, "capture", None)
+
+    @_capture.setter
+    def _capture(self, value: dict[str, torch.Tensor] | None) -> None:
+        self._tls.capture = value
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -514,6 +532,9 @@ class MaskAwareUNet:
         if ctx is None:
             return original(*args, **kwargs)
         arguments = info.signature.bind(*args, **kwargs).arguments
+        group = Lockstep.current()
+        if group is not None:  # calls of one step in lockstep: this block once for all of them
+            return group.meet((ctx, arguments), lambda round_: self._calls_forward(info, round_))
         h = arguments["hidden_states"]
         b, n, _ = h.shape
         if b != ctx.total_rows:
@@ -571,83 +592,157 @@ class MaskAwareUNet:
 
     def _masked_forward(self, info: _BlockInfo, h: torch.Tensor, arguments: dict, plan: _Plan,
                         ctx: BatchContext, out: torch.Tensor) -> None:
-        """Every token-wise layer on the packed masked tokens; attention per group."""
-        if arguments.get("attention_mask") is not None or arguments.get("encoder_attention_mask") is not None:
-            raise NotImplementedError("attention masks are not supported for masked groups")
-        if arguments.get("cross_attention_kwargs"):
-            raise NotImplementedError("cross_attention_kwargs are not supported for masked groups")
-        n, c = h.shape[1], h.shape[2]
-        groups = plan.masked
-        x = torch.cat([h[mg.start:mg.start + mg.rows].index_select(1, mg.idx).reshape(-1, c)
-                       for mg in groups])
-        # Adapter terms: token-wise layers see the ragged pack, per-row layers the groups' rows.
-        want = layout.wanted()
-        packed = layout.use(layout.flat((mg.g, mg.rows * mg.m) for mg in groups) if want else None)
-        by_rows = layout.rows((mg.g, mg.rows) for mg in groups) if want else None
-        with packed:
-            self._masked_layers(info, h, x, arguments, groups, ctx, out, n, c, by_rows)
+        """Every token-wise layer on the packed masked tokens of one call; attention per group."""
+        _check_arguments(arguments)
+        ehs = arguments.get("encoder_hidden_states")
+        n = h.shape[1]
+        self._packed(info, [_Seg(ctx.groups[mg.g].gid if ctx.groups[mg.g].gid >= 0 else mg.g, mg.g, ctx, h, out, ehs,
+                                 mg.start, mg.rows, n, mg.idx, mg.m, False) for mg in plan.masked])
 
-    def _masked_layers(self, info: _BlockInfo, h: torch.Tensor, x: torch.Tensor, arguments: dict,
-                       groups: list[_MaskedGroup], ctx: BatchContext, out: torch.Tensor, n: int, c: int,
-                       by_rows: layout.Layout | None) -> None:
+    def _calls_forward(self, info: _BlockInfo, round_: list[tuple[int, Any]]) -> dict[int, torch.Tensor]:
+        """One block for several calls in lockstep (``lockstep.py``; e.g. jobs of different image
+        sizes): the token-wise layers run once over every call's tokens, attention per group.
+        Full and record groups enter with all their tokens, masked ones with their masked tokens."""
+        segs: list[_Seg] = []
+        outs: dict[int, torch.Tensor] = {}
+        for call, (ctx, arguments) in round_:
+            _check_arguments(arguments)
+            h = arguments["hidden_states"]
+            n = h.shape[1]
+            out = outs[call] = torch.empty_like(h)
+            forced = ctx.forced_full(info.unit)
+            computed = 0
+            for g, grp in enumerate(ctx.groups):
+                start, rows = ctx.starts[g], grp.rows
+                idx, m = None, n
+                if grp.mode == "masked" and g not in forced:
+                    m = grp.token_mask.count(n)  # type: ignore[union-attr]
+                    if m == 0:
+                        out[start:start + rows] = (self._cached(ctx, g, info.name, "y", (rows, n, h.shape[2]))
+                                                   if info.needs_y else h[start:start + rows])
+                        continue
+                    if m < n:
+                        idx = grp.token_mask.indices(n, h.device)  # type: ignore[union-attr]
+                computed += rows * m
+                segs.append(_Seg(grp.gid if grp.gid >= 0 else g, g, ctx, h, out, arguments.get("encoder_hidden_states"),
+                                 start, rows, n, idx, m, grp.mode == "record"))
+            ctx.unit_tokens.setdefault(info.unit, computed)
+        if segs:
+            self._packed(info, segs)
+        return outs
+
+    def _packed(self, info: _BlockInfo, segs: list["_Seg"]) -> None:
+        """The block's token-wise layers once over the segments' tokens (a ragged pack), attention
+        per segment: queries are its computed tokens, keys/values all its tokens (fresh where
+        computed, the cache elsewhere; with ``kv_source="recompute"`` all fresh). Results go to
+        each segment's output buffer, over the cached block output (or the pass-through input)."""
         blk = info.module
         a1, a2 = blk.attn1, blk.attn2
+        c = segs[0].h.shape[2]
         ci = a1.to_k.out_features
-        # 1. self-attention: Q (and, with cached K/V, fresh K/V) from masked tokens only
-        if self.kv_source == "cache":
-            n1 = blk.norm1(x)
-            q, k, v = a1.to_q(n1), a1.to_k(n1), a1.to_v(n1)
-        else:
-            hm = torch.cat([h[mg.start:mg.start + mg.rows] for mg in groups])
-            n1_all = blk.norm1(hm)
-            with layout.use(by_rows):
-                k_all, v_all = a1.to_k(n1_all), a1.to_v(n1_all)
-            row0, parts = 0, []
-            for mg in groups:
-                parts.append(n1_all[row0:row0 + mg.rows].index_select(1, mg.idx).reshape(-1, c))
-                row0 += mg.rows
-            q = a1.to_q(torch.cat(parts))
-        outs, off, row0 = [], 0, 0
-        for mg in groups:
-            cnt = mg.rows * mg.m
+        want = layout.wanted()
+        x = torch.cat([sg.tokens() for sg in segs])
+        with layout.use(layout.flat((sg.gid, sg.rows * sg.m) for sg in segs) if want else None):
+            # 1. self-attention: Q from computed tokens; K/V fresh there (recompute: everywhere)
             if self.kv_source == "cache":
-                shape = (mg.rows, n, ci)
-                kf = _scatter_copy(self._cached(ctx, mg.g, info.name, "k", shape),
-                                   k[off:off + cnt].view(mg.rows, mg.m, ci), mg.idx)
-                vf = _scatter_copy(self._cached(ctx, mg.g, info.name, "v", shape),
-                                   v[off:off + cnt].view(mg.rows, mg.m, ci), mg.idx)
+                n1 = blk.norm1(x)
+                q, k, v = a1.to_q(n1), a1.to_k(n1), a1.to_v(n1)
             else:
-                kf, vf = k_all[row0:row0 + mg.rows], v_all[row0:row0 + mg.rows]
-            outs.append(_sdpa(q[off:off + cnt], kf, vf, mg.rows, a1.heads))
-            off, row0 = off + cnt, row0 + mg.rows
-        a = a1.to_out[1](a1.to_out[0](torch.cat(outs))) / a1.rescale_output_factor
-        x = a + x
-        # 2. cross-attention: queries from masked tokens, K/V from each row's text
-        if a2 is not None:
-            ehs = arguments.get("encoder_hidden_states")
-            q2 = a2.to_q(blk.norm2(x))
-            src = None if ehs is None else torch.cat([ehs[mg.start:mg.start + mg.rows] for mg in groups])
-            if src is None:  # attn2 without text is self-attention over the block's input
-                raise NotImplementedError("attn2 without encoder_hidden_states is not supported")
-            with layout.use(by_rows):
-                k2, v2 = a2.to_k(src), a2.to_v(src)
-            outs, off, row0 = [], 0, 0
-            for mg in groups:
-                cnt = mg.rows * mg.m
-                outs.append(_sdpa(q2[off:off + cnt], k2[row0:row0 + mg.rows], v2[row0:row0 + mg.rows],
-                                  mg.rows, a2.heads))
-                off, row0 = off + cnt, row0 + mg.rows
-            x = a2.to_out[1](a2.to_out[0](torch.cat(outs))) / a2.rescale_output_factor + x
-        # 3. feed-forward
-        x = blk.ff(blk.norm3(x)) + x
-        # 4. scatter masked results over the cached (or pass-through) rows of a fresh buffer
+                hm = torch.cat([sg.h[sg.start:sg.start + sg.rows].reshape(-1, c) for sg in segs])
+                with layout.use(layout.flat((sg.gid, sg.rows * sg.n) for sg in segs) if want else None):
+                    n1_all = blk.norm1(hm)
+                    k, v = a1.to_k(n1_all), a1.to_v(n1_all)
+                parts, row0 = [], 0
+                for sg in segs:
+                    part = n1_all[row0:row0 + sg.rows * sg.n]
+                    parts.append(part if sg.idx is None else
+                                 part.view(sg.rows, sg.n, c).index_select(1, sg.idx).reshape(-1, c))
+                    row0 += sg.rows * sg.n
+                q = a1.to_q(torch.cat(parts))
+            outs, off, kv0 = [], 0, 0
+            for sg in segs:
+                cnt, shape = sg.rows * sg.m, (sg.rows, sg.n, ci)
+                if self.kv_source == "recompute":
+                    size = sg.rows * sg.n
+                    kf, vf = k[kv0:kv0 + size].view(shape), v[kv0:kv0 + size].view(shape)
+                    kv0 += size
+                elif sg.idx is None:
+                    kf, vf = k[off:off + cnt].view(shape), v[off:off + cnt].view(shape)
+                    if sg.record:
+                        rec = sg.ctx.recorded[sg.g]
+                        rec[f"{info.name}.k"], rec[f"{info.name}.v"] = kf.detach().clone(), vf.detach().clone()
+                else:
+                    kf = _scatter_copy(self._cached(sg.ctx, sg.g, info.name, "k", shape),
+                                       k[off:off + cnt].view(sg.rows, sg.m, ci), sg.idx)
+                    vf = _scatter_copy(self._cached(sg.ctx, sg.g, info.name, "v", shape),
+                                       v[off:off + cnt].view(sg.rows, sg.m, ci), sg.idx)
+                outs.append(_sdpa(q[off:off + cnt], kf, vf, sg.rows, a1.heads))
+                off += cnt
+            a = a1.to_out[1](a1.to_out[0](torch.cat(outs))) / a1.rescale_output_factor
+            x = a + x
+            # 2. cross-attention: queries from computed tokens, K/V from each row's text
+            if a2 is not None:
+                if any(sg.ehs is None for sg in segs):  # attn2 without text is self-attention over the input
+                    raise NotImplementedError("attn2 without encoder_hidden_states is not supported")
+                q2 = a2.to_q(blk.norm2(x))
+                texts = [sg.ehs[sg.start:sg.start + sg.rows] for sg in segs]  # type: ignore[index]
+                if len({t.shape[1:] for t in texts}) != 1:
+                    raise NotImplementedError("text of different lengths in one packed block")
+                with layout.use(layout.rows((sg.gid, sg.rows) for sg in segs) if want else None):
+                    src = torch.cat(texts)
+                    k2, v2 = a2.to_k(src), a2.to_v(src)
+                outs, off, row0 = [], 0, 0
+                for sg in segs:
+                    cnt = sg.rows * sg.m
+                    outs.append(_sdpa(q2[off:off + cnt], k2[row0:row0 + sg.rows], v2[row0:row0 + sg.rows],
+                                      sg.rows, a2.heads))
+                    off, row0 = off + cnt, row0 + sg.rows
+                x = a2.to_out[1](a2.to_out[0](torch.cat(outs))) / a2.rescale_output_factor + x
+            # 3. feed-forward
+            x = blk.ff(blk.norm3(x)) + x
+        # 4. results into each segment's output buffer
         off = 0
-        for mg in groups:
-            cnt = mg.rows * mg.m
-            dst = out[mg.start:mg.start + mg.rows]
-            if info.needs_y:
-                dst.copy_(self._cached(ctx, mg.g, info.name, "y", (mg.rows, n, c)))
-            else:  # inner block with cached K/V: nobody reads unmasked tokens of this output
-                dst.copy_(h[mg.start:mg.start + mg.rows])
-            dst.index_copy_(1, mg.idx, x[off:off + cnt].view(mg.rows, mg.m, c))
+        for sg in segs:
+            cnt = sg.rows * sg.m
+            dst = sg.out[sg.start:sg.start + sg.rows]
+            if sg.idx is None:
+                dst.copy_(x[off:off + cnt].view(sg.rows, sg.n, c))
+                if sg.record and info.needs_y:
+                    sg.ctx.recorded[sg.g][f"{info.name}.y"] = dst.detach().clone()
+            else:
+                if info.needs_y:
+                    dst.copy_(self._cached(sg.ctx, sg.g, info.name, "y", (sg.rows, sg.n, c)))
+                else:  # inner block with cached K/V: nobody reads unmasked tokens of this output
+                    dst.copy_(sg.h[sg.start:sg.start + sg.rows])
+                dst.index_copy_(1, sg.idx, x[off:off + cnt].view(sg.rows, sg.m, c))
             off += cnt
+
+
+@dataclass
+class _Seg:
+    """Rows of one group of one call that enter a packed block: all tokens (``idx`` None) or the
+    masked ones; ``gid`` names the job batch-wide (adapter row layouts)."""
+
+    gid: int
+    g: int
+    ctx: BatchContext
+    h: torch.Tensor
+    out: torch.Tensor
+    ehs: torch.Tensor | None
+    start: int
+    rows: int
+    n: int
+    idx: torch.Tensor | None
+    m: int
+    record: bool
+
+    def tokens(self) -> torch.Tensor:
+        rows = self.h[self.start:self.start + self.rows]
+        return (rows if self.idx is None else rows.index_select(1, self.idx)).reshape(-1, rows.shape[2])
+
+
+def _check_arguments(arguments: dict) -> None:
+    if arguments.get("attention_mask") is not None or arguments.get("encoder_attention_mask") is not None:
+        raise NotImplementedError("attention masks are not supported for masked groups")
+    if arguments.get("cross_attention_kwargs"):
+        raise NotImplementedError("cross_attention_kwargs are not supported for masked groups")
