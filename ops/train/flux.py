@@ -2,7 +2,7 @@
 
 Why: the random-init tiny Flux Fill outputs noise, so Flux fidelity numbers measured noise
 against noise. This trains, on the images that ship with scikit-image (no downloads; the data,
-crops, masks and VAE stage of ``ops/train_tiny_sd.py``), a model of Flux Fill's classes that
+crops, masks and VAE stage of ``ops/train/common.py``), a model of Flux Fill's classes that
 really inpaints:
 
 1. a 16-channel ``AutoencoderKL`` without quant convs (Flux's VAE layout); its ``shift_factor``
@@ -22,13 +22,12 @@ The velocity target lets the model reproduce the template outside the mask for a
 the masked-image latents give x0, so v = (x_t - x0) / sigma is determined and Euler steps land on
 x0 whatever the seed (``tests/test_trained_flux.py`` checks it).
 
-    python -m ops.train_tiny_flux --out workers/models/trained/tiny-flux-fill-trained
+    python -m ops.train.flux --out workers/models/trained/tiny-flux-fill-trained
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import time
@@ -38,9 +37,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ops.train_tiny_sd import EMA, HELD_OUT, SIZE, TRAIN_SOURCES, Crops, add_data_args, draw_masks, setup, train_vae
+from ops.train.common import (
+    EMA,
+    HELD_OUT,
+    SIZE,
+    TRAIN_SOURCES,
+    Crops,
+    add_data_args,
+    command,
+    draw_masks,
+    save,
+    setup,
+    train_vae,
+)
 
-log = logging.getLogger("train_tiny_flux")
+log = logging.getLogger(__name__)
 LATENT = SIZE // 8
 
 
@@ -215,16 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     log.info("encoded %d crops in %.0fs; latent mean %.4f std %.4f", args.encode_crops, time.monotonic() - t_enc,
              shift, std)
     tlog = train_transformer(args, pipe, data, held, [TRAIN_SOURCES[n] for n in names], list(HELD_OUT.values()))
-    out = Path(args.out)
-    pipe.save_pretrained(out, safe_serialization=True)
-    record = {"command": "python -m ops.train_tiny_flux " + " ".join(
-                  f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                  for k, v in vars(args).items()),
+    record = {"command": command("ops.train.flux", args),
               "torch_threads": args.threads, "total_seconds": round(time.monotonic() - t_all, 1),
               "shift_factor": vae.config.shift_factor, "scaling_factor": vae.config.scaling_factor,
               "train_sources": TRAIN_SOURCES, "held_out": HELD_OUT, "vae": vae_log, "transformer": tlog}
-    (out / "training_log.json").write_text(json.dumps(record, indent=1))
-    log.info("saved %s (total %.0fs)", out, record["total_seconds"])
+    save(pipe, Path(args.out), record)
     return 0
 
 
