@@ -25,7 +25,7 @@ load time / full-step time) measured against the median full step. For scale: a 
 ~50 ms with a 52 MiB fp16 cache (SD1.5, 512 px) loads in ~2 ms over PCIe 4 (ratio ~0.05) and in
 ~50-500 ms from S3 at 0.1-1 GB/s (ratio ~1-10).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_bubble --out docs/bench/bubble.md
+    python -m ops.bench.bubble --out docs/bench/bubble.md
 
 ``--mode steady`` runs K consecutive steps of one job per run instead (the realistic case: the
 loader fetches step s+1's units while step s computes): (a) naive loads each whole step then
@@ -53,9 +53,9 @@ import os
 import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,14 +63,17 @@ import torch
 
 from app.storage.local import LocalStore
 from app.storage.throttle import ThrottledStore
-from ops.bench_maskaware_unet import build_sd_unet, job_masks
+from ops.bench.harness import cli
+from ops.bench.harness.models import add_unet_shape_args, job_masks, unet_from_args
+from ops.bench.harness.timing import interleave, uptime
+from ops.bench.harness.timing import median as med
 from workers.engine.plan import StepPlan, Tier, UnitCostModel, plan_optimal, plan_pipelined, simulate
 from workers.engine.runner_base import GAP, PlanJob, observe_context, unit_costs
 from workers.engine.template_cache import StepCacheProvider, UnitCache
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
 from workers.maskaware.unet import MaskAwareUNet, RowGroup
 
-log = logging.getLogger("bench_bubble")
+log = logging.getLogger(__name__)
 CONFIGS = ("naive", "pipelined", "plan", "ideal")
 
 
@@ -314,8 +317,7 @@ class Bench:
 
 
 def setup(args: argparse.Namespace, root: Path, steps: int = 1) -> Bench:
-    unet = build_sd_unet(args.hidden, args.latent, args.layers_per_block, args.transformer_layers,
-                         args.cross_dim, args.seed)
+    unet = unet_from_args(args)
     ctrl = MaskAwareUNet(unet)
     g = torch.Generator().manual_seed(args.seed)
     x = torch.randn(2, 9, args.latent, args.latent, generator=g)
@@ -549,7 +551,7 @@ def replay(args: argparse.Namespace) -> str:
         setting = f"arrival rate {rate:g}/s and link {mibps:g} MiB/s as given"
     lines = [
         "## Prefetch: hidden object-store fetch time (trace replay)", "",
-        "Command: `HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_bubble " + " ".join(sys.argv[1:]) + "`", "",
+        f"Command: `{args.command}`", "",
         f"- {n} masked edits (mask ratios drawn from 0.05-0.35, blob shapes), each of its own warmed template "
         f"(nothing shared, so every job fetches its whole cache: {steps} steps x {ctx.step_bytes / 2**20:.2f} MiB), "
         f"Poisson arrivals, engine max batch {args.replay_batch}, continuous batching, plan on; model: the "
@@ -581,16 +583,6 @@ def replay(args: argparse.Namespace) -> str:
                   "| job | wait ms | fetch ms | waited >= fetch | hidden share | step share | unit share |",
                   "|---|---|---|---|---|---|---|", *r.rows, ""]
     return "\n".join(lines)
-
-
-def uptime() -> str:
-    """``uptime`` output (the machine load during a run)."""
-    import subprocess
-
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "load average: " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 STEADY = ("naive", "pipelined", "plan", "ideal", "engine")
@@ -664,7 +656,7 @@ def render_steady(args: argparse.Namespace, bench: Bench, links: list[Link], rat
     lines = [
         f"## Steady state: {k} consecutive steps per job, the loader running ahead across steps", "",
         "Command (from the repo root):", "",
-        "```", "HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_bubble " + " ".join(sys.argv[1:]), "```", "",
+        "```", args.command, "```", "",
         f"- Model: SD-architecture 9-channel `UNet2DConditionModel`, block_out_channels {args.hidden}, "
         f"layers_per_block {args.layers_per_block}, transformer_layers_per_block {args.transformer_layers}, "
         f"cross_attention_dim {args.cross_dim}, fp32, random init; latent {args.latent}x{args.latent}; one CFG job "
@@ -760,21 +752,13 @@ def render_steady(args: argparse.Namespace, bench: Bench, links: list[Link], rat
     return "\n".join(lines)
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def main(argv: list[str] | None = None) -> int:
-    from ops.bench_maskaware_unet import add_unet_shape_args
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.parser(__doc__, out="")
     add_unet_shape_args(p)
     p.add_argument("--ratios", default="0.05,0.1,0.2,0.35,0.5")
     p.add_argument("--links", default="pcie-like:16:0,mid:8:10,s3-like:4:30",
                    help="name:MiB/s:latency_ms,...")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="")
     p.add_argument("--mode", choices=("step", "steady", "replay"), default="step")
     p.add_argument("--steps-k", type=int, default=6, help="steady: consecutive steps per run")
     p.add_argument("--engine-prefetch", type=int, default=8,
@@ -799,16 +783,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list: one run per link utilisation (bandwidth set from the calibrated rate)")
     p.add_argument("--replay-known-slots", action="store_true",
                    help="tell the provider the engine's batch slots (waiting jobs keyed at expected start)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    run = cli.start(p, argv, __file__, quick=dict(hidden="32,64", latent=8, cross_dim=32, text_len=8, ratios="0.2",
+                                                  links="fast:64:0", rounds=1, steps_k=2, steady_links="near:0.7",
+                                                  replay_jobs=2, replay_steps=2, replay_latent=8))
+    args = run.args
+    args.command = run.command
+    args.hidden = tuple(int(c) for c in args.hidden.split(","))
     if args.mode == "steady":
-        args.hidden = tuple(int(c) for c in args.hidden.split(","))
-        emit(steady_main(args), args)
+        run.write(steady_main(args), append=args.append)
         return 0
     if args.mode == "replay":
-        emit(replay(args), args)
+        run.write(replay(args), append=args.append)
         return 0
-    args.hidden = tuple(int(c) for c in args.hidden.split(","))
     ratios = [float(r) for r in args.ratios.split(",")]
     torch.set_num_threads(1)
     load_before = os.getloadavg()
@@ -822,45 +808,39 @@ def main(argv: list[str] | None = None) -> int:
     for r in ratios:
         bench.run("ideal", masks[r], None)
     if args.rerender:
-        return rerender(args, bench, links, ratios, masks, load_before)
+        run.write(rerender(args, bench, links, ratios, masks, load_before), append=args.append)
+        return 0
     for link in links:  # the provider measures its link
         bench.run("pipelined", masks[ratios[0]], link)
     log.info("full step %.0f ms; links %s", 1000 * full_s,
              [(lk.name, f"{lk.bandwidth / 2**20:.1f} MiB/s", f"{1000 * lk.latency_s:.0f} ms") for lk in links])
-    results: dict[tuple[str, str, float], list[Trial]] = {}
-    rng = random.Random(args.seed)
-    for rnd in range(args.rounds):
-        jobs: list[tuple[str, Link | None, float]] = [("full", None, 0.0)]
-        for r in ratios:
-            jobs.append(("ideal", None, r))
-            for link in links:
-                for c in ("naive", "pipelined", "plan"):
-                    jobs.append((c, link, r))
-        rng.shuffle(jobs)
-        for config, link, r in jobs:
-            trial = bench.run(config, masks.get(r), link)
-            name = link.name if link else "-"
-            results.setdefault((config, name, r), []).append(trial)
-            log.info("round %d %s %s r=%.2f: %.0f ms (cached units %d, predicted %s)", rnd, config, name, r,
-                     1000 * trial.seconds, trial.cached_units,
-                     f"{1000 * trial.predicted_s:.0f} ms" if trial.predicted_s is not None else "-")
-    emit(render(args, bench, links, ratios, results, full_s, load_before, os.getloadavg(), masks), args)
+    by_name = {lk.name: lk for lk in links}
+    jobs: list[tuple[str, str, float]] = [("full", "-", 0.0)]
+    for r in ratios:
+        jobs.append(("ideal", "-", r))
+        jobs += [(c, link.name, r) for link in links for c in ("naive", "pipelined", "plan")]
+    seen: Counter[tuple[str, str, float]] = Counter()
+
+    def trial(job: tuple[str, str, float]) -> Trial:
+        config, name, r = job
+        t = bench.run(config, masks.get(r), by_name.get(name))
+        predicted = f"{1000 * t.predicted_s:.0f} ms" if t.predicted_s is not None else "-"
+        log.info("round %d %s %s r=%.2f: %.0f ms (cached units %d, predicted %s)", seen[job], config, name, r,
+                 1000 * t.seconds, t.cached_units, predicted)
+        seen[job] += 1
+        return t
+
+    results = interleave(args.rounds, jobs, trial, rng=random.Random(args.seed))
+    run.write(render(args, bench, links, ratios, results, full_s, load_before, os.getloadavg(), masks),
+              append=args.append)
     for link in links:
         assert link.provider is not None
         link.provider.close(wait=True)
     return 0
 
 
-def emit(report: str, args: argparse.Namespace) -> None:
-    """The report on stdout and, with ``--out``, into that file (appended with ``--append``)."""
-    sys.stdout.write(report + "\n")
-    if args.out:
-        with open(args.out, "a" if args.append else "w") as fh:
-            fh.write(report)
-
-
 def rerender(args: argparse.Namespace, bench: Bench, links: list[Link], ratios: list[float],
-             masks: dict[float, object], load_before: tuple[float, ...]) -> int:
+             masks: dict[float, object], load_before: tuple[float, ...]) -> str:
     """Tables from the ``round ...`` lines of a previous run's log (same arguments)."""
     import re
 
@@ -872,8 +852,7 @@ def rerender(args: argparse.Namespace, bench: Bench, links: list[Link], ratios: 
             config, name, r, ms, units, pred = m.groups()
             results.setdefault((config, name, float(r)), []).append(
                 Trial(int(ms) / 1000, int(units), int(pred) / 1000 if pred else None))
-    emit(render(args, bench, links, ratios, results, float("nan"), load_before, os.getloadavg(), masks), args)
-    return 0
+    return render(args, bench, links, ratios, results, float("nan"), load_before, os.getloadavg(), masks)
 
 
 def bubble_free(bench: Bench, link: Link, tm: object) -> tuple[bool, float]:
@@ -901,7 +880,7 @@ def render(args: argparse.Namespace, bench: Bench, links: list[Link], ratios: li
         "Command (from the repo root):",
         "",
         "```",
-        "HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_bubble " + " ".join(sys.argv[1:]),
+        args.command,
         "```",
         "",
         f"- Model: SD-architecture 9-channel `UNet2DConditionModel`, block_out_channels {args.hidden}, "
@@ -967,4 +946,4 @@ def render(args: argparse.Namespace, bench: Bench, links: list[Link], ratios: li
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Profile the engine's runner on this device and fit the cost model (``app/costmodel.py``).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m ops.profile --model tiny       # embedded default, ~2 min
-    HF_HUB_OFFLINE=1 .venv/bin/python -m ops.profile --model sd-l2      # SD-width blocks, ~15 min
+    python -m ops.bench.profile --model tiny       # embedded default, ~2 min
+    python -m ops.bench.profile --model sd-l2      # SD-width blocks, ~15 min
 
 What is measured (never fake data, DESIGN.md section 3):
 - Step latency: ``SDRunner.step`` (the engine's runner, with ``MaskAwareUNet`` when importable)
@@ -35,7 +35,6 @@ import logging
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import Future
@@ -48,8 +47,11 @@ import torch
 
 from app.costmodel import STEP_FEATURES, CostModel, FitReport, TierFit, UNetArch, default_path
 from app.settings import Settings
+from ops.bench.harness import TRACES, cli, load_trace
+from ops.bench.harness.models import build_sd_unet
+from ops.bench.harness.report import pyplot, replace_section, save_figure
 
-log = logging.getLogger("ops.profile")
+log = logging.getLogger(__name__)
 
 
 # -- model under test ---------------------------------------------------------------------------
@@ -79,7 +81,6 @@ def load_model(kind: str, latent: int | None, seed: int) -> ModelUnderTest:
         return ModelUnderTest(s.model_id, unet, scheduler_config(folder), latent or 16, 77,
                               int(unet.config.cross_attention_dim), f"embedded default ({folder})")
     if kind == "sd-l2":
-        from ops.bench_maskaware_unet import build_sd_unet
         from workers.models.tiny_sd import build_scheduler
 
         lat = latent or 32
@@ -90,7 +91,6 @@ def load_model(kind: str, latent: int | None, seed: int) -> ModelUnderTest:
                               "SD-architecture UNet, block_out_channels (320, 640), layers_per_block 1, "
                               "cross_attention_dim 768, heads of 64, random init")
     if kind == "sd15":
-        from ops.bench_maskaware_unet import build_sd_unet
         from workers.models.tiny_sd import build_scheduler
 
         lat = latent or 64
@@ -153,7 +153,7 @@ class JobSpec:
     seed: int
 
 
-class Harness:
+class RunnerTimer:
     """Builds jobs for the real ``SDRunner`` and times its ``step``."""
 
     def __init__(self, mut: ModelUnderTest, steps: int, device: str = "cpu") -> None:
@@ -257,8 +257,6 @@ class Harness:
 
 
 def draw_ratio(rng: np.random.Generator) -> float:
-    from ops.sim.traces import TRACES, load_trace
-
     pick = rng.integers(0, len(TRACES) + 1)
     if pick == len(TRACES):
         return float(rng.uniform(0.01, 0.95))
@@ -332,7 +330,7 @@ def cross_validated_r2(x: np.ndarray, y: np.ndarray, folds: int, seed: int) -> f
 
 
 def profile_steps(mut: ModelUnderTest, args: argparse.Namespace, arch: UNetArch) -> dict[str, Any]:
-    harness = Harness(mut, steps=args.repeats + 1)
+    harness = RunnerTimer(mut, steps=args.repeats + 1)
     comps = compositions(args.points, args.max_jobs, args.full_fraction, args.seed)
     rows = []
     t_start = time.monotonic()
@@ -408,16 +406,12 @@ def fit_tiers(samples: dict[str, list[tuple[int, float]]], args: argparse.Namesp
 
 
 def plot(model: CostModel, rows: list[dict[str, Any]], test_idx: np.ndarray, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Predicted vs measured step latency, held-out points marked."""
     y = np.array([r["seconds"] for r in rows])
     pred = np.array([model.intercept + model.features_seconds(r["features"]) for r in rows])
     test = np.zeros(len(rows), dtype=bool)
     test[test_idx] = True
-    fig, ax = plt.subplots(figsize=(5, 4.5))
+    fig, ax = pyplot().subplots(figsize=(5, 4.5))
     ax.scatter(y[~test] * 1e3, pred[~test] * 1e3, s=14, label="train", alpha=0.6)
     ax.scatter(y[test] * 1e3, pred[test] * 1e3, s=22, marker="s", label="held out")
     hi = max(y.max(), pred.max()) * 1e3 * 1.05
@@ -428,9 +422,7 @@ def plot(model: CostModel, rows: list[dict[str, Any]], test_idx: np.ndarray, out
     title = f"{model.model_id} on {model.device_kind[:28]}\nheld-out R^2 = {r.r2_test:.3f}" if r else model.model_id
     ax.set_title(title, fontsize=9)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out)
 
 
 def project(args: argparse.Namespace, mut: ModelUnderTest, arch: UNetArch) -> int:
@@ -448,7 +440,7 @@ def project(args: argparse.Namespace, mut: ModelUnderTest, arch: UNetArch) -> in
     meta: dict[str, Any] = {"created": time.time(), "projected": True, "projected_from": str(base_path),
                             "seconds_per_gmac": c, "base_total_macs_r2_test": rep.r2_test, "model": mut.description,
                             "latent": mut.latent,
-                            "command": "python -m ops.profile " + " ".join(sys.argv[1:])}
+                            "command": args.command}
     if args.points:
         with torch.no_grad():
             steps = profile_steps(mut, args, arch)
@@ -474,8 +466,6 @@ def project(args: argparse.Namespace, mut: ModelUnderTest, arch: UNetArch) -> in
     model.save(out)
     log.info("wrote projected model %s (%.4f s per GMAC)", out, c)
     if args.report:
-        from ops.sim.report import replace_section
-
         replace_section(Path(args.report), f"costmodel-{model.model_id}", render_model(model))
     return 0
 
@@ -530,21 +520,16 @@ def render_model(model: CostModel, plot_name: str = "") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.parser(__doc__, out=None, clock="cpu")
     p.add_argument("--model", default="tiny", help="tiny | sd-l2")
     p.add_argument("--latent", type=int, default=None, help="latent side (tiny: 16, sd-l2: 32)")
     p.add_argument("--points", type=int, default=48, help="batch compositions measured")
     p.add_argument("--max-jobs", type=int, default=8, help="largest batch (CFG jobs)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--full-fraction", type=float, default=0.25, help="share of jobs without a cache")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
-    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                   help="fit on the step's thread CPU time (robust on shared cores; needs --threads 1) or wall time")
     p.add_argument("--test-fraction", type=float, default=0.25)
     p.add_argument("--load-sizes-mib", type=float, nargs="+", default=[0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128])
     p.add_argument("--load-repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="model JSON (default: <STENCIL_HOME>/costmodels/<model>--<device>.json)")
     p.add_argument("--plot", default="", help="PNG of predicted vs measured step latency")
     p.add_argument("--raw", default="", help="also write the measured points (JSON)")
@@ -554,18 +539,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--project-from", default="",
                    help="a fitted model JSON (with its .points.json): carry its measured seconds per MAC over to "
                         "--model's architecture; --points real steps of that model validate the projection")
-    args = p.parse_args(argv)
+    run = cli.start(p, argv, __file__, quick=dict(latent=8, points=6, max_jobs=2, repeats=1,
+                                                  load_sizes_mib=[0.25, 0.5, 1.0], load_repeats=2))
+    args = run.args
+    args.command = run.command
     if args.report_only:
-        from ops.sim.report import replace_section
-
         model = CostModel.load(args.report_only)
         replace_section(Path(args.report), f"costmodel-{model.model_id}", render_model(model, Path(args.plot).name
                                                                                       if args.plot else ""))
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.clock == "cpu" and torch.get_num_threads() != 1:
-        p.error("--clock cpu measures one thread: use --threads 1 (or --clock wall)")
     torch.manual_seed(args.seed)
     load_before = os.getloadavg()
     mut = load_model(args.model, args.latent, args.seed)
@@ -604,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
             loads = profile_loads(args, Path(tmp))
     tiers = fit_tiers(loads, args)
     dev = device_kind("cpu")
-    command = "python -m ops.profile " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = args.command
     measurement = steps.get("measurement") or {
         "command": command, "clock": args.clock, "threads": torch.get_num_threads(), "repeats": args.repeats,
         "loadavg_before": [round(v, 2) for v in load_before], "loadavg_after": [round(v, 2) for v in os.getloadavg()]}
@@ -625,8 +607,6 @@ def main(argv: list[str] | None = None) -> int:
         plot(model, rows, test_idx, Path(args.plot))
         log.info("wrote %s", args.plot)
     if args.report:
-        from ops.sim.report import replace_section
-
         replace_section(Path(args.report), f"costmodel-{model.model_id}",
                         render_model(model, Path(args.plot).name if args.plot else ""))
     return 0
