@@ -369,7 +369,12 @@ def _limit_threads() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not hasattr(args, "args"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # a passthrough's leading options (argparse's REMAINDER takes only what follows a positional)
+        args.args = extra + args.args
     _setup_logging(args.log_level)
     if args.command in {"gpu-worker", "cpu-worker", "stock-worker", "demo"}:
         _limit_threads()
