@@ -64,7 +64,8 @@ import torch
 from app.storage.local import LocalStore
 from app.storage.throttle import ThrottledStore
 from ops.bench.harness import cli
-from ops.bench.harness.models import add_unet_shape_args, job_masks, unet_from_args
+from ops.bench.harness.engine import record
+from ops.bench.harness.models import add_unet_shape_args, cfg_job, ddim_config, job_masks, pixel_mask, unet_from_args
 from ops.bench.harness.timing import interleave, uptime
 from ops.bench.harness.timing import median as med
 from workers.engine.plan import StepPlan, Tier, UnitCostModel, plan_optimal, plan_pipelined, simulate
@@ -74,7 +75,6 @@ from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
 from workers.maskaware.unet import MaskAwareUNet, RowGroup
 
 log = logging.getLogger(__name__)
-CONFIGS = ("naive", "pipelined", "plan", "ideal")
 
 
 @dataclass
@@ -84,6 +84,14 @@ class Link:
     latency_s: float
     provider: StepCacheProvider | None = None
     store: ThrottledStore | None = None
+
+    @classmethod
+    def open(cls, name: str, bandwidth: float, latency_s: float, root: Path, ctrl: MaskAwareUNet) -> "Link":
+        """The cache folder ``root`` behind this link: a ``ThrottledStore`` and a provider that knows the units."""
+        store = ThrottledStore(LocalStore(root), bandwidth, latency_s)
+        provider = StepCacheProvider(ActivationStore(store), 1 << 34)
+        provider.set_units({u: ctrl.unit_tensor_names(u) for u in ctrl.units})
+        return cls(name, bandwidth, latency_s, provider, store)
 
 
 @dataclass
@@ -127,34 +135,53 @@ class Bench:
             self.unet(self.x, self.t, self.e)
         observe_context(self.cost, ctx)  # the engine's online cost model
 
+    def resident(self, config: str, tm: object) -> None:
+        """``full``: no cache at all; ``ideal``: the whole step's cache resident."""
+        self.forward(RowGroup(2, "full") if config == "full" else
+                     RowGroup(2, "masked", token_mask=tm, cache=self.tensors))  # type: ignore[arg-type]
+
+    def cold(self, link: Link | None, steps: int) -> StepCacheProvider:
+        """The link's provider with nothing of the first ``steps`` steps loaded or queued."""
+        assert link is not None and link.provider is not None
+        link.provider.drain()
+        for s in range(steps):
+            link.provider.forget(self.key, s)
+        return link.provider
+
+    def naive(self, p: StepCacheProvider, tm: object, step: int, units: list[str]) -> None:
+        """(a) load every unit of ``step``, then compute."""
+        p.load_units(self.key, step, units, complete=False)
+        cache: dict[str, torch.Tensor] = {}
+        for u in units:
+            got = p.acquire(self.key, step, u, time.monotonic() + self.max_wait_s)
+            assert got is not None, f"{u} did not load"
+            cache.update(got)
+        self.forward(RowGroup(2, "masked", token_mask=tm, cache=cache))  # type: ignore[arg-type]
+
+    def waiting(self, p: StepCacheProvider, tm: object, step: int, units: list[str], names: object,
+                deadline: float) -> UnitCache:
+        """Compute ``step`` waiting for each of ``units`` (until ``deadline``), the others fully."""
+        uc = UnitCache(p, self.key, step, names, units, deadline)  # type: ignore[arg-type]
+        self.forward(RowGroup(2, "masked", token_mask=tm, cache=uc))  # type: ignore[arg-type]
+        return uc
+
     def run(self, config: str, tm: object, link: Link | None) -> Trial:
         units = self.ctrl.units
         names = self.ctrl.tensor_names()
-        if config == "full":
+        if config in ("full", "ideal"):
             t0 = time.perf_counter()
-            self.forward(RowGroup(2, "full"))
-            return Trial(time.perf_counter() - t0)
-        if config == "ideal":
-            t0 = time.perf_counter()
-            self.forward(RowGroup(2, "masked", token_mask=tm, cache=self.tensors))  # type: ignore[arg-type]
-            return Trial(time.perf_counter() - t0, len(units))
+            self.resident(config, tm)
+            return Trial(time.perf_counter() - t0, len(units) if config == "ideal" else 0)
         assert link is not None and link.provider is not None
         p = link.provider
         p.forget(self.key, 0)
         t0 = time.perf_counter()
         if config == "naive":
-            p.load_units(self.key, 0, units, complete=False)
-            cache: dict[str, torch.Tensor] = {}
-            for u in units:
-                got = p.acquire(self.key, 0, u, time.monotonic() + self.max_wait_s)
-                assert got is not None, f"{u} did not load"
-                cache.update(got)
-            self.forward(RowGroup(2, "masked", token_mask=tm, cache=cache))  # type: ignore[arg-type]
+            self.naive(p, tm, 0, units)
             trial = Trial(time.perf_counter() - t0, len(units))
         elif config == "pipelined":
             p.load_units(self.key, 0, units, complete=False)
-            uc = UnitCache(p, self.key, 0, names, units, time.monotonic() + self.max_wait_s)
-            self.forward(RowGroup(2, "masked", token_mask=tm, cache=uc))  # type: ignore[arg-type]
+            uc = self.waiting(p, tm, 0, units, names, time.monotonic() + self.max_wait_s)
             trial = Trial(time.perf_counter() - t0, len(uc.used), missed=len(uc.missed))
         elif config == "plan":
             job = PlanJob(2, tm, (self.key.digest(), 0), set())
@@ -168,8 +195,7 @@ class Bench:
                 predicted = plan.predicted_s
                 deadline = time.monotonic() + min(self.max_wait_s, 0.05 + 2 * plan.predicted_s)
             p.load_units(self.key, 0, chosen, complete=False)
-            uc = UnitCache(p, self.key, 0, names, chosen, deadline)
-            self.forward(RowGroup(2, "masked", token_mask=tm, cache=uc))  # type: ignore[arg-type]
+            uc = self.waiting(p, tm, 0, chosen, names, deadline)
             trial = Trial(time.perf_counter() - t0, len(uc.used), predicted, len(uc.missed))
         else:
             raise ValueError(config)
@@ -211,37 +237,23 @@ class Bench:
         if config in ("full", "ideal"):
             for _s in range(steps):
                 t0 = time.perf_counter()
-                if config == "full":
-                    self.forward(RowGroup(2, "full"))
-                else:
-                    self.forward(RowGroup(2, "masked", token_mask=tm, cache=self.tensors))  # type: ignore[arg-type]
+                self.resident(config, tm)
                 out.step_s.append(time.perf_counter() - t0)
             return out
-        assert link is not None and link.provider is not None
-        p = link.provider
-        p.drain()
-        for s in range(steps):
-            p.forget(self.key, s)
+        p = self.cold(link, steps)
         chosen: dict[int, list[str]] = {}
         predicted: dict[int, float] = {}
         for s in range(steps):
             t0 = time.perf_counter()
             if config == "naive":
-                p.load_units(self.key, s, units, complete=False)
-                cache: dict[str, torch.Tensor] = {}
-                for u in units:
-                    got = p.acquire(self.key, s, u, time.monotonic() + self.max_wait_s)
-                    assert got is not None, f"{u} did not load"
-                    cache.update(got)
-                self.forward(RowGroup(2, "masked", token_mask=tm, cache=cache))  # type: ignore[arg-type]
+                self.naive(p, tm, s, units)
                 out.cached_units.append(len(units))
             elif config == "pipelined":
                 if s == 0:
                     p.load_units(self.key, 0, units, complete=False)
                 if s + 1 < steps:
                     p.load_units(self.key, s + 1, units, complete=False)
-                uc = UnitCache(p, self.key, s, names, units, time.monotonic() + self.max_wait_s)
-                self.forward(RowGroup(2, "masked", token_mask=tm, cache=uc))  # type: ignore[arg-type]
+                uc = self.waiting(p, tm, s, units, names, time.monotonic() + self.max_wait_s)
                 out.cached_units.append(len(uc.used))
                 out.missed += len(uc.missed)
             elif config == "plan":
@@ -260,8 +272,7 @@ class Bench:
                     p.load_units(self.key, s + 1, chosen[s + 1], complete=False)
                     out.leads.append(lead)
                 deadline = start + min(self.max_wait_s, 0.05 + 2 * predicted[s]) if chosen[s] else -math.inf
-                uc = UnitCache(p, self.key, s, names, chosen[s], deadline)
-                self.forward(RowGroup(2, "masked", token_mask=tm, cache=uc))  # type: ignore[arg-type]
+                uc = self.waiting(p, tm, s, chosen[s], names, deadline)
                 out.cached_units.append(len(uc.used))
                 out.predicted_s.append(predicted[s])
                 out.missed += len(uc.missed)
@@ -278,15 +289,8 @@ class Bench:
         (the scheduler update and CFG combine included, which (a)-(d) do not pay)."""
         from workers.engine.job import EngineJob
         from workers.engine.sd_runner import SDRunner
-        from workers.models.tiny_sd import build_scheduler
-
-        assert link.provider is not None
-        p = link.provider
-        p.drain()
-        for s in range(steps):
-            p.forget(self.key, s)
-        cfg = dict(build_scheduler().config) | {"_class_name": "DDIMScheduler"}
-        runner = SDRunner(self.unet, cfg, maskaware=self.ctrl, caches=p, prefetch_steps=prefetch_steps,
+        p = self.cold(link, steps)
+        runner = SDRunner(self.unet, ddim_config(), maskaware=self.ctrl, caches=p, prefetch_steps=prefetch_steps,
                           cache_plan="plan", max_wait_s=self.max_wait_s)
         runner.unit_cost = self.cost  # the cost model the other configs trained (engine warm-up)
         lat = self.latent
@@ -337,35 +341,16 @@ def setup(args: argparse.Namespace, root: Path, steps: int = 1) -> Bench:
 
 
 def make_links(args: argparse.Namespace, bench: Bench, root: Path) -> list[Link]:
-    links = []
-    for spec in args.links.split(","):
-        name, mibps, lat_ms = spec.split(":")
-        link = Link(name, float(mibps) * 2**20, float(lat_ms) / 1000)
-        link.store = ThrottledStore(LocalStore(root), link.bandwidth, link.latency_s)
-        link.provider = StepCacheProvider(ActivationStore(link.store), 1 << 34)
-        link.provider.set_units({u: bench.ctrl.unit_tensor_names(u) for u in bench.ctrl.units})
-        links.append(link)
-    return links
+    """``--links name:MiB/s:latency_ms,...``."""
+    specs = [spec.split(":") for spec in args.links.split(",")]
+    return [Link.open(name, float(mib) * 2**20, float(ms) / 1000, root, bench.ctrl) for name, mib, ms in specs]
 
 
 def _inputs(latent: int, steps: int, seed: int, ratio: float, mode: str,
             key: TemplateCacheKey | None) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """What ``prepare`` would ship for one CFG job (random latents/embeddings, a blob mask)."""
-    from workers.maskaware.tokens import blob_mask
-
-    g = torch.Generator().manual_seed(seed)
-    pix = blob_mask(latent * 8, latent * 8, ratio, seed=seed)
-    lat = torch.nn.functional.adaptive_max_pool2d(pix.float()[None, None], (latent, latent))
-    tensors = {"latents": torch.randn(1, 4, latent, latent, generator=g),
-               "mask": lat.expand(2, 1, latent, latent).contiguous(),
-               "masked_image_latents": torch.randn(2, 4, latent, latent, generator=g),
-               "prompt_embeds": torch.randn(2, 6, 32, generator=g),
-               "generator_state": g.get_state(), "pixel_mask": pix.to(torch.uint8)}
-    meta: dict[str, object] = {"t_start": 0, "num_steps": steps, "do_cfg": True, "guidance": 5.0,
-                               "cache_mode": mode}
-    if key is not None:
-        meta["cache_key"] = key.to_dict()
-    return tensors, meta
+    return cfg_job(pixel_mask(latent * 8, ratio, "blob", seed), latent, steps, (6, 32), seed, guidance=5.0, mode=mode,
+                   cache_key=key.to_dict() if key is not None else None)
 
 
 @dataclass
@@ -397,29 +382,21 @@ class ReplayRun:
 
 def _replay_setup(args: argparse.Namespace) -> ReplayContext:
     """Warm one template per job (nothing shared, so every job fetches its whole cache)."""
-    from workers.engine.job import EngineJob
     from workers.engine.sd_runner import SDRunner
     from workers.engine.template_cache import CacheRecorder
-    from workers.models.tiny_sd import build_scheduler, build_unet
+    from workers.models.tiny_sd import build_unet
 
     latent, steps, n = args.replay_latent, args.replay_steps, args.replay_jobs
     unet = build_unet(args.seed, hidden=(32, 64)).eval()
     ctrl = MaskAwareUNet(unet)
-    cfg = dict(build_scheduler().config) | {"_class_name": "DDIMScheduler"}
+    cfg = ddim_config()
     root = Path(tempfile.mkdtemp(prefix="stencil-replay-"))
     warm = SDRunner(unet, cfg, maskaware=ctrl, recorder=CacheRecorder(ActivationStore(LocalStore(root))),
                     prefetch_steps=0)
-    keys = []
-    for i in range(n):
-        key = TemplateCacheKey("replay", f"t{i}", latent * 8, latent * 8, "ddim", steps, 1.0, "cfg2",
-                               ctrl.cache_layout)
-        job = EngineJob(f"warm{i}", steps)
-        job.state = warm.init_state(*_inputs(latent, steps, 100 + i, 0.2, "record", key))
-        while not job.finished:
-            warm.step([job])
-            job.steps_done += 1
-        warm.result(job)["commit"].result(timeout=120)
-        keys.append(key)
+    keys = [TemplateCacheKey("replay", f"t{i}", latent * 8, latent * 8, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout)
+            for i in range(n)]
+    for i, key in enumerate(keys):
+        record(warm, *_inputs(latent, steps, 100 + i, 0.2, "record", None), key)
     return ReplayContext(unet, ctrl, cfg, root, keys, ctrl.cache_nbytes(latent, latent, rows=2))
 
 
@@ -605,12 +582,8 @@ def steady_main(args: argparse.Namespace) -> str:
     links = []
     for spec in args.steady_links.split(","):
         name, x = spec.split(":")
-        link = Link(name, step_bytes / (float(x) * full0), 0.0)
-        link.store = ThrottledStore(LocalStore(root), link.bandwidth, 0.0)
-        link.provider = StepCacheProvider(ActivationStore(link.store), 1 << 34)
-        link.provider.set_units({u: bench.ctrl.unit_tensor_names(u) for u in bench.ctrl.units})
-        links.append(link)
-        bench.steady("pipelined", masks[ratios[0]], link, 2)  # the provider measures its link
+        links.append(Link.open(name, step_bytes / (float(x) * full0), 0.0, root, bench.ctrl))
+        bench.steady("pipelined", masks[ratios[0]], links[-1], 2)  # the provider measures its link
     log.info("full step %.0f ms; links %s", 1000 * full0,
              [(lk.name, f"{lk.bandwidth / 2**20:.2f} MiB/s") for lk in links])
     runs: dict[tuple[int, str, str, float], SteadyTrial] = {}
@@ -875,14 +848,9 @@ def render(args: argparse.Namespace, bench: Bench, links: list[Link], ratios: li
     full = med([t.seconds for t in results[("full", "-", 0.0)]])
     units = ctrl.units
     lines = [
-        "# Bubble-free loading: step time with the cache behind an emulated link",
-        "",
-        "Command (from the repo root):",
-        "",
-        "```",
-        args.command,
-        "```",
-        "",
+        "# Bubble-free loading: step time with the cache behind an emulated link", "",
+        "Command (from the repo root):", "",
+        "```", args.command, "```", "",
         f"- Model: SD-architecture 9-channel `UNet2DConditionModel`, block_out_channels {args.hidden}, "
         f"layers_per_block {args.layers_per_block}, transformer_layers_per_block {args.transformer_layers}, "
         f"cross_attention_dim {args.cross_dim}, fp32, random init; latent {args.latent}x{args.latent} "
@@ -931,17 +899,13 @@ def render(args: argparse.Namespace, bench: Bench, links: list[Link], ratios: li
                 achievable = step_bytes / lk.bandwidth + len(units) * lk.latency_s <= d
             ok = (c <= 1.10 * d if achievable else True) and c <= full
             verdicts.append(ok)
+            predicted = f"{1000 * med(preds):.0f}" if preds else "-"
             lines.append(
                 f"| {r:.2f} | {1000 * full:.0f} | {1000 * a:.0f} | {1000 * b:.0f} | {1000 * c:.0f} | {1000 * d:.0f} | "
-                f"{c / d:.2f} | {c / full:.2f} | {cached:.0f}/{len(units)} | "
-                f"{1000 * med(preds):.0f} | {'yes' if achievable else 'no'} | {'yes' if ok else 'NO'} |"
-                if preds else
-                f"| {r:.2f} | {1000 * full:.0f} | {1000 * a:.0f} | {1000 * b:.0f} | {1000 * c:.0f} | {1000 * d:.0f} | "
-                f"{c / d:.2f} | {c / full:.2f} | {cached:.0f}/{len(units)} | - | "
+                f"{c / d:.2f} | {c / full:.2f} | {cached:.0f}/{len(units)} | {predicted} | "
                 f"{'yes' if achievable else 'no'} | {'yes' if ok else 'NO'} |")
         lines.append("")
-    lines.append(f"Targets met in {sum(verdicts)} of {len(verdicts)} (link, ratio) cells.")
-    lines.append("")
+    lines += [f"Targets met in {sum(verdicts)} of {len(verdicts)} (link, ratio) cells.", ""]
     return "\n".join(lines)
 
 

@@ -29,16 +29,17 @@ import platform
 import random
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
+from app.demo import demo_templates
 from ops.bench.harness import cli, load_trace
 from ops.bench.harness.engine import batch_curve, curve_table
 from ops.bench.harness.models import saved_sd_pipeline
-from ops.bench.harness.report import pyplot, save_figure
+from ops.bench.harness.report import finish_axes, pyplot, save_figure
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +55,12 @@ SYSTEMS: dict[str, dict[str, object]] = {
 }
 
 
-@dataclass
-class Workload:
-    """Jobs of one run: arrival offsets, templates, masks, prompts, seeds."""
-
-    arrivals: list[float]
-    jobs: list[dict[str, object]] = field(default_factory=list)
+Workload = tuple[list[float], list[dict[str, Any]]]  # arrival offsets; template, mask, prompt, seed of each job
 
 
 def make_workload(rate: float, n: int, ratios: np.ndarray, templates: list[Image.Image], steps: int,
                   seed: int) -> Workload:
+    """Poisson arrivals at ``rate``, mask ratios from the trace, shapes, templates, prompts, seeds."""
     from app.maskgen import SHAPES, make_mask
 
     rng = random.Random(seed)
@@ -77,13 +74,7 @@ def make_workload(rate: float, n: int, ratios: np.ndarray, templates: list[Image
         jobs.append({"template": rng.randrange(len(templates)), "mask": mask,
                      "prompt": rng.choice(["a red scarf", "a hat", "flowers", "a cat", "sunglasses"]),
                      "seed": rng.randrange(1 << 31), "steps": steps})
-    return Workload(arrivals, jobs)
-
-
-def bench_templates(size: int) -> list[Image.Image]:
-    from app.demo import demo_templates
-
-    return [img for _name, img in demo_templates(size)]
+    return arrivals, jobs
 
 
 def submit_stock(client, *, template: Image.Image, mask: np.ndarray, **params: object):  # type: ignore[no-untyped-def]
@@ -105,11 +96,11 @@ def run_rate(client, stock: bool, template_ids: list[str], templates: list[Image
     start = time.monotonic()
     submit = (lambda **kw: submit_stock(client, **kw)) if stock else client.submit
     handles = []
-    for offset, job in zip(workload.arrivals, workload.jobs):
+    for offset, job in zip(*workload):
         delay = start + offset - time.monotonic()
         if delay > 0:
             time.sleep(delay)
-        tpl = templates[job["template"]] if stock else template_ids[job["template"]]  # type: ignore[index]
+        tpl = templates[job["template"]] if stock else template_ids[job["template"]]
         handles.append((submit(template=tpl, mask=job["mask"], prompt=job["prompt"], seed=job["seed"],
                                steps=job["steps"], guidance=guidance), float(job["mask"].mean())))
     rows = []
@@ -178,13 +169,6 @@ def run_system(name: str, cfg: dict[str, object], rates: list[float], args: argp
             log.info("system %s rate %.3f/s: %s", name, rate, json.dumps({k: round(v, 3) for k, v in summary.items()}))
             results[f"{rate:.4f}"] = {"summary": summary, "rows": rows}
     return results
-
-
-def measure_capacity(args: argparse.Namespace, model_dir: Path, ratios: np.ndarray,
-                     templates: list[Image.Image]) -> float:
-    """Closed-loop throughput of the stock baseline (a burst of jobs), in jobs/s."""
-    res = run_system("stock-capacity", SYSTEMS["stock"], [1000.0], args, model_dir, ratios, templates)
-    return float(next(iter(res.values()))["summary"]["throughput"])  # type: ignore[index]
 
 
 def _summary(report: dict, system: str, rate_key: str) -> dict[str, float]:
@@ -261,13 +245,10 @@ def plots(report: dict, out: Path) -> list[str]:
         axes[0].plot(x, [per_rate[k]["summary"]["mean"] for k in keys], marker="o", label=name)
         axes[1].plot(x, [per_rate[k]["summary"]["p95"] for k in keys], marker="o", label=name)
     for ax, what in zip(axes, ("mean latency (s)", "P95 latency (s)")):
-        ax.set_xlabel("request rate (jobs/s)")
-        ax.set_ylabel(what)
         ax.set_yscale("log")
-        ax.grid(alpha=0.3)
+        finish_axes(ax, "request rate (jobs/s)", what)
     axes[0].legend(fontsize=8)
-    save_figure(fig, out / "latency_vs_rate.png")
-    files.append("latency_vs_rate.png")
+    files.append(save_figure(fig, out / "latency_vs_rate.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in ("stock", "stencil"):
@@ -276,12 +257,8 @@ def plots(report: dict, out: Path) -> list[str]:
         keys = sorted(report["results"][name], key=float)
         rows = report["results"][name][keys[0]]["rows"]  # lowest rate: little queueing
         ax.scatter([r["ratio"] for r in rows], [r["latency"] - r["queueing"] for r in rows], label=name, s=12)
-    ax.set_xlabel("mask ratio")
-    ax.set_ylabel("service time (s, lowest rate)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save_figure(fig, out / "latency_vs_mask_ratio.png")
-    files.append("latency_vs_mask_ratio.png")
+    finish_axes(ax, "mask ratio", "service time (s, lowest rate)", legend=0)
+    files.append(save_figure(fig, out / "latency_vs_mask_ratio.png"))
 
     curve = report.get("batch_curve")
     if curve:
@@ -289,12 +266,8 @@ def plots(report: dict, out: Path) -> list[str]:
         for engine in dict.fromkeys(r["engine"] for r in curve):
             points = sorted((r["batch"], r["jobs_per_s"]) for r in curve if r["engine"] == engine)
             ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=engine)
-        ax.set_xlabel("batch size (jobs)")
-        ax.set_ylabel("throughput (jobs / s of denoising)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        save_figure(fig, out / "throughput_vs_batch.png")
-        files.append("throughput_vs_batch.png")
+        finish_axes(ax, "batch size (jobs)", "throughput (jobs / s of denoising)", legend=8)
+        files.append(save_figure(fig, out / "throughput_vs_batch.png"))
     return files
 
 
@@ -315,8 +288,6 @@ def write_report(report: dict, out: Path) -> Path:
                  "its text encoding and VAE work). The gain column says what a step of B jobs saves over B steps "
                  "of one job; continuous batching can only beat static batching by what batching saves plus the "
                  "waiting it avoids.\n", curve_table(report["batch_curve"]) + "\n"]
-    if report.get("overheads"):
-        text += ["\n## Overheads\n", "\n".join(f"- {k}: {v}" for k, v in report["overheads"].items()) + "\n"]
     path = out / "README.md"
     path.write_text("\n".join(text))
     return path
@@ -354,12 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = saved_sd_pipeline(Path(args.workdir), tuple(int(x) for x in args.unet_hidden.split(",")))
     ratios = load_trace(args.trace)
-    templates = bench_templates(args.size)
+    templates = [img for _name, img in demo_templates(args.size)]
     curve: list[dict[str, object]] = []
     if args.batch_curve:
         curve = batch_curve(model_dir, size=args.size, steps=min(args.steps, 4),
                             batches=[int(x) for x in args.batch_curve.split(",")], ratio=float(np.mean(ratios)))
-    capacity = measure_capacity(args, model_dir, ratios, templates)
+    # The stock baseline's closed-loop capacity (a burst of jobs): the rates are multiples of it.
+    burst = run_system("stock-capacity", SYSTEMS["stock"], [1000.0], args, model_dir, ratios, templates)
+    capacity = float(next(iter(burst.values()))["summary"]["throughput"])  # type: ignore[index]
     rates = [m * capacity for m in multiples]
     log.info("stock capacity %.3f jobs/s; rates %s", capacity, [round(r, 3) for r in rates])
     results: dict[str, object] = {}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +23,8 @@ import numpy as np
 from app.fidelity import EXPECTED_FILE, REFRESHES
 from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
-from app.storage import LocalStore
 from ops.bench.harness import cli, load_trace
 from ops.bench.harness.edits import DEFAULT_MODELS, EDIT_PROMPTS, OPTIONS, Family, Option, edit, metrics, warm
-from workers.maskaware.activation_store import ActivationStore
 
 log = logging.getLogger(__name__)
 COLUMNS = ("ratio", "ssim", "psnr", "ssim_unmasked", "psnr_unmasked", "ssim_masked", "psnr_masked")
@@ -36,12 +33,8 @@ COLUMNS = ("ratio", "ssim", "psnr", "ssim_unmasked", "psnr_unmasked", "ssim_mask
 def bench_family(name: str, traces: list[str], n: int, steps: int, seed: int, guidance: float,
                  options: list[Option], model: str = "") -> list[dict[str, Any]]:
     """Rows of (edit, option) metrics vs full compute for one family at one guidance."""
-    activations = ActivationStore(LocalStore(tempfile.mkdtemp(prefix="stencil-fid-")))
-    fam = Family(name, activations, model or DEFAULT_MODELS[name])
-    templates = fam.templates()
-    empty = np.zeros((fam.size, fam.size), bool)
-    keys = [warm(fam, f"t{i}", image, empty, JobParams(prompt="", seed=0, steps=steps, guidance=guidance))
-            for i, image in enumerate(templates)]
+    fam = Family(name, model=model or DEFAULT_MODELS[name])
+    templates, keys = fam.warmed_templates(steps, guidance)
     rng = np.random.default_rng(seed)
     rows = []
     for trace in traces:

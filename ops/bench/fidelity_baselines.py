@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tempfile
 
 import numpy as np
 
 from app.demo import demo_templates
 from app.jobs import JobParams
 from app.maskgen import make_mask
-from app.storage import LocalStore
 from ops.bench.harness import cli, engine
-from ops.bench.harness.edits import DEFAULT_MODELS, Family, metrics, warm
+from ops.bench.harness.edits import Family, metrics, warm
 from workers import noise_blend
-from workers.maskaware.activation_store import ActivationStore
 
 
 def seed_baseline(fam: Family, guidance: float, steps: int) -> dict[str, float]:
@@ -73,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     run = cli.start(p, argv, __file__, quick=dict(steps=2))
     args = run.args
-    fam = Family(args.family, ActivationStore(LocalStore(tempfile.mkdtemp(prefix="stencil-fidbase-"))),
-                 args.model or DEFAULT_MODELS[args.family])
+    fam = Family(args.family, model=args.model or None)
     result: dict[str, object] = {"seed_to_seed_full_compute": seed_baseline(fam, args.guidance, args.steps)}
     if args.family == "sd":  # the warm-up-noise comparison is the SD path's (noise_blend.blend_sd)
         result["outside_mask_psnr_to_template_db"] = outside_psnr(fam, args.guidance, args.steps)

@@ -15,17 +15,14 @@ steps). SSIM vs full compute of the same edit, trained models.
 from __future__ import annotations
 
 import logging
-import tempfile
 
 import numpy as np
 
 from app.fidelity import REFRESHES, refresh_schedule
 from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
-from app.storage import LocalStore
 from ops.bench.harness import cli, load_trace
 from ops.bench.harness.edits import DEFAULT_MODELS, EDIT_PROMPTS, Family, Option, edit, metrics, warm
-from workers.maskaware.activation_store import ActivationStore
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     run = cli.start(p, argv, __file__, quick=dict(n=1, steps=2))
     args = run.args
-    fam = Family(args.family, ActivationStore(LocalStore(tempfile.mkdtemp(prefix="stencil-causes-"))),
-                 args.model or DEFAULT_MODELS[args.family])
-    templates = fam.templates()
-    empty = np.zeros((fam.size, fam.size), bool)
+    fam = Family(args.family, model=args.model or None)
     g, steps = args.guidance, args.steps
-    base = [warm(fam, f"t{i}", img, empty, JobParams(prompt="", seed=0, steps=steps, guidance=g))
-            for i, img in enumerate(templates)]
+    templates, base = fam.warmed_templates(steps, g)
+    empty = np.zeros((fam.size, fam.size), bool)
     fixes = remedies(steps)
     scores: dict[str, list[dict[str, float]]] = {}
     rng = np.random.default_rng(args.seed)

@@ -64,11 +64,20 @@ def _inputs(args: argparse.Namespace, text_len: int) -> dict[str, torch.Tensor]:
     )
 
 
-def _setup(args: argparse.Namespace, model: torch.nn.Module, ctrl: MaskAwareFlux, text_len: int) -> Setup:
+def _setup(args: argparse.Namespace, model: torch.nn.Module, ctrl: MaskAwareFlux, text_len: int,
+           row_group: type = RowGroup) -> Setup:
     kwargs = _inputs(args, text_len)
-    with ctrl.batch([RowGroup(1, "record") for _ in range(args.batch)]) as ctx:   # real warm-up
+    with ctrl.batch([row_group(1, "record") for _ in range(args.batch)]) as ctx:   # real warm-up
         model(**kwargs)
     return Setup(model, ctrl, kwargs, list(ctx.recorded), args.side * args.side, text_len, CLOCKS[args.clock])
+
+
+def _check(out: torch.Tensor, full_out: torch.Tensor, masks: list[torch.Tensor], tol: float, where: str) -> float:
+    """Max |masked - full| at the masked tokens; above ``tol`` the run aborts (the masked path is wrong)."""
+    err = max(float((out[k] - full_out[k])[m].abs().max()) if m.any() else 0.0 for k, m in enumerate(masks))
+    if not err <= tol:
+        raise RuntimeError(f"mask-aware output differs from full compute by {err:.3e} at {where}")
+    return err
 
 
 def _masks(args: argparse.Namespace, ratio: float) -> list[torch.Tensor]:
@@ -100,11 +109,8 @@ def run_ratio_table(args: argparse.Namespace, s: Setup) -> list[str]:
     for i, (fmt, r, groups, fs) in enumerate(configs):        # untimed pass: allocator, correctness
         out = _forward(fs, groups)[1]
         if groups is not None:
-            err = max(float((out[k] - full_out[k])[g.token_mask].abs().max()) if g.token_mask.any() else 0.0
-                      for k, g in enumerate(groups))
+            err = _check(out, full_out, [g.token_mask for g in groups], args.tol, f"r={r}")
             log.info("check %s r=%.2f: max |masked - full| at masked tokens = %.2e", fmt, r, err)
-            if not err <= args.tol:
-                raise RuntimeError(f"mask-aware output differs from full compute by {err:.3e} at r={r}")
             worst = max(worst, err)
     times = interleave(args.rounds, range(len(configs)), lambda i: _forward(configs[i][3], configs[i][2])[0])
     med = {i: statistics.median(v) * 1e3 for i, v in times.items()}
@@ -141,10 +147,7 @@ def run_text_sweep(args: argparse.Namespace, model: torch.nn.Module, ctrl: MaskA
         s = _setup(args, model, ctrl, t)
         masks = _masks(args, args.sweep_ratio)
         groups = [RowGroup(1, "masked", token_mask=mk, cache=c) for mk, c in zip(masks, s.caches)]
-        full_out, out = _forward(s, None)[1], _forward(s, groups)[1]
-        err = max(float((out[k] - full_out[k])[mk].abs().max()) for k, mk in enumerate(masks))
-        if not err <= args.tol:
-            raise RuntimeError(f"mask-aware output differs from full compute by {err:.3e} at T={t}")
+        _check(_forward(s, groups)[1], _forward(s, None)[1], masks, args.tol, f"T={t}")
         got = interleave(args.sweep_rounds, (None, 0), lambda k: _forward(s, None if k is None else groups)[0])
         f, m_ = statistics.median(got[None]) * 1e3, statistics.median(got[0]) * 1e3
         m = statistics.mean(int(mk.sum()) for mk in masks)
@@ -173,14 +176,8 @@ def run_ab(args: argparse.Namespace, model: torch.nn.Module, fmt: str) -> list[s
     model_a = _model(args)
     ctrl_a = impl.MaskAwareFlux(model_a, kv_format=fmt)
     ctrl_b = MaskAwareFlux(model, kv_format=fmt)
-    kwargs = _inputs(args, args.text_len)
-    caches = []
-    for mdl, ctrl, rg in ((model_a, ctrl_a, impl.RowGroup), (model, ctrl_b, RowGroup)):
-        with ctrl.batch([rg(1, "record") for _ in range(args.batch)]) as ctx:
-            mdl(**kwargs)
-        caches.append(list(ctx.recorded))
-    sa = Setup(model_a, ctrl_a, kwargs, caches[0], args.side * args.side, args.text_len, CLOCKS[args.clock])
-    sb = Setup(model, ctrl_b, kwargs, caches[1], args.side * args.side, args.text_len, CLOCKS[args.clock])
+    sa = _setup(args, model_a, ctrl_a, args.text_len, impl.RowGroup)
+    sb = _setup(args, model, ctrl_b, args.text_len)
     lines = [f"Paired A/B, kv_format={fmt}: A = `{args.ab}`, B = this tree; {args.rounds} rounds of "
              "(stock full, A, B) per ratio, medians of per-round values.", "",
              "| ratio | full ms | A ms | B ms | A speedup | B speedup | B time / A time |",
@@ -191,10 +188,7 @@ def run_ab(args: argparse.Namespace, model: torch.nn.Module, fmt: str) -> list[s
         ga = [impl.RowGroup(1, "masked", token_mask=m, cache=c) for m, c in zip(masks, sa.caches)]
         gb = [RowGroup(1, "masked", token_mask=m, cache=c) for m, c in zip(masks, sb.caches)]
         for s_, g in ((sa, ga), (sb, gb)):
-            out = _forward(s_, g)[1]
-            err = max(float((out[k] - full_out[k])[m].abs().max()) if m.any() else 0.0 for k, m in enumerate(masks))
-            if not err <= args.tol:
-                raise RuntimeError(f"A/B: output differs from full compute by {err:.3e} at r={r}")
+            _check(_forward(s_, g)[1], full_out, masks, args.tol, f"A/B r={r}")
         runs = {"full": (sb, None), "A": (sa, ga), "B": (sb, gb)}
         t = interleave(args.rounds, tuple(runs), lambda k: _forward(*runs[k])[0])
         med = statistics.median

@@ -19,11 +19,9 @@ from pathlib import Path
 from app.demo import demo_templates
 from app.jobs import JobParams
 from app.maskgen import make_mask
-from app.storage import LocalStore
 from ops.bench.harness import cli
 from ops.bench.harness.edits import Family
 from ops.bench.harness.engine import record, step_costs
-from workers.maskaware.activation_store import ActivationStore
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ratio", type=float, default=0.1)
     run = cli.start(p, argv, __file__, quick=dict(steps=3, batches="1,2"))
     args = run.args
-    fam = Family(args.family, ActivationStore(LocalStore(tempfile.mkdtemp(prefix="stencil-ovh-"))))
+    fam = Family(args.family)
     image = demo_templates(128)[0][1].resize((fam.size, fam.size))
     params = JobParams(prompt="a hat", seed=1, steps=args.steps, guidance=7.5 if args.family == "sd" else 30.0)
     mask = make_mask(args.ratio, (fam.size, fam.size), "blob", seed=1)

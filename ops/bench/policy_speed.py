@@ -33,7 +33,7 @@ from app.storage import LocalStore
 from ops.bench.harness import cli
 from ops.bench.harness.edits import OPTIONS, Option
 from ops.bench.harness.engine import record
-from ops.bench.harness.models import build_flux, build_sd_unet, flux_image_ids
+from ops.bench.harness.models import build_flux, build_sd_unet, ddim_config, flux_image_ids
 from ops.bench.harness.timing import interleave
 from workers.engine.job import EngineJob
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider
@@ -54,10 +54,9 @@ class Bench:
         if family == "sd":
             from workers.engine.sd_runner import SDRunner
             from workers.maskaware.unet import MaskAwareUNet
-            from workers.models.tiny_sd import build_scheduler
 
             model = build_sd_unet((320, 640), 64, 1, 1, 768, seed)
-            cfg = {**dict(build_scheduler().config), "_class_name": "DDIMScheduler"}
+            cfg = ddim_config()
             self.runner = SDRunner(model, cfg, maskaware=MaskAwareUNet(model), caches=caches,
                                    recorder=CacheRecorder(self.activations), prefetch_steps=steps)
             self.size, self.layout, self.shape = 512, "kv+y", "unet (320, 640), 4096 tokens, CFG"
@@ -69,7 +68,6 @@ class Bench:
                          "height": 512, "width": 512}
         else:
             from workers.engine.flux_runner import FluxRunner
-            from workers.flux_inputs import flux_schedule  # noqa: F401  (the runner's schedule)
             from workers.maskaware.flux import MaskAwareFlux
             from workers.models.tiny_flux import FLUX_SCHEDULER_CONFIG
 
@@ -101,9 +99,8 @@ class Bench:
         record(self.runner, self.tensors(0.0), self.meta, self.key, resident_steps=self.steps)
 
     def job(self, ratio: float, mode: str, refresh: list[int]) -> EngineJob:
-        meta = dict(self.meta, cache_mode=mode, cache_key=self.key.to_dict(), refresh_steps=refresh)
-        if mode == "full":
-            meta = dict(self.meta)
+        meta = dict(self.meta) if mode == "full" else dict(self.meta, cache_mode=mode, cache_key=self.key.to_dict(),
+                                                           refresh_steps=refresh)
         job = EngineJob(job_id=f"{mode}", total_steps=self.steps)
         job.state = self.runner.init_state(self.tensors(ratio), meta)
         return job

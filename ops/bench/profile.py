@@ -48,7 +48,7 @@ import torch
 from app.costmodel import STEP_FEATURES, CostModel, FitReport, TierFit, UNetArch, default_path
 from app.settings import Settings
 from ops.bench.harness import TRACES, cli, load_trace
-from ops.bench.harness.models import build_sd_unet
+from ops.bench.harness.models import build_sd_unet, cfg_job, ddim_config, pixel_mask
 from ops.bench.harness.report import pyplot, replace_section, save_figure
 
 log = logging.getLogger(__name__)
@@ -81,22 +81,15 @@ def load_model(kind: str, latent: int | None, seed: int) -> ModelUnderTest:
         return ModelUnderTest(s.model_id, unet, scheduler_config(folder), latent or 16, 77,
                               int(unet.config.cross_attention_dim), f"embedded default ({folder})")
     if kind == "sd-l2":
-        from workers.models.tiny_sd import build_scheduler
-
         lat = latent or 32
         unet = build_sd_unet((320, 640), lat, 1, 1, 768, seed)
-        sched = build_scheduler()
-        cfg = dict(sched.config, _class_name=type(sched).__name__)
-        return ModelUnderTest("sd-arch-320-640", unet, cfg, lat, 77, 768,
+        return ModelUnderTest("sd-arch-320-640", unet, ddim_config(), lat, 77, 768,
                               "SD-architecture UNet, block_out_channels (320, 640), layers_per_block 1, "
                               "cross_attention_dim 768, heads of 64, random init")
     if kind == "sd15":
-        from workers.models.tiny_sd import build_scheduler
-
         lat = latent or 64
         unet = build_sd_unet((320, 640, 1280, 1280), lat, 2, 1, 768, seed)
-        sched = build_scheduler()
-        return ModelUnderTest("sd15-arch", unet, dict(sched.config, _class_name=type(sched).__name__), lat, 77, 768,
+        return ModelUnderTest("sd15-arch", unet, ddim_config(), lat, 77, 768,
                               "SD-1.5 architecture UNet (320/640/1280/1280, 2 layers per block, cross dim 768, "
                               "heads of 64), 9-channel inpainting, random init")
     raise ValueError(f"unknown model kind {kind!r} (tiny | sd-l2 | sd15)")
@@ -128,9 +121,7 @@ class RecordedCaches:
 
     def put(self, key: Any, step: int, tensors: dict[str, torch.Tensor]) -> Future:
         self.steps[step] = {k: v.detach().clone() for k, v in tensors.items()}
-        f: Future = Future()
-        f.set_result(None)
-        return f
+        return self.commit(key)
 
     def commit(self, key: Any) -> Future:
         f: Future = Future()
@@ -158,43 +149,22 @@ class RunnerTimer:
 
     def __init__(self, mut: ModelUnderTest, steps: int, device: str = "cpu") -> None:
         from workers.engine.sd_runner import SDRunner
+        from workers.maskaware.activation_store import TemplateCacheKey
+        from workers.maskaware.unet import MaskAwareUNet
 
         self.mut = mut
         self.steps = steps
         self.h = self.w = mut.latent
         self.pixels = mut.latent * 8
         self.caches = RecordedCaches()
-        self.maskaware = None
-        self.key_dict: dict[str, Any] | None = None
-        kwargs: dict[str, Any] = {}
-        try:
-            import inspect
-
-            from workers.maskaware.unet import MaskAwareUNet
-
-            if "maskaware" in inspect.signature(SDRunner.__init__).parameters:
-                self.maskaware = MaskAwareUNet(mut.unet)
-                kwargs = {"maskaware": self.maskaware, "caches": self.caches, "recorder": self.caches,
-                          "prefetch_steps": 0}
-        except ImportError as exc:
-            log.warning("mask-aware runner not available (%s): profiling full compute only", exc)
-        self.runner = SDRunner(mut.unet, mut.scheduler_config, device, **kwargs)
-        if self.maskaware is not None:
-            from workers.maskaware.activation_store import TemplateCacheKey
-
-            self.key_dict = TemplateCacheKey(
-                model_id=mut.model_id, template_id="profile", height=self.pixels, width=self.pixels,
-                scheduler=str(mut.scheduler_config["_class_name"]), steps=steps, strength=1.0, guidance="cfg2",
-                layout=self.maskaware.cache_layout).to_dict()
-            self._record()
-
-    def pixel_mask(self, spec: JobSpec) -> torch.Tensor:
-        from workers.maskaware.tokens import blob_mask, rect_mask
-
-        if spec.ratio >= 1.0:
-            return torch.ones(self.pixels, self.pixels, dtype=torch.bool)
-        make = blob_mask if spec.shape == "blob" else rect_mask
-        return make(self.pixels, self.pixels, spec.ratio, seed=spec.seed)
+        self.maskaware = MaskAwareUNet(mut.unet)
+        self.runner = SDRunner(mut.unet, mut.scheduler_config, device, maskaware=self.maskaware, caches=self.caches,
+                               recorder=self.caches, prefetch_steps=0)
+        self.key_dict = TemplateCacheKey(
+            model_id=mut.model_id, template_id="profile", height=self.pixels, width=self.pixels,
+            scheduler=str(mut.scheduler_config["_class_name"]), steps=steps, strength=1.0, guidance="cfg2",
+            layout=self.maskaware.cache_layout).to_dict()
+        self._record()
 
     def tokens(self, pixel_mask: torch.Tensor) -> tuple[int, ...]:
         from workers.maskaware.tokens import build_token_masks
@@ -206,21 +176,9 @@ class RunnerTimer:
     def make_job(self, spec: JobSpec, mode: str, index: int) -> Any:
         from workers.engine.job import EngineJob
 
-        g = torch.Generator().manual_seed(1000 + spec.seed)
-        pix = self.pixel_mask(spec)
-        lat_mask = torch.nn.functional.adaptive_max_pool2d(pix.float()[None, None], (self.h, self.w))
-        tensors = {
-            "latents": torch.randn(1, 4, self.h, self.w, generator=g),
-            "mask": lat_mask.expand(2, 1, self.h, self.w).contiguous(),
-            "masked_image_latents": torch.randn(2, 4, self.h, self.w, generator=g),
-            "prompt_embeds": torch.randn(2, self.mut.text_len, self.mut.cross_dim, generator=g),
-            "generator_state": g.get_state(),
-            "pixel_mask": pix.to(torch.uint8),
-        }
-        meta: dict[str, Any] = {"t_start": 0, "num_steps": self.steps, "do_cfg": True, "guidance": 7.5,
-                                "cache_mode": mode}
-        if mode != "full":
-            meta["cache_key"] = self.key_dict
+        pix = pixel_mask(self.pixels, spec.ratio, spec.shape, spec.seed)
+        tensors, meta = cfg_job(pix, self.h, self.steps, (self.mut.text_len, self.mut.cross_dim), 1000 + spec.seed,
+                                mode=mode, cache_key=self.key_dict if mode != "full" else None)
         job = EngineJob(job_id=f"j{index}", total_steps=self.steps, mask_ratio=spec.ratio)
         job.state = self.runner.init_state(tensors, meta)
         job.cached = mode == "masked"
@@ -238,7 +196,7 @@ class RunnerTimer:
 
     def time_batch(self, specs: list[JobSpec], repeats: int) -> tuple[list[float], list[float], list[Any]]:
         """(wall seconds, this thread's CPU seconds) of ``repeats`` steps after one warm step."""
-        mode = lambda s: "masked" if (s.cached and self.maskaware is not None and s.ratio < 1.0) else "full"  # noqa: E731
+        mode = lambda s: "masked" if (s.cached and s.ratio < 1.0) else "full"  # noqa: E731
         jobs = [self.make_job(s, mode(s), i) for i, s in enumerate(specs)]
         wall, cpu = [], []
         for r in range(repeats + 1):
@@ -346,7 +304,7 @@ def profile_steps(mut: ModelUnderTest, args: argparse.Namespace, arch: UNetArch)
                  len(jobs), [f"{s.ratio:.2f}" for s in specs], [int(j.cached) for j in jobs], med * 1e3, args.clock,
                  "/".join(f"{t * 1e3:.0f}" for t in wall), os.getloadavg()[0])
     log.info("step profile: %d points in %.0f s", len(rows), time.monotonic() - t_start)
-    return {"rows": rows, "maskaware": harness.maskaware is not None}
+    return {"rows": rows, "maskaware": True}
 
 
 def _evict(path: Path) -> None:
@@ -425,6 +383,14 @@ def plot(model: CostModel, rows: list[dict[str, Any]], test_idx: np.ndarray, out
     save_figure(fig, out)
 
 
+def features(arch: UNetArch, rows: list[dict[str, Any]]) -> tuple[UNetArch, np.ndarray]:
+    """The architecture with the mask boundary cells the measured masks had, and each row's step features."""
+    arch = arch.with_edges([(r, t) for row in rows for r, t, c in zip(row["ratios"], row["tokens"], row["cached"])
+                            if c and t is not None])
+    return arch, np.array([np.sum([arch.job_features(t if c else None) for t, c in zip(row["tokens"], row["cached"])],
+                                  axis=0) for row in rows], dtype=np.float64)
+
+
 def project(args: argparse.Namespace, mut: ModelUnderTest, arch: UNetArch) -> int:
     """A what-if model for an architecture too slow to profile fully here: seconds = intercept +
     c * (total MACs), with ``c`` and the intercept fitted on the base model's measured points
@@ -445,10 +411,7 @@ def project(args: argparse.Namespace, mut: ModelUnderTest, arch: UNetArch) -> in
         with torch.no_grad():
             steps = profile_steps(mut, args, arch)
         rows = steps["rows"]
-        arch = arch.with_edges([(r, t) for row in rows for r, t, cc in zip(row["ratios"], row["tokens"], row["cached"])
-                                if cc and t is not None])
-        feats = np.array([np.sum([arch.job_features(t if cc else None) for t, cc in zip(row["tokens"], row["cached"])],
-                                 axis=0) for row in rows])
+        arch, feats = features(arch, rows)
         pred = reg.intercept_ + c * feats[:, :3].sum(axis=1)
         meas = np.array([r["seconds"] for r in rows])
         from sklearn.metrics import r2_score
@@ -462,12 +425,19 @@ def project(args: argparse.Namespace, mut: ModelUnderTest, arch: UNetArch) -> in
     model = CostModel(model_id=mut.model_id, device_kind=base.device_kind + "-projected", arch=arch,
                       intercept=float(reg.intercept_), coef=(c, c, c, 0.0, 0.0), tiers=base.tiers, step_report=None,
                       meta=meta)
-    out = Path(args.out) if args.out else default_path(Settings.from_env().home, mut.model_id, model.device_kind)
-    model.save(out)
-    log.info("wrote projected model %s (%.4f s per GMAC)", out, c)
-    if args.report:
-        replace_section(Path(args.report), f"costmodel-{model.model_id}", render_model(model))
+    log.info("projected: %.4f s per GMAC", c)
+    save(model, args, plotted=False)
     return 0
+
+
+def save(model: CostModel, args: argparse.Namespace, plotted: bool = True) -> None:
+    """The model JSON (``--out``, default in the home) and, with ``--report``, its section."""
+    out = Path(args.out) if args.out else default_path(Settings.from_env().home, model.model_id, model.device_kind)
+    model.save(out)
+    log.info("wrote %s", out)
+    if args.report:
+        replace_section(Path(args.report), f"costmodel-{model.model_id}",
+                        render_model(model, Path(args.plot).name if args.plot and plotted else ""))
 
 
 def render_model(model: CostModel, plot_name: str = "") -> str:
@@ -545,8 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     args.command = run.command
     if args.report_only:
         model = CostModel.load(args.report_only)
-        replace_section(Path(args.report), f"costmodel-{model.model_id}", render_model(model, Path(args.plot).name
-                                                                                      if args.plot else ""))
+        replace_section(Path(args.report), f"costmodel-{model.model_id}",
+                        render_model(model, Path(args.plot).name if args.plot else ""))
         return 0
     torch.manual_seed(args.seed)
     load_before = os.getloadavg()
@@ -565,12 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             steps = profile_steps(mut, args, arch)
     rows = steps["rows"]
-    arch = arch.with_edges([(r, t) for row in rows for r, t, c in zip(row["ratios"], row["tokens"], row["cached"])
-                            if c and t is not None])
+    arch, x = features(arch, rows)
     log.info("mask boundary cells per level (ratio -> tokens estimate): %s", arch.edge_cells)
-    x = np.array([[float(v) for v in np.sum([arch.job_features(t if c else None)
-                                             for t, c in zip(row["tokens"], row["cached"])], axis=0)]
-                  for row in rows])
     for row, feats in zip(rows, x):
         row["features"] = [float(v) for v in feats]
     y = np.array([r["seconds"] for r in rows])
@@ -597,18 +563,13 @@ def main(argv: list[str] | None = None) -> int:
               "maskaware_profiled": steps["maskaware"], "torch": torch.__version__, "points": len(rows),
               "cv5_r2": cv_r2, "total_macs_only_r2_test": macs_only.r2_test, **measurement,
               "fit_command": command})
-    out = Path(args.out) if args.out else default_path(Settings.from_env().home, mut.model_id, dev)
-    model.save(out)
-    log.info("wrote %s", out)
     if args.raw:
         Path(args.raw).write_text(json.dumps({"rows": rows, "test_idx": test_idx.tolist(), "loads": loads,
                                               "maskaware": steps["maskaware"], "measurement": measurement}, indent=1))
     if args.plot:
         plot(model, rows, test_idx, Path(args.plot))
         log.info("wrote %s", args.plot)
-    if args.report:
-        replace_section(Path(args.report), f"costmodel-{model.model_id}",
-                        render_model(model, Path(args.plot).name if args.plot else ""))
+    save(model, args)
     return 0
 
 

@@ -14,7 +14,6 @@ import logging
 import signal
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from app.client import StencilClient
@@ -26,16 +25,15 @@ from ops.bench.harness import cli
 log = logging.getLogger(__name__)
 
 
-def _restart(stack: EmbeddedStack, name: str) -> Callable[[], None]:
-    def again() -> None:
-        time.sleep(1.0)
-        if name.startswith("gpu"):
-            stack.start_gpu_worker(name[3:])
-        elif name == "cpu":
-            stack.start_cpu_worker()
-        else:
-            stack.start_dispatcher()
-    return again
+def _restart(stack: EmbeddedStack, name: str) -> None:
+    """Start a dead process again after 1 s, as compose's restart policy would."""
+    time.sleep(1.0)
+    if name.startswith("gpu"):
+        stack.start_gpu_worker(name[3:])
+    elif name == "cpu":
+        stack.start_cpu_worker()
+    else:
+        stack.start_dispatcher()
 
 
 def inject(stack: EmbeddedStack, scenario: str) -> None:
@@ -44,7 +42,7 @@ def inject(stack: EmbeddedStack, scenario: str) -> None:
         return
     name = {"gpu-kill": "gpu0", "cpu-kill": "cpu", "dispatcher-kill": "dispatcher"}[scenario]
     stack.kill(name, signal.SIGKILL)
-    _restart(stack, name)()
+    _restart(stack, name)
 
 
 def supervise_until_terminal(stack: EmbeddedStack, handles: list, timeout: float) -> list[str]:  # type: ignore[type-arg]
@@ -57,7 +55,7 @@ def supervise_until_terminal(stack: EmbeddedStack, handles: list, timeout: float
             if proc.poll() is not None:
                 exited.append(name)
                 stack.procs.pop(name)
-                _restart(stack, name)()
+                _restart(stack, name)
         time.sleep(0.5)
     return exited
 

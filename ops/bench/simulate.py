@@ -27,10 +27,12 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from app.costmodel import CostModel
 from app.routing import POLICIES, POLICY_VARIANTS, make_policy
 from ops.bench.harness import TRACES, cli
-from ops.bench.harness.report import pyplot, replace_section, save_figure
+from ops.bench.harness.report import finish_axes, pyplot, replace_section, save_figure
 from ops.sim.bounds import REFERENCES, apply_reference
 from ops.sim.cluster import Cluster, ClusterConfig
 from ops.sim.report import policy_table, summarize
@@ -78,8 +80,6 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 
 def service_floor_p95(jobs: list[Any]) -> float:
     """P95 of the measured jobs' time alone on an idle worker: no policy's P95 can be lower."""
-    import numpy as np
-
     measured = [j.alone_s if j.ratio > 0 else 0.0 for j in jobs if j.index >= int(len(jobs) * 0.1)]
     return float(np.percentile(measured, 95)) if measured else float("nan")
 
@@ -237,9 +237,7 @@ def plot_p95(results: list[dict[str, Any]], workers: int, traces: Sequence[str],
                         linestyle=":" if ref else "-", color="0.4" if p == "ideal_pooled" else
                         "0.7" if ref else None)
         ax.set_title(f"{trace}, {workers} workers", fontsize=9)
-        ax.set_xlabel("load (% of capacity)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
+        finish_axes(ax, "load (% of capacity)", ylabel)
     axes[0][0].legend(fontsize=7)
     save_figure(fig, out)
 
@@ -304,7 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     plots: list[str] = []
     if args.out:
         folder = args.plots or args.out.parent
-        folder.mkdir(parents=True, exist_ok=True)
         policies = shown_policies(args)
         for workers in args.workers:
             path = folder / f"dispatch_p95_{workers}w{args.tag}.png"

@@ -106,7 +106,7 @@ class Crops:
 
 
 def trace_ratios() -> np.ndarray:
-    """All mask ratios of the three public traces (read in place, never copied)."""
+    """All mask ratios of the three public traces (shipped in ``ops/data/mask_ratios``)."""
     from ops.sim.traces import load_trace
 
     return np.concatenate([load_trace(t) for t in ("spring", "controlnet", "adetailer")])
@@ -192,6 +192,45 @@ def train_vae(args: argparse.Namespace, crops: Crops, held: torch.Tensor,
     log.info("vae held-out PSNR %.2f dB (random init %.2f dB)", trained_psnr, random_psnr)
     return vae, {"steps": step, "seconds": round(time.monotonic() - t0, 1), "mse_curve": curve,
                  "heldout_psnr_db": round(trained_psnr, 2), "random_init_psnr_db": round(random_psnr, 2)}
+
+
+def optimise(name: str, steps: int, minutes: float, lr: float, opt: torch.optim.Optimizer,
+             emas: list[tuple[torch.nn.Module, EMA]], batch_loss: Callable[[], torch.Tensor],
+             held_loss: Callable[[], torch.Tensor], log_every: int = 0) -> tuple[int, list, list, float, float]:
+    """The denoiser stage of both trainers: learning rate warmed up over 100 steps, gradients clipped to
+    norm 1, EMA weights, a smoothed loss curve, the EMA weights' held-out loss every 200 steps and at the
+    end, a wall-clock cap. Returns (steps, curve, held-out curve, final held-out loss, start time)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    curve: list[tuple[int, float]] = []
+    held_curve: list[tuple[int, float]] = []
+    t0, run, step = time.monotonic(), 0.0, 0
+    for step in range(1, steps + 1):
+        loss = batch_loss()
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, step / 100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        for model, ema in emas:
+            ema.update(model)
+        run = loss.item() if step == 1 else 0.98 * run + 0.02 * loss.item()
+        if step % 10 == 0:
+            curve.append((step, run))
+        if log_every and step % log_every == 0:
+            log.info("%s step %d loss %.4f (%.0fs)", name, step, run, time.monotonic() - t0)
+        if step % 200 == 0 or step == 1:
+            with torch.no_grad():
+                hl = held_loss().item()
+            held_curve.append((step, hl))
+            log.info("%s step %d loss %.4f held-out (EMA) %.4f (%.0fs)", name, step, run, hl, time.monotonic() - t0)
+        if time.monotonic() - t0 > minutes * 60:
+            log.warning("%s: wall-clock cap %.1f min hit at step %d", name, minutes, step)
+            break
+    with torch.no_grad():
+        hl = held_loss().item()
+    held_curve.append((step, hl))
+    return step, curve, held_curve, hl, t0
 
 
 def draw_masks(k: int, rng: np.random.Generator, full_mask_share: float) -> torch.Tensor:

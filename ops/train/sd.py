@@ -36,20 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ops.train.common import (
-    EMA,
-    HELD_OUT,
-    LATENT,
-    TRAIN_SOURCES,
-    Crops,
-    add_data_args,
-    command,
-    draw_masks,
-    recon_psnr,
-    save,
-    setup,
-    train_vae,
-)
+from ops.train import common
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +47,12 @@ def reuse_vae(folder: Path, held: torch.Tensor) -> tuple[torch.nn.Module, dict]:
 
     vae = AutoencoderKL.from_pretrained(folder / "vae", use_safetensors=True).eval()
     earlier = json.loads((folder / "training_log.json").read_text())
-    log.info("reusing the VAE of %s (held-out PSNR %.2f dB)", folder, recon_psnr(vae, held))
+    log.info("reusing the VAE of %s (held-out PSNR %.2f dB)", folder, common.recon_psnr(vae, held))
     return vae, {**earlier["vae"], "reused_from": str(folder), "reused_from_command": earlier["command"]}
 
 
 @torch.no_grad()
-def encode_dataset(vae: torch.nn.Module, crops: Crops, n: int, rng: np.random.Generator,
+def encode_dataset(vae: torch.nn.Module, crops: common.Crops, n: int, rng: np.random.Generator,
                    full_mask_share: float) -> dict[str, torch.Tensor]:
     """Latents, masked-image latents and latent-size masks of ``n`` augmented crops, as the
     pipeline builds them (masked image = image * (mask < 0.5); nearest resize of the mask)."""
@@ -73,11 +60,11 @@ def encode_dataset(vae: torch.nn.Module, crops: Crops, n: int, rng: np.random.Ge
     for start in range(0, n, 32):
         k = min(32, n - start)
         x, idx = crops.batch(k)
-        mask = draw_masks(k, rng, full_mask_share)
+        mask = common.draw_masks(k, rng, full_mask_share)
         masked = x * (mask < 0.5)
         out["latents"].append(vae.encode(x).latent_dist.sample())
         out["masked"].append(vae.encode(masked).latent_dist.sample())
-        out["mask"].append(F.interpolate(mask, size=(LATENT, LATENT)))
+        out["mask"].append(F.interpolate(mask, size=(common.LATENT, common.LATENT)))
         out["src"].append(torch.from_numpy(idx))
     return {k: torch.cat(v) for k, v in out.items()}
 
@@ -99,12 +86,9 @@ def train_unet(args: argparse.Namespace, data: dict[str, torch.Tensor], held: di
               return_tensors="pt").input_ids
     params = list(unet.parameters()) + list(text.parameters())
     opt = torch.optim.AdamW(params, lr=args.unet_lr, weight_decay=1e-4)
-    ema_unet, ema_text = EMA(unet, 0.999), EMA(text, 0.999)
+    ema_unet, ema_text = common.EMA(unet, 0.999), common.EMA(text, 0.999)
     gen = torch.Generator().manual_seed(args.seed)
     n = data["latents"].shape[0]
-    curve: list[tuple[int, float]] = []
-    held_curve: list[tuple[int, float]] = []
-    t0, run, step = time.monotonic(), 0.0, 0
 
     def target(lat: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """What the UNet predicts, as diffusers' schedulers read ``prediction_type``."""
@@ -129,7 +113,7 @@ def train_unet(args: argparse.Namespace, data: dict[str, torch.Tensor], held: di
     h_t = torch.randint(0, 1000, (held["latents"].shape[0],), generator=hg)
     h_cap = 1 + len(captions) + held["src"]
 
-    for step in range(1, args.unet_steps + 1):
+    def batch_loss() -> torch.Tensor:
         b = torch.randint(0, n, (args.unet_batch,), generator=gen)
         d = {k: v[b] for k, v in data.items()}
         cap = 1 + d["src"]
@@ -137,36 +121,16 @@ def train_unet(args: argparse.Namespace, data: dict[str, torch.Tensor], held: di
         cap = torch.where(drop, torch.zeros_like(cap), cap)
         noise = torch.randn(d["latents"].shape, generator=gen)
         t = torch.randint(0, 1000, (args.unet_batch,), generator=gen)
-        warm = min(1.0, step / 100)
-        for g in opt.param_groups:
-            g["lr"] = args.unet_lr * warm
-        loss = loss_on(unet, text, d, cap, noise, t)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        ema_unet.update(unet)
-        ema_text.update(text)
-        run = loss.item() if step == 1 else 0.98 * run + 0.02 * loss.item()
-        if step % 10 == 0:
-            curve.append((step, run))
-        if step % 50 == 0:
-            log.info("unet step %d loss %.4f (%.0fs)", step, run, time.monotonic() - t0)
-        if step % 200 == 0 or step == 1:
-            with torch.no_grad():
-                hl = loss_on(ema_unet.model, ema_text.model, held, h_cap, h_noise, h_t).item()
-            held_curve.append((step, hl))
-            log.info("unet step %d loss %.4f held-out (EMA) %.4f (%.0fs)", step, run, hl, time.monotonic() - t0)
-        if time.monotonic() - t0 > args.unet_minutes * 60:
-            log.warning("unet: wall-clock cap %.1f min hit at step %d", args.unet_minutes, step)
-            break
+        return loss_on(unet, text, d, cap, noise, t)
+
+    step, curve, held_curve, hl, t0 = common.optimise(
+        "unet", args.unet_steps, args.unet_minutes, args.unet_lr, opt, [(unet, ema_unet), (text, ema_text)],
+        batch_loss, lambda: loss_on(ema_unet.model, ema_text.model, held, h_cap, h_noise, h_t), log_every=50)
     with torch.no_grad():
-        hl = loss_on(ema_unet.model, ema_text.model, held, h_cap, h_noise, h_t).item()
         rand_u = build_unet(args.seed + 1, hidden=tuple(args.unet_channels), cross_dim=args.cross_dim,
                             layers_per_block=args.layers_per_block).eval()
         rand_t = build_text_encoder(args.seed + 1, hidden=args.cross_dim, vocab_size=len(tok)).eval()
         rl = loss_on(rand_u, rand_t, held, h_cap, h_noise, h_t).item()
-    held_curve.append((step, hl))
     log.info("unet held-out %s MSE %.4f (random init %.4f)", args.prediction_type, hl, rl)
     return ema_unet.model, ema_text.model, {
         "steps": step, "seconds": round(time.monotonic() - t0, 1), "loss_curve": curve,
@@ -203,7 +167,7 @@ def main() -> int:
     p.add_argument("--out", default="workers/models/trained/tiny-sd-inpaint-trained")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    add_data_args(p, vae_steps=4000, vae_minutes=11.0, encode_crops=3072)
+    common.add_data_args(p, vae_steps=4000, vae_minutes=11.0, encode_crops=3072)
     p.add_argument("--unet-channels", type=int, nargs="+", default=[32, 64])
     p.add_argument("--cross-dim", type=int, default=32)
     p.add_argument("--layers-per-block", type=int, default=1)
@@ -218,18 +182,17 @@ def main() -> int:
     p.add_argument("--plot", default="docs/bench/training_loss.png")
     args = p.parse_args()
     t_all = time.monotonic()
-    rng, crops, held_crops, held_x = setup(args)
+    rng, crops, held_crops, held_x = common.setup(args)
 
     from diffusers import StableDiffusionInpaintPipeline
 
     from workers.models.tiny_sd import build_scheduler, byte_level_clip_tokenizer
 
-    names = list(TRAIN_SOURCES)
 
     if args.vae_from:
         vae, vae_log = reuse_vae(Path(args.vae_from), held_x)
     else:
-        vae, vae_log = train_vae(args, crops, held_x)
+        vae, vae_log = common.train_vae(args, crops, held_x)
     vae.requires_grad_(False)
     t_enc = time.monotonic()
     data = encode_dataset(vae, crops, args.encode_crops, rng, args.full_mask_share)
@@ -240,17 +203,18 @@ def main() -> int:
              args.encode_crops, time.monotonic() - t_enc, std, args.scaling_factor)
     vae.register_to_config(scaling_factor=args.scaling_factor)
 
-    unet, text, unet_log = train_unet(args, data, held, [TRAIN_SOURCES[n] for n in names], list(HELD_OUT.values()))
+    unet, text, unet_log = train_unet(args, data, held, list(common.TRAIN_SOURCES.values()),
+                                      list(common.HELD_OUT.values()))
     scheduler = build_scheduler()
     scheduler.register_to_config(prediction_type=args.prediction_type)
     pipe = StableDiffusionInpaintPipeline(
         vae=vae, text_encoder=text, tokenizer=byte_level_clip_tokenizer(), unet=unet, scheduler=scheduler,
         safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    record = {"command": command("ops.train.sd", args, skip=("scaling_factor",)),
+    record = {"command": common.command("ops.train.sd", args, skip=("scaling_factor",)),
               "torch_threads": args.threads, "total_seconds": round(time.monotonic() - t_all, 1),
-              "scaling_factor": args.scaling_factor, "train_sources": TRAIN_SOURCES, "held_out": HELD_OUT,
+              "scaling_factor": args.scaling_factor, "train_sources": common.TRAIN_SOURCES, "held_out": common.HELD_OUT,
               "vae": vae_log, "unet": unet_log}
-    save(pipe, Path(args.out), record)
+    common.save(pipe, Path(args.out), record)
     if args.plot:
         plot(record, Path(args.plot))
     return 0

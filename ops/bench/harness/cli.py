@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ops.bench.harness import report
 from ops.bench.harness.timing import CLOCKS
 
+log = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -54,8 +54,15 @@ class Run:
         return time.monotonic() - self.t0
 
     def write(self, text: str | Sequence[str], out: str | Path | None = None, *, append: bool = False) -> None:
-        """The report into ``out`` (default ``--out``)."""
-        report.write(self.args.out if out is None else out, text, append=append)
+        """The report (lines: joined, newline-terminated) into ``out``, default ``--out``; '' = standard output."""
+        text, out = text if isinstance(text, str) else "\n".join(text) + "\n", self.args.out if out is None else out
+        if not out:
+            sys.stdout.write(text)
+            return
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        with Path(out).open("a" if append else "w") as fh:
+            fh.write(text)
+        log.info("wrote %s", out)
 
 
 def start(p: argparse.ArgumentParser, argv: Sequence[str] | None, file: str, *, quick: dict[str, Any] | None = None,

@@ -15,10 +15,17 @@ from skimage.metrics import structural_similarity
 
 from app.fidelity import REFRESHES, refresh_schedule
 from app.jobs import JobParams
+from app.storage import LocalStore
 from ops.bench.harness.engine import record, run
 from workers import noise_blend
+from workers.engine.flux_runner import FluxRunner
+from workers.engine.sd_runner import SDRunner
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider
+from workers.flux_inputs import decode_flux_latents, prepare_flux_job_tensors
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
+from workers.maskaware.flux import MaskAwareFlux
+from workers.maskaware.unet import MaskAwareUNet
+from workers.sd_inputs import decode_latents, prepare_job_tensors
 
 DEFAULT_MODELS = {"sd": "tiny-sd-inpaint-trained", "flux": "tiny-flux-fill-trained"}
 # Edit prompts: captions the trained model knows, none of them the warm-up prompt ("").
@@ -33,65 +40,45 @@ class Family:
         """The scheduler config as a saved folder holds it (with its class name)."""
         return {**dict(self.pipe.scheduler.config), "_class_name": type(self.pipe.scheduler).__name__}
 
-    def __init__(self, name: str, activations: ActivationStore, model: str = "tiny-sd-inpaint-trained") -> None:
-        self.name = name
+    def __init__(self, name: str, activations: ActivationStore | None = None, model: str | None = None) -> None:
+        """``model``: an embedded model id or a pipeline folder (default: the family's trained one)."""
+        self.name, self.size = name, 128
+        self.pipe = load_pipeline(name, DEFAULT_MODELS[name] if model is None else model)
+        activations = activations or ActivationStore(LocalStore(tempfile.mkdtemp(prefix="stencil-bench-acts-")))
         caches = dict(caches=StepCacheProvider(activations, 1 << 30), recorder=CacheRecorder(activations),
                       prefetch_steps=64)
         if name == "sd":
-            from workers.engine.sd_runner import SDRunner
-            from workers.maskaware.unet import MaskAwareUNet
-
-            self.pipe = load_sd_pipeline(model)
-            unet = self.pipe.unet.eval()
-            self.size, self.layout = 128, "kv+y"
-            self.runner_full = SDRunner(unet, self.scheduler_config)
-            self.ctrl = MaskAwareUNet(unet)
-            self.runner_ma = SDRunner(unet, self.scheduler_config, maskaware=self.ctrl, **caches)
+            denoiser, extra, self.layout = self.pipe.unet.eval(), (), "kv+y"
+            runner, self.ctrl = SDRunner, MaskAwareUNet(denoiser)
         else:
-            from workers.engine.flux_runner import FluxRunner
-            from workers.maskaware.flux import MaskAwareFlux
-
-            self.pipe = load_flux_pipeline(model)
-            transformer = self.pipe.transformer.eval()
-            self.size, self.layout = 128, "flux-kv-raw"
-            cfg = self.scheduler_config
-            self.runner_full = FluxRunner(transformer, cfg, self.pipe.vae_scale_factor)
-            self.ctrl = MaskAwareFlux(transformer)
-            self.runner_ma = FluxRunner(transformer, cfg, self.pipe.vae_scale_factor, maskaware=self.ctrl, **caches)
+            denoiser, extra, self.layout = self.pipe.transformer.eval(), (self.pipe.vae_scale_factor,), "flux-kv-raw"
+            runner, self.ctrl = FluxRunner, MaskAwareFlux(denoiser)
+        self.runner_full = runner(denoiser, self.scheduler_config, *extra)
+        self.runner_ma = runner(denoiser, self.scheduler_config, *extra, maskaware=self.ctrl, **caches)
 
     def prepare(self, image: Image.Image, mask: np.ndarray, params: JobParams) -> tuple[dict, dict]:
-        mask_img = Image.fromarray(mask.astype(np.uint8) * 255)
-        cfg = self.scheduler_config
-        if self.name == "sd":
-            from workers.sd_inputs import prepare_job_tensors
-
-            prep = prepare_job_tensors(self.pipe, cfg, image, mask_img, params, self.size, self.size)
-        else:
-            from workers.flux_inputs import prepare_flux_job_tensors
-
-            prep = prepare_flux_job_tensors(self.pipe, cfg, image, mask_img, params, self.size, self.size)
+        prepare = prepare_job_tensors if self.name == "sd" else prepare_flux_job_tensors
+        prep = prepare(self.pipe, self.scheduler_config, image, Image.fromarray(mask.astype(np.uint8) * 255), params,
+                       self.size, self.size)
         return dict(prep.tensors), dict(prep.meta)
 
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         if self.name == "sd":
-            from workers.sd_inputs import decode_latents
-
-            img = decode_latents(self.pipe, latents)
-        else:
-            from workers.flux_inputs import decode_flux_latents
-
-            img = decode_flux_latents(self.pipe, latents, self.size, self.size)
-        return np.asarray(img)
+            return np.asarray(decode_latents(self.pipe, latents))
+        return np.asarray(decode_flux_latents(self.pipe, latents, self.size, self.size))
 
     def full(self, tensors: dict, meta: dict) -> np.ndarray:
         """The decoded image of a job's full compute (what every mask-aware edit is compared with)."""
         return self.decode(run(self.runner_full, [(tensors, dict(meta))])[0]["latents"])
 
-    def templates(self) -> list[Image.Image]:
-        """The demo templates at this family's size."""
+    def warmed_templates(self, steps: int, guidance: float) -> tuple[list[Image.Image], list[TemplateCacheKey]]:
+        """The demo templates at this family's size, each warmed as production does (empty mask, prompt "", seed 0)."""
         from app.demo import demo_templates
 
-        return [img.resize((self.size, self.size)) for _n, img in demo_templates(128)]
+        templates = [img.resize((self.size, self.size)) for _n, img in demo_templates(128)]
+        empty = np.zeros((self.size, self.size), bool)
+        params = JobParams(prompt="", seed=0, steps=steps, guidance=guidance)
+        return templates, [warm(self, f"t{i}", img, empty, params) for i, img in enumerate(templates)]
 
     def key(self, template_id: str, params: JobParams, meta: dict) -> TemplateCacheKey:
         return TemplateCacheKey(model_id=f"bench-{self.name}", template_id=template_id, height=self.size,
@@ -100,39 +87,25 @@ class Family:
                                 guidance="cfg2" if meta["do_cfg"] else "single", layout=self.layout)
 
 
-def load_flux_pipeline(model: str):  # type: ignore[no-untyped-def]
-    """The Flux Fill pipeline to measure: an embedded model id, a folder, or "" for the random-init
-    tiny model."""
-    from diffusers import FluxFillPipeline
+def load_pipeline(family: str, model: str):  # type: ignore[no-untyped-def]
+    """The pipeline to measure: an embedded model id (saved to a temporary home), a pipeline folder, or
+    for Flux "" = the random-init tiny Flux Fill. Fidelity of a random-init model measures noise
+    against noise, so the default is the trained one."""
+    from diffusers import FluxFillPipeline, StableDiffusionInpaintPipeline
 
-    from workers.models.tiny_flux import build_flux_fill_pipeline
-
-    if not model:
-        return build_flux_fill_pipeline(0)
-    pipe = FluxFillPipeline.from_pretrained(_model_folder(model), torch_dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _model_folder(model: str) -> Path:
-    """A pipeline folder, or an embedded model id saved to a temporary home."""
     from app.settings import Settings
     from workers.models.loader import ensure_model_dir
+    from workers.models.tiny_flux import build_flux_fill_pipeline
 
-    if Path(model).is_dir():
-        return Path(model)
-    return ensure_model_dir(Settings.from_env(home=Path(tempfile.mkdtemp(prefix="stencil-fid-home-")),
-                                              model_dir="", model_id=model))
-
-
-def load_sd_pipeline(model: str):  # type: ignore[no-untyped-def]
-    """The SD pipeline to measure: an embedded model id (saved to a temporary home) or a folder.
-    Fidelity of the random-init model measures noise against noise, so the default is the trained one."""
-    from diffusers import StableDiffusionInpaintPipeline
-
-    pipe = StableDiffusionInpaintPipeline.from_pretrained(_model_folder(model), safety_checker=None,
-                                                          feature_extractor=None, requires_safety_checker=False,
-                                                          torch_dtype=torch.float32)
+    if family == "flux" and not model:
+        return build_flux_fill_pipeline(0)
+    folder = Path(model) if Path(model).is_dir() else ensure_model_dir(
+        Settings.from_env(home=Path(tempfile.mkdtemp(prefix="stencil-fid-home-")), model_dir="", model_id=model))
+    if family == "sd":
+        pipe = StableDiffusionInpaintPipeline.from_pretrained(folder, safety_checker=None, feature_extractor=None,
+                                                              requires_safety_checker=False, torch_dtype=torch.float32)
+    else:
+        pipe = FluxFillPipeline.from_pretrained(folder, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import UNet2DConditionModel
@@ -44,16 +45,41 @@ def unet_from_args(args: argparse.Namespace) -> UNet2DConditionModel:
                          args.seed)
 
 
+def pixel_mask(size: int, ratio: float, shape: str, seed: int) -> torch.Tensor:
+    """A ``size`` x ``size`` mask of realistic shape (``blob`` or ``rect``) at pixel ratio ``ratio``."""
+    if ratio >= 1.0:
+        return torch.ones(size, size, dtype=torch.bool)
+    return (blob_mask if shape == "blob" else rect_mask)(size, size, ratio, seed)
+
+
 def job_masks(ctrl: MaskAwareUNet, ratio: float, jobs: int, latent: int, vae_factor: int,
               seed: int) -> list[TokenMasks]:
     """Pixel masks of realistic shape (even jobs: blobs, odd jobs: rectangles) -> token masks."""
-    size = latent * vae_factor
-    out = []
-    for k in range(jobs):
-        make = blob_mask if k % 2 == 0 else rect_mask
-        pix = torch.ones(size, size, dtype=torch.bool) if ratio >= 1.0 else make(size, size, ratio, seed + k)
-        out.append(ctrl.token_masks(pix, (latent, latent)))
-    return out
+    return [ctrl.token_masks(pixel_mask(latent * vae_factor, ratio, ("blob", "rect")[k % 2], seed + k),
+                             (latent, latent)) for k in range(jobs)]
+
+
+def cfg_job(pixel: torch.Tensor, latent: int, steps: int, text: tuple[int, int], seed: int, *, guidance: float = 7.5,
+            mode: str = "full", cache_key: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What ``prepare`` ships for one SD CFG job: random latents and text embeddings of real shapes
+    (``text`` = tokens, width), the latent mask pooled from the pixel mask."""
+    g = torch.Generator().manual_seed(seed)
+    lat = torch.nn.functional.adaptive_max_pool2d(pixel.float()[None, None], (latent, latent))
+    tensors = {"latents": torch.randn(1, 4, latent, latent, generator=g),
+               "mask": lat.expand(2, 1, latent, latent).contiguous(),
+               "masked_image_latents": torch.randn(2, 4, latent, latent, generator=g),
+               "prompt_embeds": torch.randn(2, *text, generator=g),
+               "generator_state": g.get_state(), "pixel_mask": pixel.to(torch.uint8)}
+    meta = {"t_start": 0, "num_steps": steps, "do_cfg": True, "guidance": guidance, "cache_mode": mode}
+    return tensors, meta if cache_key is None else dict(meta, cache_key=cache_key)
+
+
+def ddim_config() -> dict[str, Any]:
+    """The embedded SD model's scheduler config as a saved folder holds it (with its class name)."""
+    from workers.models.tiny_sd import build_scheduler
+
+    sched = build_scheduler()
+    return dict(sched.config, _class_name=type(sched).__name__)
 
 
 def build_flux(seed: int, *, double: int = 2, single: int = 4, heads: int = 4, head_dim: int = 128,

@@ -1,29 +1,13 @@
-"""Report files: whole Markdown files, marked sections of shared ones, and plots."""
+"""Report files: sections of Markdown files that several commands write, and plots (whole files: ``cli.Run``)."""
 
 from __future__ import annotations
 
 import logging
 import re
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
-
-
-def write(out: str | Path, text: str | Sequence[str], *, append: bool = False) -> None:
-    """A report: lines (joined, newline-terminated) or text as it is; ``out`` '' = standard output."""
-    if not isinstance(text, str):
-        text = "\n".join(text) + "\n"
-    if not out:
-        sys.stdout.write(text)
-        return
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a" if append else "w") as fh:
-        fh.write(text)
-    log.info("wrote %s", path)
 
 
 def replace_section(path: Path, name: str, text: str) -> None:
@@ -49,9 +33,19 @@ def pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
-def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
-    """Lay out, write and close a figure (every plot of the reports: same layout and resolution)."""
+def finish_axes(ax: Any, xlabel: str, ylabel: str, legend: float | None = None) -> None:
+    """The reports' axes: labels, a light grid, and a legend when ``legend`` is given (its font size, 0 = default)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if legend is not None:
+        ax.legend(fontsize=legend or None)
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> str:
+    """Lay out, write and close a figure (every plot of the reports: same layout and resolution); its file name."""
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
+    return path.name

@@ -30,13 +30,10 @@ CLOCK_TEXT = {"wall": "wall time (perf_counter)",
 
 
 def interleave(rounds: int, configs: Sequence[K], measure: Callable[[K], T], *, rng: random.Random | None = None,
-               keep_going: Callable[[int], bool] | None = None, label: str = "") -> dict[K, list[T]]:
-    """Samples per config: each measured once per round, shuffled per round when ``rng`` is given;
-    ``keep_going(round)`` may stop before a round (a time limit)."""
+               label: str = "") -> dict[K, list[T]]:
+    """Samples per config: each measured once per round, in a new shuffled order per round with ``rng``."""
     samples: dict[K, list[T]] = {c: [] for c in configs}
     for rnd in range(rounds):
-        if keep_going is not None and not keep_going(rnd):
-            break
         order = list(configs)
         if rng is not None:
             rng.shuffle(order)
