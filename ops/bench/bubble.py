@@ -68,11 +68,16 @@ from ops.bench.harness.engine import record
 from ops.bench.harness.models import add_unet_shape_args, cfg_job, ddim_config, job_masks, pixel_mask, unet_from_args
 from ops.bench.harness.timing import interleave, uptime
 from ops.bench.harness.timing import median as med
+from workers.engine.engine import Engine
+from workers.engine.job import EngineJob
 from workers.engine.plan import StepPlan, Tier, UnitCostModel, plan_optimal, plan_pipelined, simulate
 from workers.engine.runner_base import GAP, PlanJob, observe_context, unit_costs
-from workers.engine.template_cache import StepCacheProvider, UnitCache
+from workers.engine.scheduler import BatchScheduler
+from workers.engine.sd_runner import SDRunner
+from workers.engine.template_cache import CacheRecorder, StepCacheProvider, UnitCache
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
 from workers.maskaware.unet import MaskAwareUNet, RowGroup
+from workers.models.tiny_sd import build_unet
 
 log = logging.getLogger(__name__)
 
@@ -287,8 +292,6 @@ class Bench:
         plan, step s+1 planned during step s, ``prefetch_steps`` whole steps fetched ahead in the
         background) on the same model, cache, link and token mask; per-step seconds of the call
         (the scheduler update and CFG combine included, which (a)-(d) do not pay)."""
-        from workers.engine.job import EngineJob
-        from workers.engine.sd_runner import SDRunner
         p = self.cold(link, steps)
         runner = SDRunner(self.unet, ddim_config(), maskaware=self.ctrl, caches=p, prefetch_steps=prefetch_steps,
                           cache_plan="plan", max_wait_s=self.max_wait_s)
@@ -382,10 +385,6 @@ class ReplayRun:
 
 def _replay_setup(args: argparse.Namespace) -> ReplayContext:
     """Warm one template per job (nothing shared, so every job fetches its whole cache)."""
-    from workers.engine.sd_runner import SDRunner
-    from workers.engine.template_cache import CacheRecorder
-    from workers.models.tiny_sd import build_unet
-
     latent, steps, n = args.replay_latent, args.replay_steps, args.replay_jobs
     unet = build_unet(args.seed, hidden=(32, 64)).eval()
     ctrl = MaskAwareUNet(unet)
@@ -402,10 +401,6 @@ def _replay_setup(args: argparse.Namespace) -> ReplayContext:
 
 def _replay_calibrate(args: argparse.Namespace, ctx: ReplayContext, jobs: int = 4) -> float:
     """Seconds one masked job occupies the engine alone, its cache resident (sets the arrival rate)."""
-    from workers.engine.engine import Engine
-    from workers.engine.scheduler import BatchScheduler
-    from workers.engine.sd_runner import SDRunner
-
     steps = args.replay_steps
     provider = StepCacheProvider(ActivationStore(LocalStore(ctx.root)), 1 << 34, fetch_threads=1)
     runner = SDRunner(ctx.unet, ctx.cfg, maskaware=ctx.ctrl, caches=provider, prefetch_steps=steps,
@@ -434,11 +429,6 @@ def _replay_calibrate(args: argparse.Namespace, ctx: ReplayContext, jobs: int = 
 def _replay_run(args: argparse.Namespace, ctx: ReplayContext, rate: float, mibps: float,
                 link_util: float) -> ReplayRun:
     """Poisson arrivals through the real engine; each job's whole cache is prefetched on arrival."""
-    from workers.engine.engine import Engine
-    from workers.engine.job import EngineJob
-    from workers.engine.scheduler import BatchScheduler
-    from workers.engine.sd_runner import SDRunner
-
     steps, n = args.replay_steps, args.replay_jobs
     link = ThrottledStore(LocalStore(ctx.root), mibps * 2**20, args.replay_latency_ms / 1000)
     provider = StepCacheProvider(ActivationStore(link), 1 << 34, fetch_threads=args.replay_fetch_threads)

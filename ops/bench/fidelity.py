@@ -14,7 +14,6 @@ table (``ops/bench/policy_speed.py``) and ``--write-expected`` the policies' mea
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ from app.maskgen import SHAPES, make_mask
 from ops.bench.harness import cli, load_trace
 from ops.bench.harness.edits import DEFAULT_MODELS, EDIT_PROMPTS, OPTIONS, Family, Option, edit, metrics, warm
 
-log = logging.getLogger(__name__)
 COLUMNS = ("ratio", "ssim", "psnr", "ssim_unmasked", "psnr_unmasked", "ssim_masked", "psnr_masked")
 
 

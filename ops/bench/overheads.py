@@ -16,22 +16,22 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+
 from app.demo import demo_templates
+from app.embedded import RedisServer
 from app.jobs import JobParams
 from app.maskgen import make_mask
 from ops.bench.harness import cli
 from ops.bench.harness.edits import Family
 from ops.bench.harness.engine import record, step_costs
+from workers.tensors import pack, unpack
 
 log = logging.getLogger(__name__)
 
 
 def serialization_cost(tensors: dict, meta: dict, repeats: int = 20) -> tuple[float, int]:
     """Seconds per pack + SET + GET + unpack of a job's prepared inputs, and their bytes."""
-    import redis
-
-    from app.embedded import RedisServer
-    from workers.tensors import pack, unpack
 
     server = RedisServer(Path(tempfile.mkdtemp(prefix="stencil-ovh-")))
     try:

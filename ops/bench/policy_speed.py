@@ -35,9 +35,14 @@ from ops.bench.harness.edits import OPTIONS, Option
 from ops.bench.harness.engine import record
 from ops.bench.harness.models import build_flux, build_sd_unet, ddim_config, flux_image_ids
 from ops.bench.harness.timing import interleave
+from workers.engine.flux_runner import FluxRunner
 from workers.engine.job import EngineJob
+from workers.engine.sd_runner import SDRunner
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
+from workers.maskaware.flux import MaskAwareFlux
+from workers.maskaware.unet import MaskAwareUNet
+from workers.models.tiny_flux import FLUX_SCHEDULER_CONFIG
 
 log = logging.getLogger(__name__)
 KINDS = ("full", "masked", "offset", "refresh")
@@ -52,9 +57,6 @@ class Bench:
         caches = StepCacheProvider(self.activations, 16 << 30)
         g = torch.Generator().manual_seed(seed)
         if family == "sd":
-            from workers.engine.sd_runner import SDRunner
-            from workers.maskaware.unet import MaskAwareUNet
-
             model = build_sd_unet((320, 640), 64, 1, 1, 768, seed)
             cfg = ddim_config()
             self.runner = SDRunner(model, cfg, maskaware=MaskAwareUNet(model), caches=caches,
@@ -67,10 +69,6 @@ class Bench:
             self.meta = {"t_start": 0, "num_steps": steps, "do_cfg": True, "guidance": 7.5,
                          "height": 512, "width": 512}
         else:
-            from workers.engine.flux_runner import FluxRunner
-            from workers.maskaware.flux import MaskAwareFlux
-            from workers.models.tiny_flux import FLUX_SCHEDULER_CONFIG
-
             model = build_flux(seed)
             cfg = {**FLUX_SCHEDULER_CONFIG, "_class_name": "FlowMatchEulerDiscreteScheduler"}
             self.runner = FluxRunner(model, cfg, 16, maskaware=MaskAwareFlux(model), caches=caches,

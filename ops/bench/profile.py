@@ -44,12 +44,21 @@ from typing import Any
 
 import numpy as np
 import torch
+from sklearn.linear_model import LinearRegression
+from sklearn.metrics import r2_score
 
 from app.costmodel import STEP_FEATURES, CostModel, FitReport, TierFit, UNetArch, default_path
 from app.settings import Settings
+from app.storage.local import LocalStore
 from ops.bench.harness import TRACES, cli, load_trace
 from ops.bench.harness.models import build_sd_unet, cfg_job, ddim_config, pixel_mask
 from ops.bench.harness.report import pyplot, replace_section, save_figure
+from workers.engine.job import EngineJob
+from workers.engine.sd_runner import SDRunner
+from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
+from workers.maskaware.tokens import build_token_masks
+from workers.maskaware.unet import MaskAwareUNet
+from workers.models.loader import ensure_model_dir, load_unet, scheduler_config
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +82,6 @@ def load_model(kind: str, latent: int | None, seed: int) -> ModelUnderTest:
     channels, heads of 64, cross dim 768), two levels so that it fits 2 CPU cores; ``sd15``: the
     full SD-1.5 architecture (only for ``--project-from``: a few validation points)."""
     if kind == "tiny":
-        from workers.models.loader import ensure_model_dir, load_unet, scheduler_config
-
         s = Settings.from_env()
         folder = ensure_model_dir(s)
         unet = load_unet(folder, "cpu")
@@ -148,10 +155,6 @@ class RunnerTimer:
     """Builds jobs for the real ``SDRunner`` and times its ``step``."""
 
     def __init__(self, mut: ModelUnderTest, steps: int, device: str = "cpu") -> None:
-        from workers.engine.sd_runner import SDRunner
-        from workers.maskaware.activation_store import TemplateCacheKey
-        from workers.maskaware.unet import MaskAwareUNet
-
         self.mut = mut
         self.steps = steps
         self.h = self.w = mut.latent
@@ -167,15 +170,11 @@ class RunnerTimer:
         self._record()
 
     def tokens(self, pixel_mask: torch.Tensor) -> tuple[int, ...]:
-        from workers.maskaware.tokens import build_token_masks
-
         levels = len(self.mut.unet.config.block_out_channels)
         tm = build_token_masks(pixel_mask, (self.h, self.w), levels)
         return tuple(int(lvl.sum()) for lvl in tm.levels)
 
     def make_job(self, spec: JobSpec, mode: str, index: int) -> Any:
-        from workers.engine.job import EngineJob
-
         pix = pixel_mask(self.pixels, spec.ratio, spec.shape, spec.seed)
         tensors, meta = cfg_job(pix, self.h, self.steps, (self.mut.text_len, self.mut.cross_dim), 1000 + spec.seed,
                                 mode=mode, cache_key=self.key_dict if mode != "full" else None)
@@ -249,8 +248,6 @@ class _NonNegFit:
     is unphysical; sklearn's ``positive=True`` leaves the intercept free)."""
 
     def __init__(self) -> None:
-        from sklearn.linear_model import LinearRegression
-
         self._reg = LinearRegression(positive=True, fit_intercept=False)
         self.coef_ = np.zeros(0)
         self.intercept_ = 0.0
@@ -265,8 +262,6 @@ class _NonNegFit:
 
 
 def fit_linear(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> tuple[Any, FitReport, np.ndarray]:
-    from sklearn.metrics import r2_score
-
     tr, te = split(len(y), test_fraction, seed)
     reg = _NonNegFit().fit(x[tr], y[tr])
     pred_te = reg.predict(x[te])
@@ -320,9 +315,6 @@ def _evict(path: Path) -> None:
 
 def profile_loads(args: argparse.Namespace, work: Path) -> dict[str, list[tuple[int, float]]]:
     """(bytes, seconds) per tier: cold local-folder reads through ActivationStore, host copies."""
-    from app.storage.local import LocalStore
-    from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
-
     sizes = [int(s * 2**20) for s in args.load_sizes_mib]
     store = ActivationStore(LocalStore(work / "store"))
     key = TemplateCacheKey("profile", "load", 64, 64, "DDIMScheduler", len(sizes), 1.0, "cfg2")
@@ -414,8 +406,6 @@ def project(args: argparse.Namespace, mut: ModelUnderTest, arch: UNetArch) -> in
         arch, feats = features(arch, rows)
         pred = reg.intercept_ + c * feats[:, :3].sum(axis=1)
         meas = np.array([r["seconds"] for r in rows])
-        from sklearn.metrics import r2_score
-
         meta["validation"] = {"points": len(rows), "r2": float(r2_score(meas, pred)) if len(rows) > 1 else None,
                               "mape": float(np.mean(np.abs(pred - meas) / meas)),
                               "measured_s": [round(float(v), 4) for v in meas],

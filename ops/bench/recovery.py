@@ -10,7 +10,6 @@ from the fault until every job is terminal; it checks exactly one stored result 
 
 from __future__ import annotations
 
-import logging
 import signal
 import tempfile
 import time
@@ -21,8 +20,6 @@ from app.demo import demo_templates
 from app.embedded import EmbeddedStack
 from app.maskgen import make_mask
 from ops.bench.harness import cli
-
-log = logging.getLogger(__name__)
 
 
 def _restart(stack: EmbeddedStack, name: str) -> None:

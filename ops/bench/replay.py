@@ -22,6 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from app.client import StencilClient
+from app.demo import demo_templates
+from app.embedded import EmbeddedStack
+from app.maskgen import SHAPES, make_mask
 from app.routing import POLICIES
 from ops.bench.harness import cli, load_trace
 from ops.bench.harness.report import replace_section
@@ -31,8 +35,6 @@ log = logging.getLogger(__name__)
 
 def schedule(args: argparse.Namespace, seed: int) -> "Plan":
     """(arrival offset s, mask ratio, template index, mask shape, seed) per job, seeded."""
-    from app.maskgen import SHAPES
-
     rng = np.random.default_rng(seed)
     trace = load_trace(args.trace)
     arrivals = np.cumsum(rng.exponential(1.0 / args.rate, args.jobs))
@@ -45,11 +47,6 @@ Plan = list[tuple[float, float, int, str, int]]
 
 
 def replay_policy(policy: str, plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
-    from app.client import StencilClient
-    from app.demo import demo_templates
-    from app.embedded import EmbeddedStack
-    from app.maskgen import make_mask
-
     workdir = Path(tempfile.mkdtemp(prefix=f"stencil-replay-{policy}-"))
     with EmbeddedStack.start(workdir, gpu_workers=2, routing_policy=policy, max_batch=args.max_batch) as stack:
         client = StencilClient(stack.settings)

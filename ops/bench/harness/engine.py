@@ -11,13 +11,21 @@ from typing import Any
 
 import numpy as np
 import torch
+from diffusers import StableDiffusionInpaintPipeline
 from PIL import Image
 
+from app.demo import demo_templates
 from app.jobs import JobParams
 from app.maskgen import make_mask
+from app.storage import LocalStore
 from workers.engine.engine import Engine
 from workers.engine.scheduler import BatchScheduler
-from workers.maskaware.activation_store import TemplateCacheKey
+from workers.engine.sd_runner import SDRunner
+from workers.engine.template_cache import CacheRecorder, StepCacheProvider
+from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
+from workers.maskaware.unet import MaskAwareUNet
+from workers.models.loader import load_cpu_pipeline, load_unet, scheduler_config
+from workers.sd_inputs import prepare_job_tensors
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +88,6 @@ def step_costs(runner: Any, jobs: list[tuple[dict, dict]], batch: int, steps: in
 
 def _stock_rows(model_dir: Path, image: Image.Image, mask: Image.Image, steps: int,
                 batches: list[int], repeats: int) -> list[dict[str, float]]:
-    from diffusers import StableDiffusionInpaintPipeline
-
     pipe = StableDiffusionInpaintPipeline.from_pretrained(model_dir, safety_checker=None, feature_extractor=None,
                                                           requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
@@ -105,14 +111,6 @@ def _stock_rows(model_dir: Path, image: Image.Image, mask: Image.Image, steps: i
 
 def _engine_rows(model_dir: Path, image: Image.Image, mask: np.ndarray, steps: int, batches: list[int],
                  ratio: float) -> list[dict[str, float]]:
-    from app.storage import LocalStore
-    from workers.engine.sd_runner import SDRunner
-    from workers.engine.template_cache import CacheRecorder, StepCacheProvider
-    from workers.maskaware.activation_store import ActivationStore
-    from workers.maskaware.unet import MaskAwareUNet
-    from workers.models.loader import load_cpu_pipeline, load_unet, scheduler_config
-    from workers.sd_inputs import prepare_job_tensors
-
     pipe = load_cpu_pipeline(model_dir)
     unet = load_unet(model_dir, "cpu")
     cfg = scheduler_config(model_dir)
@@ -144,8 +142,6 @@ def batch_curve(model_dir: Path, *, size: int, steps: int, batches: list[int], r
                 repeats: int = 2) -> list[dict[str, Any]]:
     """Rows of (engine, batch, jobs per second) for the stock pipeline and both Stencil modes, one
     torch thread: whether a step of B jobs costs less than B steps of one job."""
-    from app.demo import demo_templates
-
     torch.set_num_threads(1)
     image = demo_templates(size)[0][1]
     mask = make_mask(ratio, (size, size), "blob", seed=3)
