@@ -276,6 +276,18 @@ def _run_ops(module: str, argv: list[str]) -> int:
     return int(importlib.import_module(module).main(argv) or 0)
 
 
+def _run_bench(args: argparse.Namespace) -> int:
+    import pkgutil
+
+    import ops.bench
+
+    names = sorted(m.name for m in pkgutil.iter_modules(ops.bench.__path__) if m.name != "harness")
+    if args.name not in names:
+        sys.stderr.write(f"stencil bench: no benchmark {args.name!r}; one of: {', '.join(names)}\n")
+        return 2
+    return _run_ops(f"ops.bench.{args.name}", args.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stencil", description=__doc__)
     p.add_argument("--log-level", default=os.environ.get("STENCIL_LOG_LEVEL", "INFO"))
@@ -424,12 +436,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="return the model's decoded output everywhere (no template paste-back outside the mask)")
     s.set_defaults(func=cmd_demo)
 
-    for name, module, text in (("profile", "ops.profile", "fit the dispatcher's cost model on this device"),
-                               ("simulate", "ops.simulate", "cluster simulation of the routing policies"),
-                               ("replay", "ops.replay", "replay a trace against a real embedded stack")):
+    for name, module, text in (("profile", "ops.bench.profile", "fit the dispatcher's cost model on this device"),
+                               ("simulate", "ops.bench.simulate", "cluster simulation of the routing policies"),
+                               ("replay", "ops.bench.replay", "replay a trace against a real embedded stack")):
         s = sub.add_parser(name, help=text, add_help=False)
         s.add_argument("args", nargs=argparse.REMAINDER)
         s.set_defaults(func=lambda a, module=module: _run_ops(module, a.args))
+    s = sub.add_parser("bench", help="run a benchmark of ops/bench: stencil bench NAME [--quick] [--out ...]")
+    s.add_argument("name", help="the benchmark (a module of ops/bench, e.g. fidelity, e2e, simulate)")
+    s.add_argument("args", nargs=argparse.REMAINDER)
+    s.set_defaults(func=_run_bench)
 
     from app.catalog import add_catalog_commands
 
@@ -447,7 +463,12 @@ def _limit_threads() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not hasattr(args, "args"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # a passthrough's leading options (argparse's REMAINDER takes only what follows a positional)
+        args.args = extra + args.args
     _setup_logging(args.log_level)
     if args.command in {"gpu-worker", "cpu-worker", "stock-worker", "demo"}:
         _limit_threads()

@@ -3,7 +3,7 @@
 Why this shape. The dispatcher (no torch, sub-millisecond decisions), the engine scheduler (SLO
 admission) and the cluster simulator all need "how long will this batch's next step take" and
 "how long does fetching this template's activations take". Both are fitted offline by
-``python -m ops.profile`` on the real runner and stored as plain JSON coefficients (never a
+``python -m ops.bench.profile`` on the real runner and stored as plain JSON coefficients (never a
 pickle), one file per (model id, device kind). Everything here is pure Python arithmetic.
 
 Step latency (per architecture, from masked-token counts). A UNet step is a sum of operators whose
@@ -92,7 +92,7 @@ def _per_block(value: Any, n: int) -> list[Any]:
 def _unet_fullmap_macs(cfg: dict[str, Any], latent_hw: tuple[int, int]) -> float:
     """Full-map MACs per row (convs, ResNets, proj_in/out, samplers) from a UNet config.
 
-    Mirrors diffusers' ``UNet2DConditionModel`` constructor; ops/profile.py checks it against MACs
+    Mirrors diffusers' ``UNet2DConditionModel`` constructor; ops/bench/profile.py checks it against MACs
     counted with forward hooks on the real model.
     """
     chans = list(cfg["block_out_channels"])
@@ -193,7 +193,7 @@ class UNetArch:
     layout: str = "kv+y"
     kind: str = "unet"
     # Per level, cells a mask's boundary adds to the side of its area (``tokens_from_ratio``);
-    # fitted by ops/profile.py on the real masks it measured; empty = a compact, aligned blob.
+    # fitted by ops/bench/profile.py on the real masks it measured; empty = a compact, aligned blob.
     edge_cells: tuple[float, ...] = ()
 
     @classmethod
@@ -477,7 +477,7 @@ def step_time_predictor(model: CostModel) -> Callable[[Sequence[Any]], float]:
 
 
 def default_path(home: Path, model_id: str, device_kind: str) -> Path:
-    """Where ``ops.profile`` writes a model by default: ``<home>/costmodels/<model>--<device>.json``."""
+    """Where ``ops.bench.profile`` writes a model by default: ``<home>/costmodels/<model>--<device>.json``."""
     safe = lambda s: "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in s)  # noqa: E731
     return home / "costmodels" / f"{safe(model_id)}--{safe(device_kind)}.json"
 

@@ -22,7 +22,7 @@ from app.maskgen import SHAPES, make_mask
 
 log = logging.getLogger(__name__)
 
-# Captions the trained default model was trained with (ops/train_tiny_sd.py), one per job; the
+# Captions the trained default model was trained with (ops/train/sd.py), one per job; the
 # first four match the four templates in order, so the fills continue what the template shows.
 PROMPTS = ["an astronaut", "a cat", "a cup of coffee", "a rocket", "a brick wall", "grass"]
 RATIOS = [0.05, 0.15, 0.3, 0.5, 0.1, 0.25]

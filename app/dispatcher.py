@@ -227,7 +227,7 @@ class Dispatcher:
             model = proxy_cost_model(settings)
             if model is None:  # e.g. a Flux model: no UNet config to derive features from
                 log.error("mask_aware routing needs a cost model and none can be derived for this model; "
-                          "routing with least_requests instead (run `python -m ops.profile`)")
+                          "routing with least_requests instead (run `python -m ops.bench.profile`)")
                 policy = "least_requests"
             else:
                 log.warning("mask_aware routing without a fitted cost model: using a FLOPs proxy")

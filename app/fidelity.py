@@ -4,7 +4,7 @@ Why refresh steps: a template's warm-up is recorded with one prompt, seed and (u
 An edit with another prompt differs from it at *every* token under classifier-free guidance
 (the conditional branch carries the prompt everywhere and guidance amplifies it), so taking the
 unmasked tokens' activations from the warm-up as they are is far off at guidance 7.5 (SSIM 0.77
-vs full compute; ``ops/bench_fidelity.py``, cause table in ``docs/bench/fidelity.md``). A refresh
+vs full compute; ``ops/bench/fidelity.py``, cause table in ``docs/bench/fidelity.md``). A refresh
 step computes the edit fully and records its own activations; until the next refresh the edit
 uses the template's activations of the current step plus the offset (own - template) measured at
 the last refresh: the template supplies how activations move with the timestep, the refresh how
@@ -65,7 +65,7 @@ def _expected_table() -> dict[str, dict[str, dict[str, float]]]:
 
 
 def expected_ssim(model_id: str, policy: str, guidance: float) -> float | None:
-    """Measured mean SSIM vs full compute (``ops/bench_fidelity.py --write-expected``) at the
+    """Measured mean SSIM vs full compute (``ops/bench/fidelity.py --write-expected``) at the
     nearest measured guidance, or None where nothing was measured for this model and policy."""
     rows = _expected_table().get(model_id, {}).get(policy, {})
     if not rows:

@@ -3,7 +3,7 @@
 Every policy is ``choose(job: JobDemand, view: WorkerView) -> worker id`` over a snapshot of the
 workers (what each engine last published to ``stencil:worker:<id>`` plus the dispatcher's own
 in-flight assignments, which the engines cannot show yet). Policies are pure: the dispatcher, the
-tests and the cluster simulator (ops/simulate.py) run the very same objects.
+tests and the cluster simulator (ops/bench/simulate.py) run the very same objects.
 
 ``STENCIL_ROUTING_POLICY``:
 - ``round_robin``: the baseline; ignores load.
@@ -363,12 +363,12 @@ def make_policy(name: str, model: CostModel | None = None) -> RoutingPolicy:
         return LeastMaskedTokensRouter(model)
     if name == "mask_aware":
         if model is None:
-            raise ValueError("mask_aware routing needs a cost model (run `python -m ops.profile`)")
+            raise ValueError("mask_aware routing needs a cost model (run `python -m ops.bench.profile`)")
         return MaskAwareRouter(model, fetch_tier=os.environ.get("STENCIL_CACHE_TIER", "local"),
                                externality=float(os.environ.get("STENCIL_ROUTING_EXTERNALITY", "0")))
     if name == "mask_aware_marginal":
         if model is None:
-            raise ValueError("mask_aware routing needs a cost model (run `python -m ops.profile`)")
+            raise ValueError("mask_aware routing needs a cost model (run `python -m ops.bench.profile`)")
         router = MaskAwareRouter(model, fetch_tier=os.environ.get("STENCIL_CACHE_TIER", "local"), externality=1.0)
         router.name = name
         return router

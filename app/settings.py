@@ -125,7 +125,7 @@ class Settings:
     # Dispatcher: comma-separated GPU worker ids it routes to.
     gpu_workers: str = "0"
     routing_policy: str = "round_robin"  # round_robin | least_requests | least_masked_tokens | mask_aware
-    cost_model: str = ""  # fitted cost-model JSON (ops/profile.py); empty = look up by model id
+    cost_model: str = ""  # fitted cost-model JSON (ops/bench/profile.py); empty = look up by model id
     slo_admission: bool = False  # engines refuse admissions that make a running job miss its deadline
     view_refresh_ms: float = 50.0
     worker_stale_seconds: float = 120.0

@@ -64,7 +64,7 @@ echo "[compose_check] $COMPOSE ($($COMPOSE version --short 2>/dev/null || $COMPO
 $COMPOSE --env-file "$ENV_FILE" -f "$FILE" --project-directory "$(dirname "$FILE")" \
   "${PROFILE_ARGS[@]}" config > "$WORK/resolved.yml"
 
-# Rules compose v1's `config` does not check but v2 or `up` enforce (ops/compose/lint.py).
+# Rules compose v1's `config` does not check but v2 or `up` enforce (ops/deploy/lint.py).
 LINT_PY=""
 for py in python3 "$ROOT/.venv/bin/python"; do
   if command -v "$py" >/dev/null 2>&1 && "$py" -c "import yaml" 2>/dev/null; then LINT_PY="$py"; break; fi
@@ -75,7 +75,7 @@ if [ -z "$LINT_PY" ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3-yaml >/dev/null
   LINT_PY=python3
 fi
-"$LINT_PY" "$ROOT/ops/compose/lint.py" "$WORK/resolved.yml"
+"$LINT_PY" "$ROOT/ops/deploy/lint.py" "$WORK/resolved.yml"
 
 DOCKERFILE="$(dirname "$FILE")/Dockerfile"
 if [ -f "$DOCKERFILE" ]; then

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ops.bench_batch_curve import curve_table
-from ops.bench_e2e_report import claims, sustained, write_report
+from ops.bench.e2e import claims, sustained, write_report
+from ops.bench.harness.engine import curve_table
 
 
 def _s(jobs: int, done: int, mean: float, p95: float, queueing: float, throughput: float) -> dict:
@@ -15,7 +15,7 @@ def _s(jobs: int, done: int, mean: float, p95: float, queueing: float, throughpu
 
 def _report() -> dict:
     return {
-        "capacity_stock": 1.0, "machine": "test", "elapsed_s": 1.0,
+        "command": "python -m ops.bench.e2e --out x", "capacity_stock": 1.0, "machine": "test", "elapsed_s": 1.0,
         "args": {"trace": "spring", "quick": True, "out": "x", "workers": 2, "max_batch": 4, "steps": 10,
                  "guidance": 7.5, "size": 256, "jobs": 24},
         "results": {
@@ -73,6 +73,7 @@ def test_write_report_renders_tables_and_plots(tmp_path: Path) -> None:
     path = write_report(report, tmp_path)
     text = path.read_text()
     assert "| stencil | 0.900 | 24/24 |" in text
+    assert "Command: `python -m ops.bench.e2e --out x` on test" in text
     assert "Throughput vs batch size" in text
     for png in ("latency_vs_rate.png", "throughput_vs_batch.png"):
         assert (tmp_path / png).stat().st_size > 1000

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from app.cli import build_parser
-from ops.compose import healthcheck, lint
+from ops.deploy import healthcheck, lint
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "ops" / "compose_check.sh"
@@ -148,7 +148,7 @@ def test_healthcheck_commands_parse(services: dict[str, dict[str, Any]]) -> None
         test = svc.get("healthcheck", {}).get("test")
         if not test:
             continue
-        assert test[:4] == ["CMD", "python", "-m", "ops.compose.healthcheck"], f"{name}: {test}"
+        assert test[:4] == ["CMD", "python", "-m", "ops.deploy.healthcheck"], f"{name}: {test}"
         parser.parse_args(test[4:])
 
 
@@ -201,7 +201,7 @@ def test_image_contains_what_the_services_run() -> None:
 # -- the healthchecks, run against real processes ----------------------------------------------
 
 def run_health(stack, *args: str) -> int:  # type: ignore[no-untyped-def]
-    proc = subprocess.run([sys.executable, "-m", "ops.compose.healthcheck", *args], env=stack.env(), cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "ops.deploy.healthcheck", *args], env=stack.env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     log.info("healthcheck %s -> %d %s", args, proc.returncode, proc.stderr[-500:])
     return proc.returncode

@@ -103,7 +103,7 @@ def test_ratio_estimate_tracks_real_masks() -> None:
 
 def _synthetic_model(arch: UNetArch) -> tuple[CostModel, np.ndarray, np.ndarray]:
     """Points from a known linear law + 2% noise, fitted by the profiler's own fitting code."""
-    from ops.profile import fit_linear
+    from ops.bench.profile import fit_linear
 
     rng = np.random.default_rng(0)
     true_coef = np.array([0.02, 0.05, 0.01, 0.001, 0.003])
@@ -162,7 +162,7 @@ def test_load_refuses_other_formats(tmp_path: Path) -> None:
 def test_profiler_runs_the_real_runner_end_to_end(tmp_path: Path, model_home: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny real profile: the engine's runner (mask-aware when available), JSON out, loads back."""
-    from ops import profile
+    from ops.bench import profile
 
     monkeypatch.setenv("STENCIL_HOME", str(model_home))
     out = tmp_path / "cm.json"

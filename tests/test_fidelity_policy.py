@@ -40,7 +40,7 @@ def test_policies_and_their_schedules() -> None:
 
 
 def test_expected_ssim_reads_the_benchmark_table() -> None:
-    """The shipped table (``ops.bench_fidelity --write-expected``) covers the default model."""
+    """The shipped table (``ops.bench.fidelity --write-expected``) covers the default model."""
     for model in ("tiny-sd-inpaint-trained", "tiny-flux-fill-trained"):
         for policy in ("fast", "balanced"):
             for g in (1.0, 3.0, 7.5):
@@ -52,7 +52,7 @@ def test_expected_ssim_reads_the_benchmark_table() -> None:
 @pytest.fixture(scope="module")
 def sd_family(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     from app.storage import LocalStore
-    from ops.bench_fidelity import Family
+    from ops.bench.harness.edits import Family
     from workers.maskaware.activation_store import ActivationStore
 
     return Family("sd", ActivationStore(LocalStore(tmp_path_factory.mktemp("fid"))))
@@ -66,7 +66,7 @@ def _template() -> Image.Image:
 
 def test_the_policies_are_faithful_at_guidance_7_5_where_the_cache_as_is_is_not(sd_family) -> None:  # type: ignore[no-untyped-def]
     from app.settings import Settings
-    from ops.bench_fidelity import OPTIONS, edit, metrics, run, warm
+    from ops.bench.harness.edits import OPTIONS, edit, metrics, warm
 
     assert Settings().fidelity == "fast"  # the default these numbers vouch for
     fam, image, steps, g = sd_family, _template(), 12, 7.5
@@ -76,7 +76,7 @@ def test_the_policies_are_faithful_at_guidance_7_5_where_the_cache_as_is_is_not(
         mask = make_mask(ratio, (128, 128), "blob", seed=k)
         params = JobParams(prompt=prompt, seed=seed, steps=steps, guidance=g)
         tensors, meta = fam.prepare(image, mask, params)
-        full = fam.decode(run(fam.runner_full, [(tensors, dict(meta))])[0]["latents"])
+        full = fam.full(tensors, meta)
         for name in scores:
             out = edit(fam, OPTIONS[name], image, mask, params, key)
             scores[name].append(metrics(full, fam.decode(out["latents"]), mask)["ssim"])
@@ -89,7 +89,7 @@ def test_the_policies_are_faithful_at_guidance_7_5_where_the_cache_as_is_is_not(
 def test_the_default_seed_is_no_worse_than_other_seeds(sd_family) -> None:  # type: ignore[no-untyped-def]
     """Seed 0 (the client's default and the warm-up's) with another prompt than the warm-up's used
     to take the cache as is (16.6 dB): it now takes the same path as every seed."""
-    from ops.bench_fidelity import OPTIONS, edit, metrics, run, warm
+    from ops.bench.harness.edits import OPTIONS, edit, metrics, warm
 
     fam, image, steps, g = sd_family, _template(), 12, 7.5
     key = warm(fam, "tpl-seeds", image, np.zeros((128, 128), bool), JobParams(prompt="", seed=0, steps=steps,
@@ -99,7 +99,7 @@ def test_the_default_seed_is_no_worse_than_other_seeds(sd_family) -> None:  # ty
     for seed in (0, 1, 2, 3):
         params = JobParams(prompt="a rocket", seed=seed, steps=steps, guidance=g)
         tensors, meta = fam.prepare(image, mask, params)
-        full = fam.decode(run(fam.runner_full, [(tensors, dict(meta))])[0]["latents"])
+        full = fam.full(tensors, meta)
         out = edit(fam, OPTIONS["fast"], image, mask, params, key)
         ssim[seed] = metrics(full, fam.decode(out["latents"]), mask)["ssim"]
     assert ssim[0] >= min(ssim[s] for s in (1, 2, 3)) - 0.005, ssim
@@ -113,7 +113,8 @@ def test_a_refresh_whose_template_step_is_not_resident_computes_fully_until_it_i
     import torch
 
     from app.storage import LocalStore
-    from ops.bench_fidelity import Family, run, warm
+    from ops.bench.harness.edits import Family, warm
+    from ops.bench.harness.engine import run
     from workers.engine.template_cache import StepCacheProvider
     from workers.maskaware.activation_store import ActivationStore
 

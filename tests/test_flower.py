@@ -79,7 +79,7 @@ def flower(stack: EmbeddedStack, tmp_path: Path) -> Iterator[str]:
 
 
 def chromium() -> str:
-    out = subprocess.run(["bash", str(ROOT / "ops" / "install_chromium.sh")], capture_output=True, text=True,
+    out = subprocess.run(["bash", str(ROOT / "ops" / "deploy" / "install_chromium.sh")], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().splitlines()[-1]

@@ -70,7 +70,7 @@ def test_slo_admission_in_the_simulated_cluster() -> None:
 
 
 def test_simulate_cli_writes_report_and_plots(tmp_path: Path) -> None:
-    from ops import simulate
+    from ops.bench import simulate
 
     path = model().save(tmp_path / "m.json")
     out = tmp_path / "dispatch.md"

@@ -74,7 +74,7 @@ def test_the_folder_is_a_stock_flux_fill_pipeline_and_the_embedded_id_resolves_t
     folder = ensure_model_dir(Settings(model_dir="", model_id="tiny-flux-fill-trained"))
     assert folder.resolve() == MODEL.resolve()
     card = (MODEL / "README.md").read_text()
-    assert "python -m ops.train_tiny_flux" in card and "scikit-image" in card
+    assert "python -m ops.train.flux" in card and "scikit-image" in card
 
 
 def test_outside_the_mask_the_output_does_not_depend_on_the_seed(trained, random_init) -> None:  # type: ignore[no-untyped-def]

@@ -74,7 +74,7 @@ def test_loads_with_from_pretrained_and_records_its_training(trained) -> None:  
 
 def test_vae_reconstructs_held_out_crops_better_than_random_init(trained, random_init) -> None:  # type: ignore[no-untyped-def]
     """Crops of images the model never trained on (other seed than the training's own check)."""
-    from ops.train_tiny_sd import HELD_OUT, Crops, load_source
+    from ops.train.common import HELD_OUT, Crops, load_source
 
     x, _ = Crops([load_source(n) for n in HELD_OUT], np.random.default_rng(1234)).batch(12)
 

@@ -1,10 +1,8 @@
-"""Statistics, markdown tables and plots of simulation runs; section-wise updates of a report."""
+"""Statistics and Markdown tables of simulation runs (plots and report files: ``ops.bench.simulate``)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,42 +61,3 @@ def policy_table(results: list[dict[str, Any]], workers: int, trace: str, polici
             line += f" {best} | {fmt_s(floor) if floor is not None else '-'} |"
         out.append(line)
     return "\n".join(out)
-
-
-def plot_p95(results: list[dict[str, Any]], workers: int, traces: Sequence[str], policies: Sequence[str],
-             out: Path, metric: str = "p95_s", ylabel: str = "P95 latency (s)") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(traces), figsize=(4.2 * len(traces), 3.6), squeeze=False)
-    for ax, trace in zip(axes[0], traces):
-        for p in policies:
-            pts = sorted((r["load"], r["stats"][metric]) for r in results
-                         if r["workers"] == workers and r["trace"] == trace and r["policy"] == p
-                         and not r.get("slo_admission"))
-            if pts:
-                ref = p in ("ideal_pooled", "central_fcfs")
-                ax.plot([x * 100 for x, _ in pts], [y for _, y in pts], marker="" if ref else "o", ms=3, label=p,
-                        linestyle=":" if ref else "-", color="0.4" if p == "ideal_pooled" else
-                        "0.7" if ref else None)
-        ax.set_title(f"{trace}, {workers} workers", fontsize=9)
-        ax.set_xlabel("load (% of capacity)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-
-
-def replace_section(path: Path, name: str, text: str) -> None:
-    """Replace ``<!-- name:begin -->...<!-- name:end -->`` in ``path`` (append if missing)."""
-    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    block = f"{begin}\n{text.rstrip()}\n{end}"
-    old = path.read_text() if path.exists() else ""
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
-    new = pattern.sub(lambda _: block, old) if pattern.search(old) else (old.rstrip() + "\n\n" + block + "\n").lstrip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new)

@@ -72,7 +72,7 @@ def _save_tiny_flux(out: Path, seed: int = 0) -> None:
     save_flux_fill_pipeline(out, seed=seed)
 
 
-# The trained default ships in the repository (ops/train_tiny_sd.py wrote it): a few MB of
+# The trained default ships in the repository (ops/train/sd.py wrote it): a few MB of
 # safetensors in save_pretrained layout, copied into the home like the built ones are saved.
 TRAINED_DIR = Path(__file__).resolve().parent / "trained"
 
@@ -90,8 +90,8 @@ def _copy_trained(name: str, trainer: str) -> Callable[[Path, int], None]:
 # Embedded models by id. The random-init ones stay for unit tests and speed benchmarks (their
 # outputs are noise); the trained one is the default so that the demo and fidelity show real edits.
 EMBEDDED_MODELS: dict[str, Callable[[Path, int], None]] = {
-    "tiny-sd-inpaint-trained": _copy_trained("tiny-sd-inpaint-trained", "ops.train_tiny_sd"),
-    "tiny-flux-fill-trained": _copy_trained("tiny-flux-fill-trained", "ops.train_tiny_flux"),
+    "tiny-sd-inpaint-trained": _copy_trained("tiny-sd-inpaint-trained", "ops.train.sd"),
+    "tiny-flux-fill-trained": _copy_trained("tiny-flux-fill-trained", "ops.train.flux"),
     "tiny-sd-inpaint": _save_tiny_sd,
     "tiny-flux-fill": _save_tiny_flux,
 }

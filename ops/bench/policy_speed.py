@@ -1,6 +1,6 @@
 """What each fidelity option costs per denoising step, side by side in one run, and the frontier.
 
-The options of ``ops/bench_fidelity.py`` differ in which kind of step they run: ``full``
+The options of ``ops/bench/fidelity.py`` differ in which kind of step they run: ``full``
 (full compute), ``masked`` (template cache as is), ``offset`` (template cache shifted by the
 job's offset, ``runner_base.OffsetCache``) and ``refresh`` (full compute that records the job's
 own activations and sets its offset). This measures each kind through the engine's runner
@@ -9,19 +9,17 @@ prefetch) on the benchmark-size models of ``BENCHMARKS.md`` (UNet (320, 640) at 
 Flux 2 double + 4 single blocks, inner dim 512, 1024 tokens), interleaved over rounds, in thread
 CPU time (1 thread: insensitive to other load). A job's denoising time under an option is the sum
 over its schedule of ``steps`` steps; speedup = ``steps`` x full / that. With ``--fidelity JSON``
-(``ops/bench_fidelity.py --json``) it writes the frontier: fidelity vs speedup per option.
+(``ops/bench/fidelity.py --json``) it writes the frontier: fidelity vs speedup per option.
 
-    python -m ops.bench_policy_speed --families sd,flux --fidelity docs/bench/fidelity_sd.json \
+    python -m ops.bench.policy_speed --families sd,flux --fidelity docs/bench/fidelity_sd.json \
         --out docs/bench/policy_speed.md
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,12 +30,21 @@ import torch
 
 from app.maskgen import make_mask
 from app.storage import LocalStore
-from ops.bench_fidelity import OPTIONS, Option, run, write_markdown
+from ops.bench.harness import cli
+from ops.bench.harness.edits import OPTIONS, Option
+from ops.bench.harness.engine import record
+from ops.bench.harness.models import build_flux, build_sd_unet, ddim_config, flux_image_ids
+from ops.bench.harness.timing import interleave
+from workers.engine.flux_runner import FluxRunner
 from workers.engine.job import EngineJob
+from workers.engine.sd_runner import SDRunner
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
+from workers.maskaware.flux import MaskAwareFlux
+from workers.maskaware.unet import MaskAwareUNet
+from workers.models.tiny_flux import FLUX_SCHEDULER_CONFIG
 
-log = logging.getLogger("bench_policy_speed")
+log = logging.getLogger(__name__)
 KINDS = ("full", "masked", "offset", "refresh")
 
 
@@ -50,13 +57,8 @@ class Bench:
         caches = StepCacheProvider(self.activations, 16 << 30)
         g = torch.Generator().manual_seed(seed)
         if family == "sd":
-            from ops.bench_maskaware_unet import build_sd_unet
-            from workers.engine.sd_runner import SDRunner
-            from workers.maskaware.unet import MaskAwareUNet
-            from workers.models.tiny_sd import build_scheduler
-
             model = build_sd_unet((320, 640), 64, 1, 1, 768, seed)
-            cfg = {**dict(build_scheduler().config), "_class_name": "DDIMScheduler"}
+            cfg = ddim_config()
             self.runner = SDRunner(model, cfg, maskaware=MaskAwareUNet(model), caches=caches,
                                    recorder=CacheRecorder(self.activations), prefetch_steps=steps)
             self.size, self.layout, self.shape = 512, "kv+y", "unet (320, 640), 4096 tokens, CFG"
@@ -67,27 +69,17 @@ class Bench:
             self.meta = {"t_start": 0, "num_steps": steps, "do_cfg": True, "guidance": 7.5,
                          "height": 512, "width": 512}
         else:
-            from workers.engine.flux_runner import FluxRunner
-            from workers.flux_inputs import flux_schedule  # noqa: F401  (the runner's schedule)
-            from workers.maskaware.flux import MaskAwareFlux
-            from workers.models.tiny_flux import FLUX_SCHEDULER_CONFIG, build_flux_transformer
-
-            model = build_flux_transformer(seed, num_layers=2, num_single_layers=4, attention_head_dim=128,
-                                           num_attention_heads=4, joint_attention_dim=4096,
-                                           pooled_projection_dim=768)
+            model = build_flux(seed)
             cfg = {**FLUX_SCHEDULER_CONFIG, "_class_name": "FlowMatchEulerDiscreteScheduler"}
             self.runner = FluxRunner(model, cfg, 16, maskaware=MaskAwareFlux(model), caches=caches,
                                      recorder=CacheRecorder(self.activations), prefetch_steps=steps)
             self.size, self.layout, self.shape = 512, "flux-kv-raw", "flux 2+4 blocks, inner 512, 1024 tokens, T=64"
             side = 32
-            ids = torch.zeros(side, side, 3)
-            ids[..., 1] += torch.arange(side)[:, None]
-            ids[..., 2] += torch.arange(side)[None, :]
             self.base = {"latents": torch.randn(1, side * side, 64, generator=g),
                          "masked_image_latents": torch.randn(1, side * side, 320, generator=g),
                          "prompt_embeds": torch.randn(1, 64, 4096, generator=g),
                          "pooled_prompt_embeds": torch.randn(1, 768, generator=g),
-                         "text_ids": torch.zeros(64, 3), "image_ids": ids.reshape(-1, 3)}
+                         "text_ids": torch.zeros(64, 3), "image_ids": flux_image_ids(side)}
             self.meta = {"family": "flux", "t_start": 0, "num_steps": steps, "guidance": 30.0,
                          "height": 512, "width": 512, "do_cfg": False}
         self.key = TemplateCacheKey(model_id=f"polspeed-{family}", template_id="t", height=self.size,
@@ -102,15 +94,11 @@ class Bench:
 
     def warm(self) -> None:
         """A real warm-up through the engine (every step recorded and committed)."""
-        meta = dict(self.meta, cache_mode="record", cache_key=self.key.to_dict())
-        run(self.runner, [(self.tensors(0.0), meta)])[0]["commit"].result(600)
-        for step in range(self.steps):
-            self.runner.caches.wait(self.key, step, 60)  # type: ignore[union-attr]
+        record(self.runner, self.tensors(0.0), self.meta, self.key, resident_steps=self.steps)
 
     def job(self, ratio: float, mode: str, refresh: list[int]) -> EngineJob:
-        meta = dict(self.meta, cache_mode=mode, cache_key=self.key.to_dict(), refresh_steps=refresh)
-        if mode == "full":
-            meta = dict(self.meta)
+        meta = dict(self.meta) if mode == "full" else dict(self.meta, cache_mode=mode, cache_key=self.key.to_dict(),
+                                                           refresh_steps=refresh)
         job = EngineJob(job_id=f"{mode}", total_steps=self.steps)
         job.state = self.runner.init_state(self.tensors(ratio), meta)
         return job
@@ -124,17 +112,21 @@ class Bench:
 
 
 def measure(bench: Bench, ratio: float, rounds: int, per_kind: int) -> dict[str, float]:
-    """Median per-step CPU seconds of each step kind at ``ratio``, interleaved over ``rounds``."""
+    """Median per-step CPU seconds of each step kind at ``ratio``, interleaved over ``rounds``: a
+    full job, a masked job, and a job anchored at step 0 (one refresh step, then offset steps)."""
+    def steps(kind: str) -> dict[str, list[float]]:
+        job = bench.job(ratio, "full" if kind == "full" else "masked", [0] if kind == "anchored" else [])
+        if kind != "anchored":
+            return {kind: [bench.step(job) for _ in range(per_kind)]}
+        got = {"refresh": [bench.step(job)], "offset": [bench.step(job) for _ in range(per_kind)]}
+        assert job.state.refresh_steps == 1 and job.state.delta is not None
+        return got
+
     samples: dict[str, list[float]] = {k: [] for k in KINDS}
-    for _ in range(rounds):
-        full = bench.job(ratio, "full", [])
-        samples["full"] += [bench.step(full) for _ in range(per_kind)]
-        masked = bench.job(ratio, "masked", [])
-        samples["masked"] += [bench.step(masked) for _ in range(per_kind)]
-        anchored = bench.job(ratio, "masked", [0])
-        samples["refresh"].append(bench.step(anchored))
-        samples["offset"] += [bench.step(anchored) for _ in range(per_kind)]
-        assert anchored.state.refresh_steps == 1 and anchored.state.delta is not None
+    for per_round in interleave(rounds, ("full", "masked", "anchored"), steps).values():
+        for got in per_round:
+            for kind, seconds in got.items():
+                samples[kind] += seconds
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
@@ -149,26 +141,20 @@ def option_seconds(costs: dict[str, float], option: Option, steps: int) -> float
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__, out="docs/bench/policy_speed.md", threads=None)
     p.add_argument("--families", default="sd,flux")
     p.add_argument("--ratios", default="0.2")
     p.add_argument("--steps", type=int, default=20, help="the schedule the options are evaluated on")
     p.add_argument("--warm-steps", type=int, default=6, help="steps recorded by the warm-up")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--per-kind", type=int, default=2, help="steps of each kind per round")
-    p.add_argument("--fidelity", default="", help="ops/bench_fidelity.py --json output(s), comma-separated")
-    p.add_argument("--quick", action="store_true", help="flux only, 1 round")
-    p.add_argument("--out", default="docs/bench/policy_speed.md")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.quick:
-        args.families, args.rounds, args.per_kind = "flux", 1, 1
-    torch.set_num_threads(1)
+    p.add_argument("--fidelity", default="", help="ops/bench/fidelity.py --json output(s), comma-separated")
+    run = cli.start(p, argv, __file__, quick=dict(families="flux", warm_steps=2, rounds=1, per_kind=1))
+    args = run.args
+    torch.set_num_threads(1)  # thread CPU time counts all the work only with one thread
     torch.set_grad_enabled(False)
-    t0 = time.monotonic()
-    command = "python -m ops.bench_policy_speed " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = ["# Fidelity options: per-step cost and the fidelity/speed frontier\n",
-             f"Command: `{command}`. Thread CPU time, 1 thread, median per step kind; warm-up of "
+             f"Command: `{run.command}`. Thread CPU time, 1 thread, median per step kind; warm-up of "
              f"{args.warm_steps} recorded steps; a job's time under an option is evaluated on a "
              f"{args.steps}-step schedule from the measured per-kind costs.\n",
              "| family | model | ratio | full ms | masked ms | offset ms | refresh ms | "
@@ -176,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
              "|---|---|---|---|---|---|---|" + "---|" * len(OPTIONS) + "---|"]
     speed: dict[tuple[str, float], dict[str, float]] = {}
     for family in args.families.split(","):
-        bench = Bench(family, args.warm_steps)
+        bench = Bench(family, args.warm_steps, args.seed)
         bench.warm()
         for ratio in (float(r) for r in args.ratios.split(",")):
             costs = measure(bench, ratio, args.rounds, args.per_kind)
@@ -193,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
               "(plus one warm-up of its own per region, not counted)."]
     if args.fidelity:
         lines += ["", *frontier(args.fidelity.split(","), speed)]
-    lines.append(f"\n({time.monotonic() - t0:.0f} s)")
-    write_markdown(Path(args.out), lines)
+    lines.append(f"\n({run.elapsed():.0f} s)")
+    run.write(lines)
     return 0
 
 
@@ -204,7 +190,7 @@ def frontier(paths: list[str], speed: dict[tuple[str, float], dict[str, float]])
     for path in paths:
         rows += json.loads(Path(path).read_text())["summary"]
     out = ["## Frontier: fidelity vs speedup per option\n",
-           "Fidelity: mean over the traces' edits of `ops/bench_fidelity.py` (trained models, 20 steps); "
+           "Fidelity: mean over the traces' edits of `ops/bench/fidelity.py` (trained models, 20 steps); "
            "speedup: per-job denoising time at the first measured ratio above.\n",
            "| family | guidance | option | SSIM | SSIM in mask | PSNR dB | speedup |", "|---|---|---|---|---|---|---|"]
     for fam in sorted({r["family"] for r in rows}):

@@ -1,6 +1,6 @@
 """Continuous vs static batching as a function of how sublinear a batched step is (simulated).
 
-Why: on this CPU a denoising step of B jobs costs about B single steps (``ops/bench_batch_curve.py``:
+Why: on this CPU a denoising step of B jobs costs about B single steps (``ops/bench/batch_curve.py``:
 a batch of 4 saves 3-9%), and the end-to-end benchmark finds continuous batching only 1-9% below
 static batching in P95. This asks the production ``BatchScheduler`` (in ``ops/sim/cluster.py``, both
 modes) what the gap is when a batched step is cheaper, so the measured number can be placed: the
@@ -9,7 +9,7 @@ as fitted here; 0: a batch costs one job, the ideal GPU regime). Arrival rates a
 static-batching capacity at the largest batch under the same exponent, so both modes see the same
 load. Deterministic for its seeds.
 
-    python -m ops.sim_batching --out docs/bench/batching_sim.md
+    python -m ops.bench.batching_sim --out docs/bench/batching_sim.md
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-from pathlib import Path
 
 import numpy as np
 
 from app.costmodel import CostModel
 from app.routing import make_policy
+from ops.bench.harness import cli
 from ops.sim.cluster import Cluster, ClusterConfig
 from ops.sim.workload import WorkloadSpec, capacity, generate
 
-log = logging.getLogger("ops.sim_batching")
+log = logging.getLogger(__name__)
 
 
 def cpu_exponent(gain_at_b: float, batch: int) -> float:
@@ -69,7 +69,7 @@ def table(model: CostModel, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__, out="docs/bench/batching_sim.md", threads=None, seed=None)
     p.add_argument("--cost-model", default="ops/sim/costmodels/tiny-sd-inpaint--cpu-1t.json")
     p.add_argument("--trace", default="spring_festival")
     p.add_argument("--workers", type=int, default=2)
@@ -82,26 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exponents", type=float, nargs="*", default=None,
                    help="step cost exponents after this CPU's (default 0.75 0.5 0.25 0)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--out", default="docs/bench/batching_sim.md")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run = cli.start(p, argv, __file__, quick=dict(jobs=200, loads=[0.9], seeds=[0], exponents=[0.0]))
+    args = run.args
     args.exponents = [cpu_exponent(args.cpu_gain, args.max_batch)] + (
         args.exponents if args.exponents is not None else [0.75, 0.5, 0.25, 0.0])
-    model = CostModel.load(args.cost_model)
-    text = table(model, args)
-    cmd = ("python -m ops.sim_batching " + f"--cost-model {args.cost_model} --trace {args.trace} --workers "
-           f"{args.workers} --max-batch {args.max_batch} --steps {args.steps} --jobs {args.jobs} --loads "
-           + " ".join(map(str, args.loads)) + f" --cpu-gain {args.cpu_gain} --seeds " + " ".join(map(str, args.seeds)))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
+    text = table(CostModel.load(args.cost_model), args)
+    run.write(
         "# Continuous vs static batching by batch-cost shape (simulated)\n\n"
-        f"Command: `{cmd}`. Production `BatchScheduler` in both modes, full compute, {args.workers} workers, "
+        f"Command: `{run.command}`. Production `BatchScheduler` in both modes, full compute, {args.workers} workers, "
         f"max batch {args.max_batch}, {args.steps} steps, least-requests routing, mask ratios of the `{args.trace}` "
         "trace; load = fraction of the static-batching capacity at the largest batch under the same cost "
         f"shape; mean of {len(args.seeds)} seeds of {args.jobs} jobs. The first row's exponent is this CPU's, "
         f"from its measured batch-of-4 gain ({args.cpu_gain}x).\n\n" + text + "\n")
-    log.info("wrote %s", out)
     return 0
 
 

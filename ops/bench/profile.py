@@ -1,7 +1,7 @@
 """Profile the engine's runner on this device and fit the cost model (``app/costmodel.py``).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m ops.profile --model tiny       # embedded default, ~2 min
-    HF_HUB_OFFLINE=1 .venv/bin/python -m ops.profile --model sd-l2      # SD-width blocks, ~15 min
+    python -m ops.bench.profile --model tiny       # embedded default, ~2 min
+    python -m ops.bench.profile --model sd-l2      # SD-width blocks, ~15 min
 
 What is measured (never fake data, DESIGN.md section 3):
 - Step latency: ``SDRunner.step`` (the engine's runner, with ``MaskAwareUNet`` when importable)
@@ -35,7 +35,6 @@ import logging
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import Future
@@ -45,11 +44,23 @@ from typing import Any
 
 import numpy as np
 import torch
+from sklearn.linear_model import LinearRegression
+from sklearn.metrics import r2_score
 
 from app.costmodel import STEP_FEATURES, CostModel, FitReport, TierFit, UNetArch, default_path
 from app.settings import Settings
+from app.storage.local import LocalStore
+from ops.bench.harness import TRACES, cli, load_trace
+from ops.bench.harness.models import build_sd_unet, cfg_job, ddim_config, pixel_mask
+from ops.bench.harness.report import pyplot, replace_section, save_figure
+from workers.engine.job import EngineJob
+from workers.engine.sd_runner import SDRunner
+from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
+from workers.maskaware.tokens import build_token_masks
+from workers.maskaware.unet import MaskAwareUNet
+from workers.models.loader import ensure_model_dir, load_unet, scheduler_config
 
-log = logging.getLogger("ops.profile")
+log = logging.getLogger(__name__)
 
 
 # -- model under test ---------------------------------------------------------------------------
@@ -71,32 +82,21 @@ def load_model(kind: str, latent: int | None, seed: int) -> ModelUnderTest:
     channels, heads of 64, cross dim 768), two levels so that it fits 2 CPU cores; ``sd15``: the
     full SD-1.5 architecture (only for ``--project-from``: a few validation points)."""
     if kind == "tiny":
-        from workers.models.loader import ensure_model_dir, load_unet, scheduler_config
-
         s = Settings.from_env()
         folder = ensure_model_dir(s)
         unet = load_unet(folder, "cpu")
         return ModelUnderTest(s.model_id, unet, scheduler_config(folder), latent or 16, 77,
                               int(unet.config.cross_attention_dim), f"embedded default ({folder})")
     if kind == "sd-l2":
-        from ops.bench_maskaware_unet import build_sd_unet
-        from workers.models.tiny_sd import build_scheduler
-
         lat = latent or 32
         unet = build_sd_unet((320, 640), lat, 1, 1, 768, seed)
-        sched = build_scheduler()
-        cfg = dict(sched.config, _class_name=type(sched).__name__)
-        return ModelUnderTest("sd-arch-320-640", unet, cfg, lat, 77, 768,
+        return ModelUnderTest("sd-arch-320-640", unet, ddim_config(), lat, 77, 768,
                               "SD-architecture UNet, block_out_channels (320, 640), layers_per_block 1, "
                               "cross_attention_dim 768, heads of 64, random init")
     if kind == "sd15":
-        from ops.bench_maskaware_unet import build_sd_unet
-        from workers.models.tiny_sd import build_scheduler
-
         lat = latent or 64
         unet = build_sd_unet((320, 640, 1280, 1280), lat, 2, 1, 768, seed)
-        sched = build_scheduler()
-        return ModelUnderTest("sd15-arch", unet, dict(sched.config, _class_name=type(sched).__name__), lat, 77, 768,
+        return ModelUnderTest("sd15-arch", unet, ddim_config(), lat, 77, 768,
                               "SD-1.5 architecture UNet (320/640/1280/1280, 2 layers per block, cross dim 768, "
                               "heads of 64), 9-channel inpainting, random init")
     raise ValueError(f"unknown model kind {kind!r} (tiny | sd-l2 | sd15)")
@@ -128,9 +128,7 @@ class RecordedCaches:
 
     def put(self, key: Any, step: int, tensors: dict[str, torch.Tensor]) -> Future:
         self.steps[step] = {k: v.detach().clone() for k, v in tensors.items()}
-        f: Future = Future()
-        f.set_result(None)
-        return f
+        return self.commit(key)
 
     def commit(self, key: Any) -> Future:
         f: Future = Future()
@@ -153,74 +151,33 @@ class JobSpec:
     seed: int
 
 
-class Harness:
+class RunnerTimer:
     """Builds jobs for the real ``SDRunner`` and times its ``step``."""
 
     def __init__(self, mut: ModelUnderTest, steps: int, device: str = "cpu") -> None:
-        from workers.engine.sd_runner import SDRunner
-
         self.mut = mut
         self.steps = steps
         self.h = self.w = mut.latent
         self.pixels = mut.latent * 8
         self.caches = RecordedCaches()
-        self.maskaware = None
-        self.key_dict: dict[str, Any] | None = None
-        kwargs: dict[str, Any] = {}
-        try:
-            import inspect
-
-            from workers.maskaware.unet import MaskAwareUNet
-
-            if "maskaware" in inspect.signature(SDRunner.__init__).parameters:
-                self.maskaware = MaskAwareUNet(mut.unet)
-                kwargs = {"maskaware": self.maskaware, "caches": self.caches, "recorder": self.caches,
-                          "prefetch_steps": 0}
-        except ImportError as exc:
-            log.warning("mask-aware runner not available (%s): profiling full compute only", exc)
-        self.runner = SDRunner(mut.unet, mut.scheduler_config, device, **kwargs)
-        if self.maskaware is not None:
-            from workers.maskaware.activation_store import TemplateCacheKey
-
-            self.key_dict = TemplateCacheKey(
-                model_id=mut.model_id, template_id="profile", height=self.pixels, width=self.pixels,
-                scheduler=str(mut.scheduler_config["_class_name"]), steps=steps, strength=1.0, guidance="cfg2",
-                layout=self.maskaware.cache_layout).to_dict()
-            self._record()
-
-    def pixel_mask(self, spec: JobSpec) -> torch.Tensor:
-        from workers.maskaware.tokens import blob_mask, rect_mask
-
-        if spec.ratio >= 1.0:
-            return torch.ones(self.pixels, self.pixels, dtype=torch.bool)
-        make = blob_mask if spec.shape == "blob" else rect_mask
-        return make(self.pixels, self.pixels, spec.ratio, seed=spec.seed)
+        self.maskaware = MaskAwareUNet(mut.unet)
+        self.runner = SDRunner(mut.unet, mut.scheduler_config, device, maskaware=self.maskaware, caches=self.caches,
+                               recorder=self.caches, prefetch_steps=0)
+        self.key_dict = TemplateCacheKey(
+            model_id=mut.model_id, template_id="profile", height=self.pixels, width=self.pixels,
+            scheduler=str(mut.scheduler_config["_class_name"]), steps=steps, strength=1.0, guidance="cfg2",
+            layout=self.maskaware.cache_layout).to_dict()
+        self._record()
 
     def tokens(self, pixel_mask: torch.Tensor) -> tuple[int, ...]:
-        from workers.maskaware.tokens import build_token_masks
-
         levels = len(self.mut.unet.config.block_out_channels)
         tm = build_token_masks(pixel_mask, (self.h, self.w), levels)
         return tuple(int(lvl.sum()) for lvl in tm.levels)
 
     def make_job(self, spec: JobSpec, mode: str, index: int) -> Any:
-        from workers.engine.job import EngineJob
-
-        g = torch.Generator().manual_seed(1000 + spec.seed)
-        pix = self.pixel_mask(spec)
-        lat_mask = torch.nn.functional.adaptive_max_pool2d(pix.float()[None, None], (self.h, self.w))
-        tensors = {
-            "latents": torch.randn(1, 4, self.h, self.w, generator=g),
-            "mask": lat_mask.expand(2, 1, self.h, self.w).contiguous(),
-            "masked_image_latents": torch.randn(2, 4, self.h, self.w, generator=g),
-            "prompt_embeds": torch.randn(2, self.mut.text_len, self.mut.cross_dim, generator=g),
-            "generator_state": g.get_state(),
-            "pixel_mask": pix.to(torch.uint8),
-        }
-        meta: dict[str, Any] = {"t_start": 0, "num_steps": self.steps, "do_cfg": True, "guidance": 7.5,
-                                "cache_mode": mode}
-        if mode != "full":
-            meta["cache_key"] = self.key_dict
+        pix = pixel_mask(self.pixels, spec.ratio, spec.shape, spec.seed)
+        tensors, meta = cfg_job(pix, self.h, self.steps, (self.mut.text_len, self.mut.cross_dim), 1000 + spec.seed,
+                                mode=mode, cache_key=self.key_dict if mode != "full" else None)
         job = EngineJob(job_id=f"j{index}", total_steps=self.steps, mask_ratio=spec.ratio)
         job.state = self.runner.init_state(tensors, meta)
         job.cached = mode == "masked"
@@ -238,7 +195,7 @@ class Harness:
 
     def time_batch(self, specs: list[JobSpec], repeats: int) -> tuple[list[float], list[float], list[Any]]:
         """(wall seconds, this thread's CPU seconds) of ``repeats`` steps after one warm step."""
-        mode = lambda s: "masked" if (s.cached and self.maskaware is not None and s.ratio < 1.0) else "full"  # noqa: E731
+        mode = lambda s: "masked" if (s.cached and s.ratio < 1.0) else "full"  # noqa: E731
         jobs = [self.make_job(s, mode(s), i) for i, s in enumerate(specs)]
         wall, cpu = [], []
         for r in range(repeats + 1):
@@ -257,8 +214,6 @@ class Harness:
 
 
 def draw_ratio(rng: np.random.Generator) -> float:
-    from ops.sim.traces import TRACES, load_trace
-
     pick = rng.integers(0, len(TRACES) + 1)
     if pick == len(TRACES):
         return float(rng.uniform(0.01, 0.95))
@@ -293,8 +248,6 @@ class _NonNegFit:
     is unphysical; sklearn's ``positive=True`` leaves the intercept free)."""
 
     def __init__(self) -> None:
-        from sklearn.linear_model import LinearRegression
-
         self._reg = LinearRegression(positive=True, fit_intercept=False)
         self.coef_ = np.zeros(0)
         self.intercept_ = 0.0
@@ -309,8 +262,6 @@ class _NonNegFit:
 
 
 def fit_linear(x: np.ndarray, y: np.ndarray, test_fraction: float, seed: int) -> tuple[Any, FitReport, np.ndarray]:
-    from sklearn.metrics import r2_score
-
     tr, te = split(len(y), test_fraction, seed)
     reg = _NonNegFit().fit(x[tr], y[tr])
     pred_te = reg.predict(x[te])
@@ -332,7 +283,7 @@ def cross_validated_r2(x: np.ndarray, y: np.ndarray, folds: int, seed: int) -> f
 
 
 def profile_steps(mut: ModelUnderTest, args: argparse.Namespace, arch: UNetArch) -> dict[str, Any]:
-    harness = Harness(mut, steps=args.repeats + 1)
+    harness = RunnerTimer(mut, steps=args.repeats + 1)
     comps = compositions(args.points, args.max_jobs, args.full_fraction, args.seed)
     rows = []
     t_start = time.monotonic()
@@ -348,7 +299,7 @@ def profile_steps(mut: ModelUnderTest, args: argparse.Namespace, arch: UNetArch)
                  len(jobs), [f"{s.ratio:.2f}" for s in specs], [int(j.cached) for j in jobs], med * 1e3, args.clock,
                  "/".join(f"{t * 1e3:.0f}" for t in wall), os.getloadavg()[0])
     log.info("step profile: %d points in %.0f s", len(rows), time.monotonic() - t_start)
-    return {"rows": rows, "maskaware": harness.maskaware is not None}
+    return {"rows": rows, "maskaware": True}
 
 
 def _evict(path: Path) -> None:
@@ -364,9 +315,6 @@ def _evict(path: Path) -> None:
 
 def profile_loads(args: argparse.Namespace, work: Path) -> dict[str, list[tuple[int, float]]]:
     """(bytes, seconds) per tier: cold local-folder reads through ActivationStore, host copies."""
-    from app.storage.local import LocalStore
-    from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
-
     sizes = [int(s * 2**20) for s in args.load_sizes_mib]
     store = ActivationStore(LocalStore(work / "store"))
     key = TemplateCacheKey("profile", "load", 64, 64, "DDIMScheduler", len(sizes), 1.0, "cfg2")
@@ -408,16 +356,12 @@ def fit_tiers(samples: dict[str, list[tuple[int, float]]], args: argparse.Namesp
 
 
 def plot(model: CostModel, rows: list[dict[str, Any]], test_idx: np.ndarray, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Predicted vs measured step latency, held-out points marked."""
     y = np.array([r["seconds"] for r in rows])
     pred = np.array([model.intercept + model.features_seconds(r["features"]) for r in rows])
     test = np.zeros(len(rows), dtype=bool)
     test[test_idx] = True
-    fig, ax = plt.subplots(figsize=(5, 4.5))
+    fig, ax = pyplot().subplots(figsize=(5, 4.5))
     ax.scatter(y[~test] * 1e3, pred[~test] * 1e3, s=14, label="train", alpha=0.6)
     ax.scatter(y[test] * 1e3, pred[test] * 1e3, s=22, marker="s", label="held out")
     hi = max(y.max(), pred.max()) * 1e3 * 1.05
@@ -428,9 +372,15 @@ def plot(model: CostModel, rows: list[dict[str, Any]], test_idx: np.ndarray, out
     title = f"{model.model_id} on {model.device_kind[:28]}\nheld-out R^2 = {r.r2_test:.3f}" if r else model.model_id
     ax.set_title(title, fontsize=9)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out)
+
+
+def features(arch: UNetArch, rows: list[dict[str, Any]]) -> tuple[UNetArch, np.ndarray]:
+    """The architecture with the mask boundary cells the measured masks had, and each row's step features."""
+    arch = arch.with_edges([(r, t) for row in rows for r, t, c in zip(row["ratios"], row["tokens"], row["cached"])
+                            if c and t is not None])
+    return arch, np.array([np.sum([arch.job_features(t if c else None) for t, c in zip(row["tokens"], row["cached"])],
+                                  axis=0) for row in rows], dtype=np.float64)
 
 
 def project(args: argparse.Namespace, mut: ModelUnderTest, arch: UNetArch) -> int:
@@ -448,19 +398,14 @@ def project(args: argparse.Namespace, mut: ModelUnderTest, arch: UNetArch) -> in
     meta: dict[str, Any] = {"created": time.time(), "projected": True, "projected_from": str(base_path),
                             "seconds_per_gmac": c, "base_total_macs_r2_test": rep.r2_test, "model": mut.description,
                             "latent": mut.latent,
-                            "command": "python -m ops.profile " + " ".join(sys.argv[1:])}
+                            "command": args.command}
     if args.points:
         with torch.no_grad():
             steps = profile_steps(mut, args, arch)
         rows = steps["rows"]
-        arch = arch.with_edges([(r, t) for row in rows for r, t, cc in zip(row["ratios"], row["tokens"], row["cached"])
-                                if cc and t is not None])
-        feats = np.array([np.sum([arch.job_features(t if cc else None) for t, cc in zip(row["tokens"], row["cached"])],
-                                 axis=0) for row in rows])
+        arch, feats = features(arch, rows)
         pred = reg.intercept_ + c * feats[:, :3].sum(axis=1)
         meas = np.array([r["seconds"] for r in rows])
-        from sklearn.metrics import r2_score
-
         meta["validation"] = {"points": len(rows), "r2": float(r2_score(meas, pred)) if len(rows) > 1 else None,
                               "mape": float(np.mean(np.abs(pred - meas) / meas)),
                               "measured_s": [round(float(v), 4) for v in meas],
@@ -470,14 +415,19 @@ def project(args: argparse.Namespace, mut: ModelUnderTest, arch: UNetArch) -> in
     model = CostModel(model_id=mut.model_id, device_kind=base.device_kind + "-projected", arch=arch,
                       intercept=float(reg.intercept_), coef=(c, c, c, 0.0, 0.0), tiers=base.tiers, step_report=None,
                       meta=meta)
-    out = Path(args.out) if args.out else default_path(Settings.from_env().home, mut.model_id, model.device_kind)
-    model.save(out)
-    log.info("wrote projected model %s (%.4f s per GMAC)", out, c)
-    if args.report:
-        from ops.sim.report import replace_section
-
-        replace_section(Path(args.report), f"costmodel-{model.model_id}", render_model(model))
+    log.info("projected: %.4f s per GMAC", c)
+    save(model, args, plotted=False)
     return 0
+
+
+def save(model: CostModel, args: argparse.Namespace, plotted: bool = True) -> None:
+    """The model JSON (``--out``, default in the home) and, with ``--report``, its section."""
+    out = Path(args.out) if args.out else default_path(Settings.from_env().home, model.model_id, model.device_kind)
+    model.save(out)
+    log.info("wrote %s", out)
+    if args.report:
+        replace_section(Path(args.report), f"costmodel-{model.model_id}",
+                        render_model(model, Path(args.plot).name if args.plot and plotted else ""))
 
 
 def render_model(model: CostModel, plot_name: str = "") -> str:
@@ -530,21 +480,16 @@ def render_model(model: CostModel, plot_name: str = "") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.parser(__doc__, out=None, clock="cpu")
     p.add_argument("--model", default="tiny", help="tiny | sd-l2")
     p.add_argument("--latent", type=int, default=None, help="latent side (tiny: 16, sd-l2: 32)")
     p.add_argument("--points", type=int, default=48, help="batch compositions measured")
     p.add_argument("--max-jobs", type=int, default=8, help="largest batch (CFG jobs)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--full-fraction", type=float, default=0.25, help="share of jobs without a cache")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
-    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                   help="fit on the step's thread CPU time (robust on shared cores; needs --threads 1) or wall time")
     p.add_argument("--test-fraction", type=float, default=0.25)
     p.add_argument("--load-sizes-mib", type=float, nargs="+", default=[0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128])
     p.add_argument("--load-repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="model JSON (default: <STENCIL_HOME>/costmodels/<model>--<device>.json)")
     p.add_argument("--plot", default="", help="PNG of predicted vs measured step latency")
     p.add_argument("--raw", default="", help="also write the measured points (JSON)")
@@ -554,18 +499,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--project-from", default="",
                    help="a fitted model JSON (with its .points.json): carry its measured seconds per MAC over to "
                         "--model's architecture; --points real steps of that model validate the projection")
-    args = p.parse_args(argv)
+    run = cli.start(p, argv, __file__, quick=dict(latent=8, points=6, max_jobs=2, repeats=1,
+                                                  load_sizes_mib=[0.25, 0.5, 1.0], load_repeats=2))
+    args = run.args
+    args.command = run.command
     if args.report_only:
-        from ops.sim.report import replace_section
-
         model = CostModel.load(args.report_only)
-        replace_section(Path(args.report), f"costmodel-{model.model_id}", render_model(model, Path(args.plot).name
-                                                                                      if args.plot else ""))
+        replace_section(Path(args.report), f"costmodel-{model.model_id}",
+                        render_model(model, Path(args.plot).name if args.plot else ""))
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.clock == "cpu" and torch.get_num_threads() != 1:
-        p.error("--clock cpu measures one thread: use --threads 1 (or --clock wall)")
     torch.manual_seed(args.seed)
     load_before = os.getloadavg()
     mut = load_model(args.model, args.latent, args.seed)
@@ -583,12 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             steps = profile_steps(mut, args, arch)
     rows = steps["rows"]
-    arch = arch.with_edges([(r, t) for row in rows for r, t, c in zip(row["ratios"], row["tokens"], row["cached"])
-                            if c and t is not None])
+    arch, x = features(arch, rows)
     log.info("mask boundary cells per level (ratio -> tokens estimate): %s", arch.edge_cells)
-    x = np.array([[float(v) for v in np.sum([arch.job_features(t if c else None)
-                                             for t, c in zip(row["tokens"], row["cached"])], axis=0)]
-                  for row in rows])
     for row, feats in zip(rows, x):
         row["features"] = [float(v) for v in feats]
     y = np.array([r["seconds"] for r in rows])
@@ -604,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             loads = profile_loads(args, Path(tmp))
     tiers = fit_tiers(loads, args)
     dev = device_kind("cpu")
-    command = "python -m ops.profile " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = args.command
     measurement = steps.get("measurement") or {
         "command": command, "clock": args.clock, "threads": torch.get_num_threads(), "repeats": args.repeats,
         "loadavg_before": [round(v, 2) for v in load_before], "loadavg_after": [round(v, 2) for v in os.getloadavg()]}
@@ -615,20 +553,13 @@ def main(argv: list[str] | None = None) -> int:
               "maskaware_profiled": steps["maskaware"], "torch": torch.__version__, "points": len(rows),
               "cv5_r2": cv_r2, "total_macs_only_r2_test": macs_only.r2_test, **measurement,
               "fit_command": command})
-    out = Path(args.out) if args.out else default_path(Settings.from_env().home, mut.model_id, dev)
-    model.save(out)
-    log.info("wrote %s", out)
     if args.raw:
         Path(args.raw).write_text(json.dumps({"rows": rows, "test_idx": test_idx.tolist(), "loads": loads,
                                               "maskaware": steps["maskaware"], "measurement": measurement}, indent=1))
     if args.plot:
         plot(model, rows, test_idx, Path(args.plot))
         log.info("wrote %s", args.plot)
-    if args.report:
-        from ops.sim.report import replace_section
-
-        replace_section(Path(args.report), f"costmodel-{model.model_id}",
-                        render_model(model, Path(args.plot).name if args.plot else ""))
+    save(model, args)
     return 0
 
 

@@ -9,7 +9,7 @@ shared cores hurts both sides alike. Transformer-block time is measured with
 forward hooks on every ``BasicTransformerBlock`` (CPU ops are synchronous, so wall time is
 exact); ``f`` = that share of the full step, Amdahl bound = 1 / ((1 - f) + f * r).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_maskaware_unet --out docs/bench/maskaware_unet.md
+    python -m ops.bench.maskaware_unet --threads 1 --clock cpu --out docs/bench/maskaware_unet.md
 """
 
 from __future__ import annotations
@@ -20,38 +20,19 @@ import os
 import platform
 import random
 import statistics
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from diffusers import UNet2DConditionModel
 from diffusers.models.attention import BasicTransformerBlock
 
-from workers.maskaware.tokens import TokenMasks, blob_mask, rect_mask
+from ops.bench.harness import cli
+from ops.bench.harness.models import add_unet_shape_args, job_masks, unet_from_args
+from ops.bench.harness.timing import CLOCK_TEXT, CLOCKS, interleave, linear_fit, loadavg, median
 from workers.maskaware.unet import MaskAwareUNet, RowGroup
 
-log = logging.getLogger("bench_maskaware_unet")
-CLOCKS = {"wall": "wall time (perf_counter)",
-          "cpu": "CPU time of the single compute thread (thread_time), insensitive to other load"}
-
-
-def build_sd_unet(hidden: tuple[int, ...], latent: int, layers_per_block: int, transformer_layers: int,
-                  cross_dim: int, seed: int) -> UNet2DConditionModel:
-    """SD-architecture 9-channel inpainting UNet (cross-attention on all but the last level)."""
-    torch.manual_seed(seed)
-    n = len(hidden)
-    return UNet2DConditionModel(
-        sample_size=latent, in_channels=9, out_channels=4, layers_per_block=layers_per_block,
-        block_out_channels=hidden,
-        down_block_types=("CrossAttnDownBlock2D",) * (n - 1) + ("DownBlock2D",),
-        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (n - 1),
-        transformer_layers_per_block=transformer_layers, cross_attention_dim=cross_dim,
-        attention_head_dim=tuple(max(1, c // 64) for c in hidden),  # heads of 64 dims, as SD2
-        norm_num_groups=32,
-    ).eval()
+log = logging.getLogger(__name__)
 
 
 class BlockTimer:
@@ -91,32 +72,12 @@ def timed(fn: Callable[[], object], timer: BlockTimer) -> Sample:
     return Sample(timer.clock() - t0, timer.total)
 
 
-def job_masks(ctrl: MaskAwareUNet, ratio: float, jobs: int, latent: int, vae_factor: int,
-              seed: int) -> list[TokenMasks]:
-    """Pixel masks of realistic shape (even jobs: blobs, odd jobs: rectangles) -> token masks."""
-    size = latent * vae_factor
-    out = []
-    for k in range(jobs):
-        make = blob_mask if k % 2 == 0 else rect_mask
-        pix = torch.ones(size, size, dtype=torch.bool) if ratio >= 1.0 else make(size, size, ratio, seed + k)
-        out.append(ctrl.token_masks(pix, (latent, latent)))
-    return out
-
-
-def linear_fit(x: list[float], y: list[float]) -> tuple[float, float, float]:
-    slope, intercept = np.polyfit(x, y, 1)
-    pred = np.polyval([slope, intercept], x)
-    ss_res = float(np.sum((np.asarray(y) - pred) ** 2))
-    ss_tot = float(np.sum((np.asarray(y) - np.mean(y)) ** 2))
-    return float(slope), float(intercept), 1.0 - ss_res / ss_tot if ss_tot else 1.0
-
-
 def bench_layout(unet: UNet2DConditionModel, kv_source: str, args: argparse.Namespace,
                  inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, object]:
     x, t, e = inputs
     ctrl = MaskAwareUNet(unet, kv_source=kv_source)  # type: ignore[arg-type]
     layout, step_bytes = ctrl.cache_layout, ctrl.cache_nbytes(args.latent, args.latent, rows=2)
-    timer = BlockTimer(unet, time.thread_time if args.clock == "cpu" else time.perf_counter)
+    timer = BlockTimer(unet, CLOCKS[args.clock])
     try:
         with torch.no_grad():
             with ctrl.batch([RowGroup(2, "record") for _ in range(args.jobs)]) as ctx:
@@ -126,53 +87,41 @@ def bench_layout(unet: UNet2DConditionModel, kv_source: str, args: argparse.Name
             masks = {r: job_masks(ctrl, r, args.jobs, args.latent, args.vae_factor, args.seed)
                      for r in args.ratios}
 
-            def run_full() -> None:
-                with ctrl.batch(full_groups):
-                    unet(x, t, e)
-
-            def run_masked(r: float) -> Callable[[], None]:
-                groups = [RowGroup(2, "masked", token_mask=m, cache=c) for m, c in zip(masks[r], caches)]
-
+            def forward(groups: list[RowGroup]) -> Callable[[], None]:
                 def go() -> None:
                     with ctrl.batch(groups):
                         unet(x, t, e)
                 return go
 
+            masked_groups = {r: [RowGroup(2, "masked", token_mask=m, cache=c) for m, c in zip(masks[r], caches)]
+                             for r in args.ratios}
             for r in args.ratios:  # warm every shape once
-                run_masked(r)()
-            full: list[Sample] = []
-            masked: dict[float, list[Sample]] = {r: [] for r in args.ratios}
-            paired: dict[float, list[float]] = {r: [] for r in args.ratios}
-            order = random.Random(args.seed)
-            for rep in range(args.repeats):
-                for r in order.sample(args.ratios, len(args.ratios)):  # no fixed position per ratio
-                    full.append(timed(run_full, timer))
-                    masked[r].append(timed(run_masked(r), timer))
-                    paired[r].append(full[-1].step / masked[r][-1].step)
-                log.info("%s repeat %d/%d done (load %s)", kv_source, rep + 1, args.repeats, os.getloadavg())
+                forward(masked_groups[r])()
+            # Per round, every ratio (shuffled: no fixed position) as a full step and the masked step
+            # right after it.
+            pairs = interleave(args.repeats, args.ratios, lambda r: (timed(forward(full_groups), timer),
+                                                                     timed(forward(masked_groups[r]), timer)),
+                               rng=random.Random(args.seed), label=f"{kv_source} ")
     finally:
         timer.remove()
         ctrl.remove()
-    med = lambda xs: statistics.median(xs)  # noqa: E731
-    t_full = med([s.step for s in full])
-    f = med([s.blocks / s.step for s in full])
+    full = [f for r in args.ratios for f, _ in pairs[r]]
+    t_full = median(s.step for s in full)
+    f = median(s.blocks / s.step for s in full)
     n_tokens = args.latent * args.latent
     rows = []
     for r in args.ratios:
-        t_m = med([s.step for s in masked[r]])
-        b_m = med([s.blocks for s in masked[r]])
-        speedup = med(paired[r])  # each masked step against the full step just before it
+        masked = [m for _, m in pairs[r]]
+        speedup = median(a.step / b.step for a, b in pairs[r])  # each masked step against the full step before it
         bound = 1.0 / ((1 - f) + f * r)
         level0 = statistics.mean(m.count(n_tokens) / n_tokens for m in masks[r])
         coarse = statistics.mean(m.ratios()[-1] for m in masks[r])
-        rows.append(dict(ratio=r, level0=level0, coarse=coarse, t_masked=t_m, blocks_masked=b_m,
-                         speedup=speedup, bound=bound, share=speedup / bound,
-                         spread=(min(s.step for s in masked[r]), max(s.step for s in masked[r]))))
-    slope, intercept, r2 = linear_fit([row["ratio"] for row in rows], [row["t_masked"] for row in rows])
-    return dict(kv_source=kv_source, layout=layout, t_full=t_full, f=f,
-                blocks_full=med([s.blocks for s in full]),
+        rows.append(dict(ratio=r, level0=level0, coarse=coarse, t_masked=median(s.step for s in masked),
+                         blocks_masked=median(s.blocks for s in masked), speedup=speedup, bound=bound,
+                         share=speedup / bound, spread=(min(s.step for s in masked), max(s.step for s in masked))))
+    return dict(kv_source=kv_source, layout=layout, t_full=t_full, f=f, blocks_full=median(s.blocks for s in full),
                 full_spread=(min(s.step for s in full), max(s.step for s in full)), rows=rows,
-                fit=(slope, intercept, r2),
+                fit=linear_fit([row["ratio"] for row in rows], [row["t_masked"] for row in rows]),
                 cache_step_bytes=step_bytes)
 
 
@@ -190,7 +139,7 @@ def render(results: list[dict[str, object]], args: argparse.Namespace, loads: tu
              "tokens (level-0 and coarsest-level token ratios shown), no dilation.",
              f"- Caches recorded by a warm-up forward on the same inputs. {args.repeats} repeats, "
              "full and masked steps alternating, ratios shuffled per repeat; times are medians, speedup "
-             f"is the median of paired (full / next masked) ratios. Clock: {CLOCKS[args.clock]}. Threads: "
+             f"is the median of paired (full / next masked) ratios. Clock: {CLOCK_TEXT[args.clock]}. Threads: "
              f"{torch.get_num_threads()}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} CPUs. Load average before/after: {loads[0]} / {loads[1]}.", ""]
     for res in results:
@@ -239,39 +188,21 @@ def real_cache_sizes() -> list[tuple[str, int, str, int]]:
     return out
 
 
-def add_unet_shape_args(p: argparse.ArgumentParser) -> None:
-    """The SD-architecture UNet's shape options, shared by the UNet benchmarks."""
-    p.add_argument("--hidden", default="320,640")
-    p.add_argument("--latent", type=int, default=64)
-    p.add_argument("--layers-per-block", type=int, default=1)
-    p.add_argument("--transformer-layers", type=int, default=1)
-    p.add_argument("--cross-dim", type=int, default=768)
-    p.add_argument("--text-len", type=int, default=77)
-
-
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.parser(__doc__, out="docs/bench/maskaware_unet.md", threads=2, clock="wall")
     add_unet_shape_args(p)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--vae-factor", type=int, default=8)
     p.add_argument("--ratios", default="0.05,0.1,0.2,0.35,0.5,1.0")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kv-source", default="cache,recompute")
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="cpu = this thread's CPU time; robust to other load, needs --threads 1")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="")
-    args = p.parse_args(argv)
+    run = cli.start(p, argv, __file__, quick=dict(hidden="32,64", latent=16, cross_dim=64, text_len=8,
+                                                  ratios="0.2,1.0", repeats=1, kv_source="cache", threads=1))
+    args = run.args
     args.hidden = tuple(int(c) for c in args.hidden.split(","))
     args.ratios = [float(r) for r in args.ratios.split(",")]
-    if args.clock == "cpu" and args.threads != 1:
-        p.error("--clock cpu measures the calling thread only: use --threads 1")
-    torch.set_num_threads(args.threads)
-    loads_before = tuple(round(v, 2) for v in os.getloadavg())
-    unet = build_sd_unet(args.hidden, args.latent, args.layers_per_block, args.transformer_layers,
-                         args.cross_dim, args.seed)
+    loads_before = loadavg()
+    unet = unet_from_args(args)
     g = torch.Generator().manual_seed(args.seed)
     b = 2 * args.jobs
     x = torch.randn(b, 9, args.latent, args.latent, generator=g)
@@ -285,16 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%s r=%.2f masked %.0f ms full %.0f ms speedup %.2fx bound %.2fx share %.0f%%", kv,
                      row["ratio"], row["t_masked"] * 1e3, res["t_full"] * 1e3, row["speedup"], row["bound"],
                      row["share"] * 100)
-    loads_after = tuple(round(v, 2) for v in os.getloadavg())
-    cmd = "HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_maskaware_unet " + " ".join(
-        sys.argv[1:] if argv is None else argv)
-    text = render(results, args, (loads_before, loads_after), cmd)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
-        log.info("wrote %s", args.out)
-    else:
-        log.info("\n%s", text)
+    run.write(render(results, args, (loads_before, loadavg()), run.command))
     return 0
 
 

@@ -1,8 +1,8 @@
 """Checks on a resolved compose configuration (``docker compose config`` output) that compose v1
 does not make but compose v2 or ``docker compose up`` would fail on, plus the deployment's rules.
 
-Run by ops/compose_check.sh after ``config`` succeeded: ``python3 -m ops.compose.lint RESOLVED.yml``
-(or ``python3 ops/compose/lint.py``). Needs only PyYAML. Exit 1 with one line per problem.
+Run by ops/compose_check.sh after ``config`` succeeded: ``python3 -m ops.deploy.lint RESOLVED.yml``
+(or ``python3 ops/deploy/lint.py``). Needs only PyYAML. Exit 1 with one line per problem.
 """
 
 from __future__ import annotations

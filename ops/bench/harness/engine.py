@@ -1,24 +1,8 @@
-"""Throughput vs batch size of each engine, in process, on one model folder.
-
-Three engines, same model weights, same image size and step count, one torch thread:
-
-- ``stock``: ``StableDiffusionInpaintPipeline.__call__`` on a batch of B jobs (what the stock
-  worker runs; text encoding, VAE encode and decode included, as in the stock loop);
-- ``stencil-full``: the Stencil engine's denoising steps, full compute, B jobs in the batch;
-- ``stencil-maskaware``: the same with every job masked-only against a warmed template cache.
-
-Jobs per second of denoising work (``B / (steps * step seconds)`` for the engines, ``B / call
-seconds`` for the pipeline) show whether a step of B jobs costs less than B steps of one job:
-on a GPU it does (batching pays), on this CPU it is close to linear, which is what decides
-whether continuous batching can beat static batching here (see ``docs/bench/e2e``).
-
-    python -m ops.bench_batch_curve --model-dir DIR --size 256 --steps 4 --batches 1,2,4
-"""
+"""Jobs through the engine in process (no Celery, no Redis): run to completion, record a warm-up,
+per-step cost and engine overhead by batch size, and the throughput-vs-batch curve."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import tempfile
 import time
@@ -27,18 +11,83 @@ from typing import Any
 
 import numpy as np
 import torch
+from diffusers import StableDiffusionInpaintPipeline
 from PIL import Image
 
+from app.demo import demo_templates
 from app.jobs import JobParams
 from app.maskgen import make_mask
+from app.storage import LocalStore
+from workers.engine.engine import Engine
+from workers.engine.scheduler import BatchScheduler
+from workers.engine.sd_runner import SDRunner
+from workers.engine.template_cache import CacheRecorder, StepCacheProvider
+from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
+from workers.maskaware.unet import MaskAwareUNet
+from workers.models.loader import load_cpu_pipeline, load_unet, scheduler_config
+from workers.sd_inputs import prepare_job_tensors
 
-log = logging.getLogger("bench_batch_curve")
+log = logging.getLogger(__name__)
+
+
+def run(runner: Any, jobs: list[tuple[dict, dict]]) -> list[dict]:
+    """Run jobs to completion in one continuous-batching engine (in process)."""
+    engine = Engine(runner, BatchScheduler(max_batch=4))
+    handles = [engine.submit(f"j{i}", t, m, total_steps=int(m["num_steps"])) for i, (t, m) in enumerate(jobs)]
+    engine._drain_inbox(block=False)
+    while engine.step_once():
+        engine._drain_inbox(block=False)
+    return [h.future.result() for h in handles]
+
+
+def record(runner: Any, tensors: dict, meta: dict, key: TemplateCacheKey, resident_steps: int = 0) -> dict:
+    """A warm-up recorded as the service does, committed; its first ``resident_steps`` steps
+    waited for in the runner's cache (as after the service's prefetch)."""
+    out = run(runner, [(tensors, dict(meta, cache_mode="record", cache_key=key.to_dict()))])[0]
+    out["commit"].result(600)
+    for step in range(resident_steps):
+        runner.caches.wait(key, step, 60)
+    return out
+
+
+class TimedForward:
+    """Wraps a runner's denoiser call to separate model time from engine overhead."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.inner = runner._forward
+        self.seconds = 0.0
+        runner._forward = self
+
+    def __call__(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self.inner(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def step_costs(runner: Any, jobs: list[tuple[dict, dict]], batch: int, steps: int) -> tuple[float, float]:
+    """(seconds per step, overhead seconds per step) for ``batch`` jobs sharing every step."""
+    timer = TimedForward(runner)
+    engine = Engine(runner, BatchScheduler(max_batch=batch))
+    for i in range(batch):
+        tensors, meta = jobs[i % len(jobs)]
+        engine.submit(f"j{i}", tensors, meta, total_steps=steps)
+    engine._drain_inbox(block=False)
+    engine.step_once()  # warm-up step
+    timer.seconds = 0.0
+    start = time.perf_counter()
+    n = 0
+    while engine.step_once():
+        n += 1
+    total = time.perf_counter() - start
+    runner._forward = timer.inner
+    return total / max(n, 1), (total - timer.seconds) / max(n, 1)
 
 
 def _stock_rows(model_dir: Path, image: Image.Image, mask: Image.Image, steps: int,
                 batches: list[int], repeats: int) -> list[dict[str, float]]:
-    from diffusers import StableDiffusionInpaintPipeline
-
     pipe = StableDiffusionInpaintPipeline.from_pretrained(model_dir, safety_checker=None, feature_extractor=None,
                                                           requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
@@ -62,16 +111,6 @@ def _stock_rows(model_dir: Path, image: Image.Image, mask: Image.Image, steps: i
 
 def _engine_rows(model_dir: Path, image: Image.Image, mask: np.ndarray, steps: int, batches: list[int],
                  ratio: float) -> list[dict[str, float]]:
-    from app.storage import LocalStore
-    from ops.bench_fidelity import run
-    from ops.bench_overheads import step_costs
-    from workers.engine.sd_runner import SDRunner
-    from workers.engine.template_cache import CacheRecorder, StepCacheProvider
-    from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
-    from workers.maskaware.unet import MaskAwareUNet
-    from workers.models.loader import load_cpu_pipeline, load_unet, scheduler_config
-    from workers.sd_inputs import prepare_job_tensors
-
     pipe = load_cpu_pipeline(model_dir)
     unet = load_unet(model_dir, "cpu")
     cfg = scheduler_config(model_dir)
@@ -86,9 +125,7 @@ def _engine_rows(model_dir: Path, image: Image.Image, mask: np.ndarray, steps: i
     key = TemplateCacheKey(model_id="curve", template_id="t0", height=side, width=side,
                            scheduler=str(cfg["_class_name"]), steps=steps, strength=params.strength,
                            guidance="cfg2" if meta["do_cfg"] else "single", layout="kv+y")
-    run(maskaware, [(tensors, dict(meta, cache_mode="record", cache_key=key.to_dict()))])[0]["commit"].result(300)
-    for step in range(steps):
-        maskaware.caches.wait(key, step, 60)  # type: ignore[union-attr]
+    record(maskaware, tensors, meta, key, resident_steps=steps)
     masked_meta = dict(meta, cache_mode="masked", cache_key=key.to_dict())
     rows = []
     for b in batches:
@@ -103,9 +140,8 @@ def _engine_rows(model_dir: Path, image: Image.Image, mask: np.ndarray, steps: i
 
 def batch_curve(model_dir: Path, *, size: int, steps: int, batches: list[int], ratio: float = 0.15,
                 repeats: int = 2) -> list[dict[str, Any]]:
-    """Rows of (engine, batch, jobs per second) for the stock pipeline and both Stencil modes."""
-    from app.demo import demo_templates
-
+    """Rows of (engine, batch, jobs per second) for the stock pipeline and both Stencil modes, one
+    torch thread: whether a step of B jobs costs less than B steps of one job."""
     torch.set_num_threads(1)
     image = demo_templates(size)[0][1]
     mask = make_mask(ratio, (size, size), "blob", seed=3)
@@ -127,25 +163,3 @@ def curve_table(rows: list[dict[str, Any]]) -> str:
         cells = [f"{by_b[b]:.3f} ({by_b[b] / base:.2f}x)" if b in by_b else "-" for b in batches]
         lines.append(f"| {e} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", required=True)
-    p.add_argument("--size", type=int, default=256)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--batches", default="1,2,4")
-    p.add_argument("--ratio", type=float, default=0.15)
-    p.add_argument("--json", default="")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    rows = batch_curve(Path(args.model_dir), size=args.size, steps=args.steps,
-                       batches=[int(x) for x in args.batches.split(",")], ratio=args.ratio)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    log.info("\n%s", curve_table(rows))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Replay a mask-ratio trace on a real embedded stack (2 GPU workers on this machine) per policy.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m ops.replay --trace controlnet --jobs 48 --rate 1.5 \
+    python -m ops.bench.replay --trace controlnet --jobs 48 --rate 1.5 \
         --cost-model ops/sim/costmodels/<tiny model>.json --out docs/bench/dispatch.md
 
 Every policy gets the same arrivals (Poisson, seeded), the same masks (``app.maskgen`` shapes at
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,17 +22,19 @@ from typing import Any
 
 import numpy as np
 
+from app.client import StencilClient
+from app.demo import demo_templates
+from app.embedded import EmbeddedStack
+from app.maskgen import SHAPES, make_mask
 from app.routing import POLICIES
-from ops.sim.report import replace_section
-from ops.sim.traces import load_trace
+from ops.bench.harness import cli, load_trace
+from ops.bench.harness.report import replace_section
 
-log = logging.getLogger("ops.replay")
+log = logging.getLogger(__name__)
 
 
 def schedule(args: argparse.Namespace, seed: int) -> "Plan":
     """(arrival offset s, mask ratio, template index, mask shape, seed) per job, seeded."""
-    from app.maskgen import SHAPES
-
     rng = np.random.default_rng(seed)
     trace = load_trace(args.trace)
     arrivals = np.cumsum(rng.exponential(1.0 / args.rate, args.jobs))
@@ -46,11 +47,6 @@ Plan = list[tuple[float, float, int, str, int]]
 
 
 def replay_policy(policy: str, plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
-    from app.client import StencilClient
-    from app.demo import demo_templates
-    from app.embedded import EmbeddedStack
-    from app.maskgen import make_mask
-
     workdir = Path(tempfile.mkdtemp(prefix=f"stencil-replay-{policy}-"))
     with EmbeddedStack.start(workdir, gpu_workers=2, routing_policy=policy, max_batch=args.max_batch) as stack:
         client = StencilClient(stack.settings)
@@ -90,8 +86,7 @@ def replay_policy(policy: str, plan: Plan, args: argparse.Namespace) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.parser(__doc__, out="docs/bench/dispatch.md", threads=None, seed=None)
     p.add_argument("--trace", default="controlnet")
     p.add_argument("--jobs", type=int, default=48)
     p.add_argument("--rate", type=float, default=1.5, help="arrivals per second")
@@ -103,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cost-model", default="", help="STENCIL_COST_MODEL for mask_aware (fitted on this machine)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per policy and seed")
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
+    run = cli.start(p, argv, __file__, quick=dict(jobs=2, rate=5.0, steps=2, size=64, templates=1,
+                                                  policies=["least_requests"], timeout=300.0))
+    args = run.args
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["OMP_NUM_THREADS"] = "1"
     if args.cost_model:
@@ -122,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                         "per_seed_p95": [round(r["p95_s"], 3) for r in rs],
                         "per_worker": [r["per_worker"] for r in rs], "masked": sum(r["masked"] for r in rs)})
     if args.out:
-        cmd = "python -m ops.replay " + " ".join(sys.argv[1:] if argv is None else argv)
-        lines = ["## Real replay on this machine (2 engines, embedded model)", "", "```", cmd, "```", "",
+        lines = ["## Real replay on this machine (2 engines, embedded model)", "", "```", run.command, "```", "",
                  f"{args.jobs} jobs per run from the `{args.trace}` trace, Poisson at {args.rate}/s, {args.steps} "
                  f"steps, {args.size}x{args.size} px, {args.templates} warmed templates, max batch {args.max_batch}; "
                  f"same arrivals and masks for every policy; seeds {args.seeds} (mean and P95 averaged over seeds).",
@@ -132,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             lines.append(f"| {r['policy']} | {r['done']}/{r['jobs']} | {r['mean_s']:.3f} | {r['p95_s']:.3f} | "
                          f"{r['per_seed_p95']} | {r['per_worker']} | {r['masked']} |")
-        replace_section(args.out, "replay", "\n".join(lines) + "\n")
+        replace_section(Path(args.out), "replay", "\n".join(lines) + "\n")
     return 0
 
 

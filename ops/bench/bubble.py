@@ -25,7 +25,7 @@ load time / full-step time) measured against the median full step. For scale: a 
 ~50 ms with a 52 MiB fp16 cache (SD1.5, 512 px) loads in ~2 ms over PCIe 4 (ratio ~0.05) and in
 ~50-500 ms from S3 at 0.1-1 GB/s (ratio ~1-10).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_bubble --out docs/bench/bubble.md
+    python -m ops.bench.bubble --out docs/bench/bubble.md
 
 ``--mode steady`` runs K consecutive steps of one job per run instead (the realistic case: the
 loader fetches step s+1's units while step s computes): (a) naive loads each whole step then
@@ -53,9 +53,9 @@ import os
 import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,15 +63,23 @@ import torch
 
 from app.storage.local import LocalStore
 from app.storage.throttle import ThrottledStore
-from ops.bench_maskaware_unet import build_sd_unet, job_masks
+from ops.bench.harness import cli
+from ops.bench.harness.engine import record
+from ops.bench.harness.models import add_unet_shape_args, cfg_job, ddim_config, job_masks, pixel_mask, unet_from_args
+from ops.bench.harness.timing import interleave, uptime
+from ops.bench.harness.timing import median as med
+from workers.engine.engine import Engine
+from workers.engine.job import EngineJob
 from workers.engine.plan import StepPlan, Tier, UnitCostModel, plan_optimal, plan_pipelined, simulate
 from workers.engine.runner_base import GAP, PlanJob, observe_context, unit_costs
-from workers.engine.template_cache import StepCacheProvider, UnitCache
+from workers.engine.scheduler import BatchScheduler
+from workers.engine.sd_runner import SDRunner
+from workers.engine.template_cache import CacheRecorder, StepCacheProvider, UnitCache
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
 from workers.maskaware.unet import MaskAwareUNet, RowGroup
+from workers.models.tiny_sd import build_unet
 
-log = logging.getLogger("bench_bubble")
-CONFIGS = ("naive", "pipelined", "plan", "ideal")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,6 +89,14 @@ class Link:
     latency_s: float
     provider: StepCacheProvider | None = None
     store: ThrottledStore | None = None
+
+    @classmethod
+    def open(cls, name: str, bandwidth: float, latency_s: float, root: Path, ctrl: MaskAwareUNet) -> "Link":
+        """The cache folder ``root`` behind this link: a ``ThrottledStore`` and a provider that knows the units."""
+        store = ThrottledStore(LocalStore(root), bandwidth, latency_s)
+        provider = StepCacheProvider(ActivationStore(store), 1 << 34)
+        provider.set_units({u: ctrl.unit_tensor_names(u) for u in ctrl.units})
+        return cls(name, bandwidth, latency_s, provider, store)
 
 
 @dataclass
@@ -124,34 +140,53 @@ class Bench:
             self.unet(self.x, self.t, self.e)
         observe_context(self.cost, ctx)  # the engine's online cost model
 
+    def resident(self, config: str, tm: object) -> None:
+        """``full``: no cache at all; ``ideal``: the whole step's cache resident."""
+        self.forward(RowGroup(2, "full") if config == "full" else
+                     RowGroup(2, "masked", token_mask=tm, cache=self.tensors))  # type: ignore[arg-type]
+
+    def cold(self, link: Link | None, steps: int) -> StepCacheProvider:
+        """The link's provider with nothing of the first ``steps`` steps loaded or queued."""
+        assert link is not None and link.provider is not None
+        link.provider.drain()
+        for s in range(steps):
+            link.provider.forget(self.key, s)
+        return link.provider
+
+    def naive(self, p: StepCacheProvider, tm: object, step: int, units: list[str]) -> None:
+        """(a) load every unit of ``step``, then compute."""
+        p.load_units(self.key, step, units, complete=False)
+        cache: dict[str, torch.Tensor] = {}
+        for u in units:
+            got = p.acquire(self.key, step, u, time.monotonic() + self.max_wait_s)
+            assert got is not None, f"{u} did not load"
+            cache.update(got)
+        self.forward(RowGroup(2, "masked", token_mask=tm, cache=cache))  # type: ignore[arg-type]
+
+    def waiting(self, p: StepCacheProvider, tm: object, step: int, units: list[str], names: object,
+                deadline: float) -> UnitCache:
+        """Compute ``step`` waiting for each of ``units`` (until ``deadline``), the others fully."""
+        uc = UnitCache(p, self.key, step, names, units, deadline)  # type: ignore[arg-type]
+        self.forward(RowGroup(2, "masked", token_mask=tm, cache=uc))  # type: ignore[arg-type]
+        return uc
+
     def run(self, config: str, tm: object, link: Link | None) -> Trial:
         units = self.ctrl.units
         names = self.ctrl.tensor_names()
-        if config == "full":
+        if config in ("full", "ideal"):
             t0 = time.perf_counter()
-            self.forward(RowGroup(2, "full"))
-            return Trial(time.perf_counter() - t0)
-        if config == "ideal":
-            t0 = time.perf_counter()
-            self.forward(RowGroup(2, "masked", token_mask=tm, cache=self.tensors))  # type: ignore[arg-type]
-            return Trial(time.perf_counter() - t0, len(units))
+            self.resident(config, tm)
+            return Trial(time.perf_counter() - t0, len(units) if config == "ideal" else 0)
         assert link is not None and link.provider is not None
         p = link.provider
         p.forget(self.key, 0)
         t0 = time.perf_counter()
         if config == "naive":
-            p.load_units(self.key, 0, units, complete=False)
-            cache: dict[str, torch.Tensor] = {}
-            for u in units:
-                got = p.acquire(self.key, 0, u, time.monotonic() + self.max_wait_s)
-                assert got is not None, f"{u} did not load"
-                cache.update(got)
-            self.forward(RowGroup(2, "masked", token_mask=tm, cache=cache))  # type: ignore[arg-type]
+            self.naive(p, tm, 0, units)
             trial = Trial(time.perf_counter() - t0, len(units))
         elif config == "pipelined":
             p.load_units(self.key, 0, units, complete=False)
-            uc = UnitCache(p, self.key, 0, names, units, time.monotonic() + self.max_wait_s)
-            self.forward(RowGroup(2, "masked", token_mask=tm, cache=uc))  # type: ignore[arg-type]
+            uc = self.waiting(p, tm, 0, units, names, time.monotonic() + self.max_wait_s)
             trial = Trial(time.perf_counter() - t0, len(uc.used), missed=len(uc.missed))
         elif config == "plan":
             job = PlanJob(2, tm, (self.key.digest(), 0), set())
@@ -165,8 +200,7 @@ class Bench:
                 predicted = plan.predicted_s
                 deadline = time.monotonic() + min(self.max_wait_s, 0.05 + 2 * plan.predicted_s)
             p.load_units(self.key, 0, chosen, complete=False)
-            uc = UnitCache(p, self.key, 0, names, chosen, deadline)
-            self.forward(RowGroup(2, "masked", token_mask=tm, cache=uc))  # type: ignore[arg-type]
+            uc = self.waiting(p, tm, 0, chosen, names, deadline)
             trial = Trial(time.perf_counter() - t0, len(uc.used), predicted, len(uc.missed))
         else:
             raise ValueError(config)
@@ -208,37 +242,23 @@ class Bench:
         if config in ("full", "ideal"):
             for _s in range(steps):
                 t0 = time.perf_counter()
-                if config == "full":
-                    self.forward(RowGroup(2, "full"))
-                else:
-                    self.forward(RowGroup(2, "masked", token_mask=tm, cache=self.tensors))  # type: ignore[arg-type]
+                self.resident(config, tm)
                 out.step_s.append(time.perf_counter() - t0)
             return out
-        assert link is not None and link.provider is not None
-        p = link.provider
-        p.drain()
-        for s in range(steps):
-            p.forget(self.key, s)
+        p = self.cold(link, steps)
         chosen: dict[int, list[str]] = {}
         predicted: dict[int, float] = {}
         for s in range(steps):
             t0 = time.perf_counter()
             if config == "naive":
-                p.load_units(self.key, s, units, complete=False)
-                cache: dict[str, torch.Tensor] = {}
-                for u in units:
-                    got = p.acquire(self.key, s, u, time.monotonic() + self.max_wait_s)
-                    assert got is not None, f"{u} did not load"
-                    cache.update(got)
-                self.forward(RowGroup(2, "masked", token_mask=tm, cache=cache))  # type: ignore[arg-type]
+                self.naive(p, tm, s, units)
                 out.cached_units.append(len(units))
             elif config == "pipelined":
                 if s == 0:
                     p.load_units(self.key, 0, units, complete=False)
                 if s + 1 < steps:
                     p.load_units(self.key, s + 1, units, complete=False)
-                uc = UnitCache(p, self.key, s, names, units, time.monotonic() + self.max_wait_s)
-                self.forward(RowGroup(2, "masked", token_mask=tm, cache=uc))  # type: ignore[arg-type]
+                uc = self.waiting(p, tm, s, units, names, time.monotonic() + self.max_wait_s)
                 out.cached_units.append(len(uc.used))
                 out.missed += len(uc.missed)
             elif config == "plan":
@@ -257,8 +277,7 @@ class Bench:
                     p.load_units(self.key, s + 1, chosen[s + 1], complete=False)
                     out.leads.append(lead)
                 deadline = start + min(self.max_wait_s, 0.05 + 2 * predicted[s]) if chosen[s] else -math.inf
-                uc = UnitCache(p, self.key, s, names, chosen[s], deadline)
-                self.forward(RowGroup(2, "masked", token_mask=tm, cache=uc))  # type: ignore[arg-type]
+                uc = self.waiting(p, tm, s, chosen[s], names, deadline)
                 out.cached_units.append(len(uc.used))
                 out.predicted_s.append(predicted[s])
                 out.missed += len(uc.missed)
@@ -273,17 +292,8 @@ class Bench:
         plan, step s+1 planned during step s, ``prefetch_steps`` whole steps fetched ahead in the
         background) on the same model, cache, link and token mask; per-step seconds of the call
         (the scheduler update and CFG combine included, which (a)-(d) do not pay)."""
-        from workers.engine.job import EngineJob
-        from workers.engine.sd_runner import SDRunner
-        from workers.models.tiny_sd import build_scheduler
-
-        assert link.provider is not None
-        p = link.provider
-        p.drain()
-        for s in range(steps):
-            p.forget(self.key, s)
-        cfg = dict(build_scheduler().config) | {"_class_name": "DDIMScheduler"}
-        runner = SDRunner(self.unet, cfg, maskaware=self.ctrl, caches=p, prefetch_steps=prefetch_steps,
+        p = self.cold(link, steps)
+        runner = SDRunner(self.unet, ddim_config(), maskaware=self.ctrl, caches=p, prefetch_steps=prefetch_steps,
                           cache_plan="plan", max_wait_s=self.max_wait_s)
         runner.unit_cost = self.cost  # the cost model the other configs trained (engine warm-up)
         lat = self.latent
@@ -314,8 +324,7 @@ class Bench:
 
 
 def setup(args: argparse.Namespace, root: Path, steps: int = 1) -> Bench:
-    unet = build_sd_unet(args.hidden, args.latent, args.layers_per_block, args.transformer_layers,
-                         args.cross_dim, args.seed)
+    unet = unet_from_args(args)
     ctrl = MaskAwareUNet(unet)
     g = torch.Generator().manual_seed(args.seed)
     x = torch.randn(2, 9, args.latent, args.latent, generator=g)
@@ -335,35 +344,16 @@ def setup(args: argparse.Namespace, root: Path, steps: int = 1) -> Bench:
 
 
 def make_links(args: argparse.Namespace, bench: Bench, root: Path) -> list[Link]:
-    links = []
-    for spec in args.links.split(","):
-        name, mibps, lat_ms = spec.split(":")
-        link = Link(name, float(mibps) * 2**20, float(lat_ms) / 1000)
-        link.store = ThrottledStore(LocalStore(root), link.bandwidth, link.latency_s)
-        link.provider = StepCacheProvider(ActivationStore(link.store), 1 << 34)
-        link.provider.set_units({u: bench.ctrl.unit_tensor_names(u) for u in bench.ctrl.units})
-        links.append(link)
-    return links
+    """``--links name:MiB/s:latency_ms,...``."""
+    specs = [spec.split(":") for spec in args.links.split(",")]
+    return [Link.open(name, float(mib) * 2**20, float(ms) / 1000, root, bench.ctrl) for name, mib, ms in specs]
 
 
 def _inputs(latent: int, steps: int, seed: int, ratio: float, mode: str,
             key: TemplateCacheKey | None) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """What ``prepare`` would ship for one CFG job (random latents/embeddings, a blob mask)."""
-    from workers.maskaware.tokens import blob_mask
-
-    g = torch.Generator().manual_seed(seed)
-    pix = blob_mask(latent * 8, latent * 8, ratio, seed=seed)
-    lat = torch.nn.functional.adaptive_max_pool2d(pix.float()[None, None], (latent, latent))
-    tensors = {"latents": torch.randn(1, 4, latent, latent, generator=g),
-               "mask": lat.expand(2, 1, latent, latent).contiguous(),
-               "masked_image_latents": torch.randn(2, 4, latent, latent, generator=g),
-               "prompt_embeds": torch.randn(2, 6, 32, generator=g),
-               "generator_state": g.get_state(), "pixel_mask": pix.to(torch.uint8)}
-    meta: dict[str, object] = {"t_start": 0, "num_steps": steps, "do_cfg": True, "guidance": 5.0,
-                               "cache_mode": mode}
-    if key is not None:
-        meta["cache_key"] = key.to_dict()
-    return tensors, meta
+    return cfg_job(pixel_mask(latent * 8, ratio, "blob", seed), latent, steps, (6, 32), seed, guidance=5.0, mode=mode,
+                   cache_key=key.to_dict() if key is not None else None)
 
 
 @dataclass
@@ -395,38 +385,22 @@ class ReplayRun:
 
 def _replay_setup(args: argparse.Namespace) -> ReplayContext:
     """Warm one template per job (nothing shared, so every job fetches its whole cache)."""
-    from workers.engine.job import EngineJob
-    from workers.engine.sd_runner import SDRunner
-    from workers.engine.template_cache import CacheRecorder
-    from workers.models.tiny_sd import build_scheduler, build_unet
-
     latent, steps, n = args.replay_latent, args.replay_steps, args.replay_jobs
     unet = build_unet(args.seed, hidden=(32, 64)).eval()
     ctrl = MaskAwareUNet(unet)
-    cfg = dict(build_scheduler().config) | {"_class_name": "DDIMScheduler"}
+    cfg = ddim_config()
     root = Path(tempfile.mkdtemp(prefix="stencil-replay-"))
     warm = SDRunner(unet, cfg, maskaware=ctrl, recorder=CacheRecorder(ActivationStore(LocalStore(root))),
                     prefetch_steps=0)
-    keys = []
-    for i in range(n):
-        key = TemplateCacheKey("replay", f"t{i}", latent * 8, latent * 8, "ddim", steps, 1.0, "cfg2",
-                               ctrl.cache_layout)
-        job = EngineJob(f"warm{i}", steps)
-        job.state = warm.init_state(*_inputs(latent, steps, 100 + i, 0.2, "record", key))
-        while not job.finished:
-            warm.step([job])
-            job.steps_done += 1
-        warm.result(job)["commit"].result(timeout=120)
-        keys.append(key)
+    keys = [TemplateCacheKey("replay", f"t{i}", latent * 8, latent * 8, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout)
+            for i in range(n)]
+    for i, key in enumerate(keys):
+        record(warm, *_inputs(latent, steps, 100 + i, 0.2, "record", None), key)
     return ReplayContext(unet, ctrl, cfg, root, keys, ctrl.cache_nbytes(latent, latent, rows=2))
 
 
 def _replay_calibrate(args: argparse.Namespace, ctx: ReplayContext, jobs: int = 4) -> float:
     """Seconds one masked job occupies the engine alone, its cache resident (sets the arrival rate)."""
-    from workers.engine.engine import Engine
-    from workers.engine.scheduler import BatchScheduler
-    from workers.engine.sd_runner import SDRunner
-
     steps = args.replay_steps
     provider = StepCacheProvider(ActivationStore(LocalStore(ctx.root)), 1 << 34, fetch_threads=1)
     runner = SDRunner(ctx.unet, ctx.cfg, maskaware=ctx.ctrl, caches=provider, prefetch_steps=steps,
@@ -455,11 +429,6 @@ def _replay_calibrate(args: argparse.Namespace, ctx: ReplayContext, jobs: int = 
 def _replay_run(args: argparse.Namespace, ctx: ReplayContext, rate: float, mibps: float,
                 link_util: float) -> ReplayRun:
     """Poisson arrivals through the real engine; each job's whole cache is prefetched on arrival."""
-    from workers.engine.engine import Engine
-    from workers.engine.job import EngineJob
-    from workers.engine.scheduler import BatchScheduler
-    from workers.engine.sd_runner import SDRunner
-
     steps, n = args.replay_steps, args.replay_jobs
     link = ThrottledStore(LocalStore(ctx.root), mibps * 2**20, args.replay_latency_ms / 1000)
     provider = StepCacheProvider(ActivationStore(link), 1 << 34, fetch_threads=args.replay_fetch_threads)
@@ -549,7 +518,7 @@ def replay(args: argparse.Namespace) -> str:
         setting = f"arrival rate {rate:g}/s and link {mibps:g} MiB/s as given"
     lines = [
         "## Prefetch: hidden object-store fetch time (trace replay)", "",
-        "Command: `HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_bubble " + " ".join(sys.argv[1:]) + "`", "",
+        f"Command: `{args.command}`", "",
         f"- {n} masked edits (mask ratios drawn from 0.05-0.35, blob shapes), each of its own warmed template "
         f"(nothing shared, so every job fetches its whole cache: {steps} steps x {ctx.step_bytes / 2**20:.2f} MiB), "
         f"Poisson arrivals, engine max batch {args.replay_batch}, continuous batching, plan on; model: the "
@@ -583,16 +552,6 @@ def replay(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def uptime() -> str:
-    """``uptime`` output (the machine load during a run)."""
-    import subprocess
-
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "load average: " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
-
-
 STEADY = ("naive", "pipelined", "plan", "ideal", "engine")
 
 
@@ -613,12 +572,8 @@ def steady_main(args: argparse.Namespace) -> str:
     links = []
     for spec in args.steady_links.split(","):
         name, x = spec.split(":")
-        link = Link(name, step_bytes / (float(x) * full0), 0.0)
-        link.store = ThrottledStore(LocalStore(root), link.bandwidth, 0.0)
-        link.provider = StepCacheProvider(ActivationStore(link.store), 1 << 34)
-        link.provider.set_units({u: bench.ctrl.unit_tensor_names(u) for u in bench.ctrl.units})
-        links.append(link)
-        bench.steady("pipelined", masks[ratios[0]], link, 2)  # the provider measures its link
+        links.append(Link.open(name, step_bytes / (float(x) * full0), 0.0, root, bench.ctrl))
+        bench.steady("pipelined", masks[ratios[0]], links[-1], 2)  # the provider measures its link
     log.info("full step %.0f ms; links %s", 1000 * full0,
              [(lk.name, f"{lk.bandwidth / 2**20:.2f} MiB/s") for lk in links])
     runs: dict[tuple[int, str, str, float], SteadyTrial] = {}
@@ -664,7 +619,7 @@ def render_steady(args: argparse.Namespace, bench: Bench, links: list[Link], rat
     lines = [
         f"## Steady state: {k} consecutive steps per job, the loader running ahead across steps", "",
         "Command (from the repo root):", "",
-        "```", "HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_bubble " + " ".join(sys.argv[1:]), "```", "",
+        "```", args.command, "```", "",
         f"- Model: SD-architecture 9-channel `UNet2DConditionModel`, block_out_channels {args.hidden}, "
         f"layers_per_block {args.layers_per_block}, transformer_layers_per_block {args.transformer_layers}, "
         f"cross_attention_dim {args.cross_dim}, fp32, random init; latent {args.latent}x{args.latent}; one CFG job "
@@ -760,21 +715,13 @@ def render_steady(args: argparse.Namespace, bench: Bench, links: list[Link], rat
     return "\n".join(lines)
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def main(argv: list[str] | None = None) -> int:
-    from ops.bench_maskaware_unet import add_unet_shape_args
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.parser(__doc__, out="")
     add_unet_shape_args(p)
     p.add_argument("--ratios", default="0.05,0.1,0.2,0.35,0.5")
     p.add_argument("--links", default="pcie-like:16:0,mid:8:10,s3-like:4:30",
                    help="name:MiB/s:latency_ms,...")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="")
     p.add_argument("--mode", choices=("step", "steady", "replay"), default="step")
     p.add_argument("--steps-k", type=int, default=6, help="steady: consecutive steps per run")
     p.add_argument("--engine-prefetch", type=int, default=8,
@@ -799,16 +746,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list: one run per link utilisation (bandwidth set from the calibrated rate)")
     p.add_argument("--replay-known-slots", action="store_true",
                    help="tell the provider the engine's batch slots (waiting jobs keyed at expected start)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    run = cli.start(p, argv, __file__, quick=dict(hidden="32,64", latent=8, cross_dim=32, text_len=8, ratios="0.2",
+                                                  links="fast:64:0", rounds=1, steps_k=2, steady_links="near:0.7",
+                                                  replay_jobs=2, replay_steps=2, replay_latent=8))
+    args = run.args
+    args.command = run.command
+    args.hidden = tuple(int(c) for c in args.hidden.split(","))
     if args.mode == "steady":
-        args.hidden = tuple(int(c) for c in args.hidden.split(","))
-        emit(steady_main(args), args)
+        run.write(steady_main(args), append=args.append)
         return 0
     if args.mode == "replay":
-        emit(replay(args), args)
+        run.write(replay(args), append=args.append)
         return 0
-    args.hidden = tuple(int(c) for c in args.hidden.split(","))
     ratios = [float(r) for r in args.ratios.split(",")]
     torch.set_num_threads(1)
     load_before = os.getloadavg()
@@ -822,45 +771,39 @@ def main(argv: list[str] | None = None) -> int:
     for r in ratios:
         bench.run("ideal", masks[r], None)
     if args.rerender:
-        return rerender(args, bench, links, ratios, masks, load_before)
+        run.write(rerender(args, bench, links, ratios, masks, load_before), append=args.append)
+        return 0
     for link in links:  # the provider measures its link
         bench.run("pipelined", masks[ratios[0]], link)
     log.info("full step %.0f ms; links %s", 1000 * full_s,
              [(lk.name, f"{lk.bandwidth / 2**20:.1f} MiB/s", f"{1000 * lk.latency_s:.0f} ms") for lk in links])
-    results: dict[tuple[str, str, float], list[Trial]] = {}
-    rng = random.Random(args.seed)
-    for rnd in range(args.rounds):
-        jobs: list[tuple[str, Link | None, float]] = [("full", None, 0.0)]
-        for r in ratios:
-            jobs.append(("ideal", None, r))
-            for link in links:
-                for c in ("naive", "pipelined", "plan"):
-                    jobs.append((c, link, r))
-        rng.shuffle(jobs)
-        for config, link, r in jobs:
-            trial = bench.run(config, masks.get(r), link)
-            name = link.name if link else "-"
-            results.setdefault((config, name, r), []).append(trial)
-            log.info("round %d %s %s r=%.2f: %.0f ms (cached units %d, predicted %s)", rnd, config, name, r,
-                     1000 * trial.seconds, trial.cached_units,
-                     f"{1000 * trial.predicted_s:.0f} ms" if trial.predicted_s is not None else "-")
-    emit(render(args, bench, links, ratios, results, full_s, load_before, os.getloadavg(), masks), args)
+    by_name = {lk.name: lk for lk in links}
+    jobs: list[tuple[str, str, float]] = [("full", "-", 0.0)]
+    for r in ratios:
+        jobs.append(("ideal", "-", r))
+        jobs += [(c, link.name, r) for link in links for c in ("naive", "pipelined", "plan")]
+    seen: Counter[tuple[str, str, float]] = Counter()
+
+    def trial(job: tuple[str, str, float]) -> Trial:
+        config, name, r = job
+        t = bench.run(config, masks.get(r), by_name.get(name))
+        predicted = f"{1000 * t.predicted_s:.0f} ms" if t.predicted_s is not None else "-"
+        log.info("round %d %s %s r=%.2f: %.0f ms (cached units %d, predicted %s)", seen[job], config, name, r,
+                 1000 * t.seconds, t.cached_units, predicted)
+        seen[job] += 1
+        return t
+
+    results = interleave(args.rounds, jobs, trial, rng=random.Random(args.seed))
+    run.write(render(args, bench, links, ratios, results, full_s, load_before, os.getloadavg(), masks),
+              append=args.append)
     for link in links:
         assert link.provider is not None
         link.provider.close(wait=True)
     return 0
 
 
-def emit(report: str, args: argparse.Namespace) -> None:
-    """The report on stdout and, with ``--out``, into that file (appended with ``--append``)."""
-    sys.stdout.write(report + "\n")
-    if args.out:
-        with open(args.out, "a" if args.append else "w") as fh:
-            fh.write(report)
-
-
 def rerender(args: argparse.Namespace, bench: Bench, links: list[Link], ratios: list[float],
-             masks: dict[float, object], load_before: tuple[float, ...]) -> int:
+             masks: dict[float, object], load_before: tuple[float, ...]) -> str:
     """Tables from the ``round ...`` lines of a previous run's log (same arguments)."""
     import re
 
@@ -872,8 +815,7 @@ def rerender(args: argparse.Namespace, bench: Bench, links: list[Link], ratios: 
             config, name, r, ms, units, pred = m.groups()
             results.setdefault((config, name, float(r)), []).append(
                 Trial(int(ms) / 1000, int(units), int(pred) / 1000 if pred else None))
-    emit(render(args, bench, links, ratios, results, float("nan"), load_before, os.getloadavg(), masks), args)
-    return 0
+    return render(args, bench, links, ratios, results, float("nan"), load_before, os.getloadavg(), masks)
 
 
 def bubble_free(bench: Bench, link: Link, tm: object) -> tuple[bool, float]:
@@ -896,14 +838,9 @@ def render(args: argparse.Namespace, bench: Bench, links: list[Link], ratios: li
     full = med([t.seconds for t in results[("full", "-", 0.0)]])
     units = ctrl.units
     lines = [
-        "# Bubble-free loading: step time with the cache behind an emulated link",
-        "",
-        "Command (from the repo root):",
-        "",
-        "```",
-        "HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_bubble " + " ".join(sys.argv[1:]),
-        "```",
-        "",
+        "# Bubble-free loading: step time with the cache behind an emulated link", "",
+        "Command (from the repo root):", "",
+        "```", args.command, "```", "",
         f"- Model: SD-architecture 9-channel `UNet2DConditionModel`, block_out_channels {args.hidden}, "
         f"layers_per_block {args.layers_per_block}, transformer_layers_per_block {args.transformer_layers}, "
         f"cross_attention_dim {args.cross_dim}, fp32, random init; latent {args.latent}x{args.latent} "
@@ -952,19 +889,15 @@ def render(args: argparse.Namespace, bench: Bench, links: list[Link], ratios: li
                 achievable = step_bytes / lk.bandwidth + len(units) * lk.latency_s <= d
             ok = (c <= 1.10 * d if achievable else True) and c <= full
             verdicts.append(ok)
+            predicted = f"{1000 * med(preds):.0f}" if preds else "-"
             lines.append(
                 f"| {r:.2f} | {1000 * full:.0f} | {1000 * a:.0f} | {1000 * b:.0f} | {1000 * c:.0f} | {1000 * d:.0f} | "
-                f"{c / d:.2f} | {c / full:.2f} | {cached:.0f}/{len(units)} | "
-                f"{1000 * med(preds):.0f} | {'yes' if achievable else 'no'} | {'yes' if ok else 'NO'} |"
-                if preds else
-                f"| {r:.2f} | {1000 * full:.0f} | {1000 * a:.0f} | {1000 * b:.0f} | {1000 * c:.0f} | {1000 * d:.0f} | "
-                f"{c / d:.2f} | {c / full:.2f} | {cached:.0f}/{len(units)} | - | "
+                f"{c / d:.2f} | {c / full:.2f} | {cached:.0f}/{len(units)} | {predicted} | "
                 f"{'yes' if achievable else 'no'} | {'yes' if ok else 'NO'} |")
         lines.append("")
-    lines.append(f"Targets met in {sum(verdicts)} of {len(verdicts)} (link, ratio) cells.")
-    lines.append("")
+    lines += [f"Targets met in {sum(verdicts)} of {len(verdicts)} (link, ratio) cells.", ""]
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

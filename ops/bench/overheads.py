@@ -6,74 +6,35 @@
   Redis and read them back, unpack (what every job pays between CPU and GPU workers, twice).
 - Throughput vs batch size (denoising steps x jobs per second) for full compute and mask-aware.
 
-    python -m ops.bench_overheads --out docs/bench/overheads.md
+    python -m ops.bench.overheads --out docs/bench/overheads.md
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-import torch
+import redis
 
+from app.demo import demo_templates
+from app.embedded import RedisServer
 from app.jobs import JobParams
 from app.maskgen import make_mask
-from ops.bench_fidelity import Family, write_markdown
+from ops.bench.harness import cli
+from ops.bench.harness.edits import Family
+from ops.bench.harness.engine import record, step_costs
+from workers.tensors import pack, unpack
 
-log = logging.getLogger("bench_overheads")
-
-
-class TimedForward:
-    """Wraps a runner's denoiser call to separate model time from engine overhead."""
-
-    def __init__(self, runner: Any) -> None:
-        self.runner = runner
-        self.inner = runner._forward
-        self.seconds = 0.0
-        runner._forward = self
-
-    def __call__(self, *args: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return self.inner(*args)
-        finally:
-            self.seconds += time.perf_counter() - start
-
-
-def step_costs(runner: Any, jobs: list[tuple[dict, dict]], batch: int, steps: int) -> tuple[float, float]:
-    """(seconds per step, overhead seconds per step) for ``batch`` jobs sharing every step."""
-    from workers.engine.engine import Engine
-    from workers.engine.scheduler import BatchScheduler
-
-    timer = TimedForward(runner)
-    engine = Engine(runner, BatchScheduler(max_batch=batch))
-    for i in range(batch):
-        tensors, meta = jobs[i % len(jobs)]
-        engine.submit(f"j{i}", tensors, meta, total_steps=steps)
-    engine._drain_inbox(block=False)
-    engine.step_once()  # warm-up step
-    timer.seconds = 0.0
-    start = time.perf_counter()
-    n = 0
-    while engine.step_once():
-        n += 1
-    total = time.perf_counter() - start
-    runner._forward = timer.inner
-    return total / max(n, 1), (total - timer.seconds) / max(n, 1)
+log = logging.getLogger(__name__)
 
 
 def serialization_cost(tensors: dict, meta: dict, repeats: int = 20) -> tuple[float, int]:
-    from app.embedded import RedisServer
-    from workers.tensors import pack, unpack
+    """Seconds per pack + SET + GET + unpack of a job's prepared inputs, and their bytes."""
 
     server = RedisServer(Path(tempfile.mkdtemp(prefix="stencil-ovh-")))
     try:
-        import redis
-
         r = redis.Redis.from_url(server.url)
         start = time.perf_counter()
         for i in range(repeats):
@@ -86,31 +47,20 @@ def serialization_cost(tensors: dict, meta: dict, repeats: int = 20) -> tuple[fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__, out="docs/bench/overheads.md", seed=None)
     p.add_argument("--family", default="sd", choices=["sd", "flux"])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--batches", default="1,2,4")
     p.add_argument("--ratio", type=float, default=0.1)
-    p.add_argument("--out", default="docs/bench/overheads.md")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(1)
-    from app.demo import demo_templates
-    from app.storage import LocalStore
-    from workers.maskaware.activation_store import ActivationStore
-
-    fam = Family(args.family, ActivationStore(LocalStore(tempfile.mkdtemp(prefix="stencil-ovh-"))))
+    run = cli.start(p, argv, __file__, quick=dict(steps=3, batches="1,2"))
+    args = run.args
+    fam = Family(args.family)
     image = demo_templates(128)[0][1].resize((fam.size, fam.size))
     params = JobParams(prompt="a hat", seed=1, steps=args.steps, guidance=7.5 if args.family == "sd" else 30.0)
     mask = make_mask(args.ratio, (fam.size, fam.size), "blob", seed=1)
     tensors, meta = fam.prepare(image, mask, params)
     key = fam.key("t0", params, meta)
-    rec_meta = dict(meta, cache_mode="record", cache_key=key.to_dict())
-    from ops.bench_fidelity import run
-
-    run(fam.runner_ma, [(tensors, rec_meta)])[0]["commit"].result(timeout=300)
-    for step in range(args.steps):
-        fam.runner_ma.caches.wait(key, step, 30)  # type: ignore[union-attr]
+    record(fam.runner_ma, tensors, meta, key, resident_steps=args.steps)
     ma_meta = dict(meta, cache_mode="masked", cache_key=key.to_dict())
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
@@ -121,9 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                  b, full_step * 1e3, full_over * 1e3, ma_step * 1e3, ma_over * 1e3)
     ser, nbytes = serialization_cost(tensors, meta)
     lines = [f"# Engine overheads and batch scaling ({args.family})\n",
-             f"Command: `python -m ops.bench_overheads --family {args.family} --steps {args.steps} "
-             f"--batches {args.batches} --ratio {args.ratio}` (1 torch thread, tiny embedded model, "
-             f"{fam.size}px, mask ratio {args.ratio}).\n",
+             f"Command: `{run.command}` ({args.threads} torch thread(s), tiny embedded model, {fam.size}px, "
+             f"mask ratio {args.ratio}).\n",
              "| batch | full ms/step | full overhead ms/step | full steps x jobs / s | mask-aware ms/step | "
              "mask-aware overhead ms/step | mask-aware steps x jobs / s |",
              "|---|---|---|---|---|---|---|"]
@@ -132,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{b / ms:.1f} |")
     lines.append(f"\nPer-job serialization + Redis transfer of the prepared inputs ({nbytes} bytes, safetensors): "
                  f"{ser * 1e3:.2f} ms (pack + SET + GET + unpack).\n")
-    write_markdown(Path(args.out), lines)
+    run.write(lines)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Cluster simulator for dispatch policies (8-64 GPU workers), from the fitted cost model.
 
-    .venv/bin/python -m ops.simulate --cost-model ops/sim/costmodels/<model>--<device>.json \
+    python -m ops.bench.simulate --cost-model ops/sim/costmodels/<model>--<device>.json \
         --workers 8 64 --loads 0.3 0.5 0.7 0.8 0.9 --out docs/bench/dispatch.md
 
 Runs the production routing policies and ``BatchScheduler`` (ops/sim/cluster.py) on Poisson
@@ -21,21 +21,24 @@ import argparse
 import json
 import logging
 import os
-import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from app.costmodel import CostModel
 from app.routing import POLICIES, POLICY_VARIANTS, make_policy
+from ops.bench.harness import TRACES, cli
+from ops.bench.harness.report import finish_axes, pyplot, replace_section, save_figure
 from ops.sim.bounds import REFERENCES, apply_reference
 from ops.sim.cluster import Cluster, ClusterConfig
-from ops.sim.report import plot_p95, policy_table, replace_section, summarize
-from ops.sim.traces import TRACES
+from ops.sim.report import policy_table, summarize
 from ops.sim.workload import WorkloadSpec, capacity, generate
 
-log = logging.getLogger("ops.simulate")
+log = logging.getLogger(__name__)
 
 
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
@@ -77,8 +80,6 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 
 def service_floor_p95(jobs: list[Any]) -> float:
     """P95 of the measured jobs' time alone on an idle worker: no policy's P95 can be lower."""
-    import numpy as np
-
     measured = [j.alone_s if j.ratio > 0 else 0.0 for j in jobs if j.index >= int(len(jobs) * 0.1)]
     return float(np.percentile(measured, 95)) if measured else float("nan")
 
@@ -221,10 +222,29 @@ def decision_bench(args: argparse.Namespace, model: CostModel) -> str:
     return "\n".join(rows) + "\n"
 
 
+def plot_p95(results: list[dict[str, Any]], workers: int, traces: Sequence[str], policies: Sequence[str],
+             out: Path, metric: str = "p95_s", ylabel: str = "P95 latency (s)") -> None:
+    """One panel per trace: ``metric`` vs load per policy (reference clusters dotted)."""
+    fig, axes = pyplot().subplots(1, len(traces), figsize=(4.2 * len(traces), 3.6), squeeze=False)
+    for ax, trace in zip(axes[0], traces):
+        for p in policies:
+            pts = sorted((r["load"], r["stats"][metric]) for r in results
+                         if r["workers"] == workers and r["trace"] == trace and r["policy"] == p
+                         and not r.get("slo_admission"))
+            if pts:
+                ref = p in ("ideal_pooled", "central_fcfs")
+                ax.plot([x * 100 for x, _ in pts], [y for _, y in pts], marker="" if ref else "o", ms=3, label=p,
+                        linestyle=":" if ref else "-", color="0.4" if p == "ideal_pooled" else
+                        "0.7" if ref else None)
+        ax.set_title(f"{trace}, {workers} workers", fontsize=9)
+        finish_axes(ax, "load (% of capacity)", ylabel)
+    axes[0][0].legend(fontsize=7)
+    save_figure(fig, out)
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cost-model", required=True, type=Path)
+    p = cli.parser(__doc__, out="docs/bench/dispatch.md", threads=None, seed=None)
+    p.add_argument("--cost-model", type=Path, default=Path("ops/sim/costmodels/sd-arch-320-640--cpu-1t.json"))
     p.add_argument("--workers", type=int, nargs="+", default=[8, 64])
     p.add_argument("--loads", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.8, 0.9])
     p.add_argument("--traces", nargs="+", default=sorted(TRACES))
@@ -247,7 +267,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-study", action="store_true")
     p.add_argument("--slo-loads", type=float, nargs="+", default=[0.8, 0.9])
     p.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1))
-    p.add_argument("--out", type=Path, default=None, help="markdown report (its `sim` section is replaced)")
     p.add_argument("--plots", type=Path, default=None, help="folder for PNG plots (default: next to --out)")
     p.add_argument("--results", type=Path, default=None, help="raw results JSON")
     p.add_argument("--tag", default="", help="suffix of plot names (several cost models in one report)")
@@ -255,12 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--render-from", type=Path, default=None,
                    help="raw results JSON of an earlier run (--results): only render the report from it")
     p.add_argument("--decision-workers", type=int, default=64)
-    args = p.parse_args(argv)
-    shown = list(sys.argv[1:] if argv is None else argv)
-    if "--render-from" in shown:  # show the command that produced the results
-        i = shown.index("--render-from")
-        del shown[i:i + 2]
-    args.command = "python -m ops.simulate " + " ".join(shown)
+    run = cli.start(p, argv, __file__, hide=("--render-from",),  # cite the command that produced the results
+                    quick=dict(workers=[8], loads=[0.9], traces=["spring_festival"], jobs_per_worker=25,
+                               policies=["least_requests", "mask_aware"], processes=1, decision_workers=8))
+    args = run.args
+    args.command = run.command
+    args.out = Path(args.out) if args.out else None
     model = CostModel.load(args.cost_model)
     if args.decision_bench:
         text = decision_bench(args, model)
@@ -283,7 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     plots: list[str] = []
     if args.out:
         folder = args.plots or args.out.parent
-        folder.mkdir(parents=True, exist_ok=True)
         policies = shown_policies(args)
         for workers in args.workers:
             path = folder / f"dispatch_p95_{workers}w{args.tag}.png"

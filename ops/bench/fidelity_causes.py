@@ -9,31 +9,22 @@ steps early only vs spread (``app/fidelity.py``), with and without the warm-up's
 the mask; and how the offset drifts with the distance to the last refresh (error growth over
 steps). SSIM vs full compute of the same edit, trained models.
 
-    python -m ops.fidelity_causes --family sd --guidance 7.5 --n 8 --out docs/bench/fidelity_causes.md
+    python -m ops.bench.fidelity_causes --family sd --guidance 7.5 --n 8 --out docs/bench/fidelity_causes.md
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 import numpy as np
-import torch
 
-from app.demo import demo_templates
 from app.fidelity import REFRESHES, refresh_schedule
 from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
-from app.storage import LocalStore
-from ops.bench_fidelity import DEFAULT_MODELS, EDIT_PROMPTS, Family, Option, edit, metrics, run, warm, write_markdown
-from ops.sim.traces import load_trace
-from workers.maskaware.activation_store import ActivationStore
+from ops.bench.harness import cli, load_trace
+from ops.bench.harness.edits import DEFAULT_MODELS, EDIT_PROMPTS, Family, Option, edit, metrics, warm
 
-log = logging.getLogger("fidelity_causes")
+log = logging.getLogger(__name__)
 
 # name -> (warm-up matches the edit's mask, prompt, seed)
 CAUSES = {
@@ -65,25 +56,18 @@ def remedies(steps: int) -> dict[str, tuple[Option, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__, out="docs/bench/fidelity_causes.md")
     p.add_argument("--family", default="sd", choices=("sd", "flux"))
     p.add_argument("--model", default="", help="embedded model id or folder (default: the family's trained one)")
     p.add_argument("--guidance", type=float, default=7.5)
     p.add_argument("--n", type=int, default=8, help="edits (spring trace ratios)")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="docs/bench/fidelity_causes.md")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(1)
-    t0 = time.monotonic()
-    fam = Family(args.family, ActivationStore(LocalStore(tempfile.mkdtemp(prefix="stencil-causes-"))),
-                 args.model or DEFAULT_MODELS[args.family])
-    templates = [img.resize((fam.size, fam.size)) for _n, img in demo_templates(128)]
-    empty = np.zeros((fam.size, fam.size), bool)
+    run = cli.start(p, argv, __file__, quick=dict(n=1, steps=2))
+    args = run.args
+    fam = Family(args.family, model=args.model or None)
     g, steps = args.guidance, args.steps
-    base = [warm(fam, f"t{i}", img, empty, JobParams(prompt="", seed=0, steps=steps, guidance=g))
-            for i, img in enumerate(templates)]
+    templates, base = fam.warmed_templates(steps, g)
+    empty = np.zeros((fam.size, fam.size), bool)
     fixes = remedies(steps)
     scores: dict[str, list[dict[str, float]]] = {}
     rng = np.random.default_rng(args.seed)
@@ -96,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         params = JobParams(prompt=str(rng.choice(EDIT_PROMPTS)), seed=int(rng.integers(1 << 30)), steps=steps,
                            guidance=g)
         tensors, meta = fam.prepare(templates[t], mask, params)
-        full = fam.decode(run(fam.runner_full, [(tensors, dict(meta))])[0]["latents"])
+        full = fam.full(tensors, meta)
         for name, (m, pr, sd) in CAUSES.items():
             wp = JobParams(prompt=params.prompt if pr else "", seed=params.seed if sd else 0, steps=steps, guidance=g)
             key = warm(fam, f"c{k}-{m}{pr}{sd}", templates[t], mask if m else empty, wp)
@@ -108,9 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             fam.runner_ma.dilation = 0
             scores.setdefault(name, []).append(metrics(full, fam.decode(out["latents"]), mask))
         log.info("edit %d done", k)
-    command = "python -m ops.fidelity_causes " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [f"# Fidelity: causes and remedies ({args.family}, `{args.model or DEFAULT_MODELS[args.family]}`)\n",
-             f"Command: `{command}` ({time.monotonic() - t0:.0f} s). Guidance {g:g}, {steps} steps, "
+             f"Command: `{run.command}` ({run.elapsed():.0f} s). Guidance {g:g}, {steps} steps, "
              f"{len(next(iter(scores.values())))} edits at spring-trace ratios with other prompts and seeds than "
              "the production warm-up. Cause rows: a warm-up that matches the edit in the named inputs, the "
              "edit run from it without refresh steps. SSIM / PSNR vs full compute of the same edit.\n",
@@ -122,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{mean('psnr'):.1f} |")
         if name.startswith("+ mask, prompt and seed"):
             lines += ["| **remedies, on the production warm-up** | | | | |"]
-    write_markdown(Path(args.out), lines)
+    run.write(lines)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Container healthchecks for docker-compose: ``python -m ops.compose.healthcheck KIND ...``.
+"""Container healthchecks for docker-compose: ``python -m ops.deploy.healthcheck KIND ...``.
 
 Each check asks the thing that matters rather than whether a process exists: the dispatcher's
 heartbeat key, the GPU engine's published state (fresh, and written by this container), a Celery
@@ -59,7 +59,7 @@ def check_http(args: argparse.Namespace) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ops.compose.healthcheck", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m ops.deploy.healthcheck", description=__doc__)
     sub = p.add_subparsers(dest="kind", required=True)
     s = sub.add_parser("dispatcher")
     s.add_argument("--max-age", type=float, default=30.0)

@@ -11,9 +11,9 @@ at ratio 1 (same packed code, every token computed: isolates what skipping token
 token-count bound ``(N + T) / (m + T)`` (text tokens are always computed), a least-squares line of
 step time vs ratio, and a text-length sweep.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_maskaware_flux --threads 1 --clock cpu --out /tmp/fbench.md
+    python -m ops.bench.maskaware_flux --threads 1 --clock cpu --out /tmp/fbench.md
     # 4096 image tokens (64x64 = 1024x1024 px, real Flux's count at that size):
-    HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_maskaware_flux --side 64 --kv-formats raw --text-sweep ""
+    python -m ops.bench.maskaware_flux --side 64 --kv-formats raw --text-sweep ""
 """
 
 from __future__ import annotations
@@ -23,23 +23,19 @@ import importlib.util
 import logging
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
-import numpy as np
 import torch
 
+from ops.bench.harness import cli
+from ops.bench.harness.models import build_flux, flux_image_ids
+from ops.bench.harness.timing import CLOCKS, interleave, linear_fit, paired
 from workers.maskaware.flux import MaskAwareFlux, RowGroup
 from workers.maskaware.flux_tokens import synthetic_token_grid
-from workers.models.tiny_flux import build_flux_transformer
 
-log = logging.getLogger("bench_maskaware_flux")
-
-# cpu = this thread's CPU time: with one torch thread all work runs here, so it counts the work done
-# and ignores time lost to other processes on a shared machine.
-_CLOCK: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,25 +53,31 @@ def _inputs(args: argparse.Namespace, text_len: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(args.seed)
     b, side = args.batch, args.side
     n = side * side
-    img_ids = torch.zeros(side, side, 3)
-    img_ids[..., 1] += torch.arange(side)[:, None]
-    img_ids[..., 2] += torch.arange(side)[None, :]
     return dict(
         hidden_states=torch.randn(b, n, 384, generator=g),
         encoder_hidden_states=torch.randn(b, text_len, args.joint_dim, generator=g),
         pooled_projections=torch.randn(b, 768, generator=g),
         timestep=torch.linspace(0.9, 0.3, b),            # every row at its own step
         guidance=torch.linspace(30.0, 3.5, b),
-        img_ids=img_ids.reshape(n, 3),
+        img_ids=flux_image_ids(side),
         txt_ids=torch.zeros(text_len, 3),
     )
 
 
-def _setup(args: argparse.Namespace, model: torch.nn.Module, ctrl: MaskAwareFlux, text_len: int) -> Setup:
+def _setup(args: argparse.Namespace, model: torch.nn.Module, ctrl: MaskAwareFlux, text_len: int,
+           row_group: type = RowGroup) -> Setup:
     kwargs = _inputs(args, text_len)
-    with ctrl.batch([RowGroup(1, "record") for _ in range(args.batch)]) as ctx:   # real warm-up
+    with ctrl.batch([row_group(1, "record") for _ in range(args.batch)]) as ctx:   # real warm-up
         model(**kwargs)
-    return Setup(model, ctrl, kwargs, list(ctx.recorded), args.side * args.side, text_len, _CLOCK[args.clock])
+    return Setup(model, ctrl, kwargs, list(ctx.recorded), args.side * args.side, text_len, CLOCKS[args.clock])
+
+
+def _check(out: torch.Tensor, full_out: torch.Tensor, masks: list[torch.Tensor], tol: float, where: str) -> float:
+    """Max |masked - full| at the masked tokens; above ``tol`` the run aborts (the masked path is wrong)."""
+    err = max(float((out[k] - full_out[k])[m].abs().max()) if m.any() else 0.0 for k, m in enumerate(masks))
+    if not err <= tol:
+        raise RuntimeError(f"mask-aware output differs from full compute by {err:.3e} at {where}")
+    return err
 
 
 def _masks(args: argparse.Namespace, ratio: float) -> list[torch.Tensor]:
@@ -95,14 +97,6 @@ def _forward(s: Setup, groups: list[RowGroup] | None) -> tuple[float, torch.Tens
     return s.clock() - t0, out
 
 
-def _fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
-    slope, intercept = np.polyfit(xs, ys, 1)
-    pred = slope * np.asarray(xs) + intercept
-    ss_res = float(((np.asarray(ys) - pred) ** 2).sum())
-    ss_tot = float(((np.asarray(ys) - np.mean(ys)) ** 2).sum())
-    return float(slope), float(intercept), 1.0 - ss_res / ss_tot if ss_tot else 1.0
-
-
 def run_ratio_table(args: argparse.Namespace, s: Setup) -> list[str]:
     """Round-robin timing of full compute and every ratio; returns markdown lines."""
     fmt = s.ctrl.kv_format
@@ -110,22 +104,15 @@ def run_ratio_table(args: argparse.Namespace, s: Setup) -> list[str]:
     for r in args.ratios:
         groups = [RowGroup(1, "masked", token_mask=m, cache=c) for m, c in zip(_masks(args, r), s.caches)]
         configs.append((fmt, r, groups, s))
-    times: dict[int, list[float]] = {i: [] for i in range(len(configs))}
     full_out = _forward(s, None)[1]
     worst = 0.0
     for i, (fmt, r, groups, fs) in enumerate(configs):        # untimed pass: allocator, correctness
         out = _forward(fs, groups)[1]
         if groups is not None:
-            err = max(float((out[k] - full_out[k])[g.token_mask].abs().max()) if g.token_mask.any() else 0.0
-                      for k, g in enumerate(groups))
+            err = _check(out, full_out, [g.token_mask for g in groups], args.tol, f"r={r}")
             log.info("check %s r=%.2f: max |masked - full| at masked tokens = %.2e", fmt, r, err)
-            if not err <= args.tol:
-                raise RuntimeError(f"mask-aware output differs from full compute by {err:.3e} at r={r}")
             worst = max(worst, err)
-    for rnd in range(args.rounds):
-        for i, (_, _, groups, fs) in enumerate(configs):
-            times[i].append(_forward(fs, groups)[0])
-        log.info("round %d/%d done", rnd + 1, args.rounds)
+    times = interleave(args.rounds, range(len(configs)), lambda i: _forward(configs[i][3], configs[i][2])[0])
     med = {i: statistics.median(v) * 1e3 for i, v in times.items()}
     t_full = med[0]
     n, t = s.n_tokens, s.text_len
@@ -145,7 +132,7 @@ def run_ratio_table(args: argparse.Namespace, s: Setup) -> list[str]:
         own = f"{packed_full / med[i]:.2f}" if packed_full else "-"
         lines.append(f"| {fmt} | {m / n:.3f} | {med[i]:.1f} | {min(times[i]) * 1e3:.1f} | "
                      f"{t_full / med[i]:.2f} | {own} | {(n + t) / (m + t):.2f} |")
-    slope, intercept, r2 = _fit(xs, ys)
+    slope, intercept, r2 = linear_fit(xs, ys)
     lines += ["", f"Linear fit ({fmt}), step ms = slope * ratio + intercept: slope {slope:.1f} ms, "
                   f"intercept {intercept:.1f} ms, R^2 {r2:.4f} (intercept / full = {intercept / t_full:.3f}). "
                   f"Max |mask-aware - full| at masked tokens, all ratios: {worst:.2e}."]
@@ -160,15 +147,9 @@ def run_text_sweep(args: argparse.Namespace, model: torch.nn.Module, ctrl: MaskA
         s = _setup(args, model, ctrl, t)
         masks = _masks(args, args.sweep_ratio)
         groups = [RowGroup(1, "masked", token_mask=mk, cache=c) for mk, c in zip(masks, s.caches)]
-        full_out, out = _forward(s, None)[1], _forward(s, groups)[1]
-        err = max(float((out[k] - full_out[k])[mk].abs().max()) for k, mk in enumerate(masks))
-        if not err <= args.tol:
-            raise RuntimeError(f"mask-aware output differs from full compute by {err:.3e} at T={t}")
-        tf, tm = [], []
-        for _ in range(args.sweep_rounds):
-            tf.append(_forward(s, None)[0])
-            tm.append(_forward(s, groups)[0])
-        f, m_ = statistics.median(tf) * 1e3, statistics.median(tm) * 1e3
+        _check(_forward(s, groups)[1], _forward(s, None)[1], masks, args.tol, f"T={t}")
+        got = interleave(args.sweep_rounds, (None, 0), lambda k: _forward(s, None if k is None else groups)[0])
+        f, m_ = statistics.median(got[None]) * 1e3, statistics.median(got[0]) * 1e3
         m = statistics.mean(int(mk.sum()) for mk in masks)
         n = s.n_tokens
         lines.append(f"| {t} | {f:.1f} | {m_:.1f} | {f / m_:.2f} | {(n + t) / (m + t):.2f} |")
@@ -192,19 +173,11 @@ def run_ab(args: argparse.Namespace, model: torch.nn.Module, fmt: str) -> list[s
     implementation's hooks, one with this one's, timed alternately (stock full, A, B per round) so
     both see the same machine load; per-round ratios, medians reported."""
     impl = _load_impl(args.ab)
-    model_a = build_flux_transformer(args.seed, num_layers=args.double, num_single_layers=args.single,
-                                     attention_head_dim=args.head_dim, num_attention_heads=args.heads,
-                                     joint_attention_dim=args.joint_dim, pooled_projection_dim=768)
+    model_a = _model(args)
     ctrl_a = impl.MaskAwareFlux(model_a, kv_format=fmt)
     ctrl_b = MaskAwareFlux(model, kv_format=fmt)
-    kwargs = _inputs(args, args.text_len)
-    caches = []
-    for mdl, ctrl, rg in ((model_a, ctrl_a, impl.RowGroup), (model, ctrl_b, RowGroup)):
-        with ctrl.batch([rg(1, "record") for _ in range(args.batch)]) as ctx:
-            mdl(**kwargs)
-        caches.append(list(ctx.recorded))
-    sa = Setup(model_a, ctrl_a, kwargs, caches[0], args.side * args.side, args.text_len, _CLOCK[args.clock])
-    sb = Setup(model, ctrl_b, kwargs, caches[1], args.side * args.side, args.text_len, _CLOCK[args.clock])
+    sa = _setup(args, model_a, ctrl_a, args.text_len, impl.RowGroup)
+    sb = _setup(args, model, ctrl_b, args.text_len)
     lines = [f"Paired A/B, kv_format={fmt}: A = `{args.ab}`, B = this tree; {args.rounds} rounds of "
              "(stock full, A, B) per ratio, medians of per-round values.", "",
              "| ratio | full ms | A ms | B ms | A speedup | B speedup | B time / A time |",
@@ -215,28 +188,27 @@ def run_ab(args: argparse.Namespace, model: torch.nn.Module, fmt: str) -> list[s
         ga = [impl.RowGroup(1, "masked", token_mask=m, cache=c) for m, c in zip(masks, sa.caches)]
         gb = [RowGroup(1, "masked", token_mask=m, cache=c) for m, c in zip(masks, sb.caches)]
         for s_, g in ((sa, ga), (sb, gb)):
-            out = _forward(s_, g)[1]
-            err = max(float((out[k] - full_out[k])[m].abs().max()) if m.any() else 0.0 for k, m in enumerate(masks))
-            if not err <= args.tol:
-                raise RuntimeError(f"A/B: output differs from full compute by {err:.3e} at r={r}")
-        tf, ta, tb = [], [], []
-        for _ in range(args.rounds):
-            tf.append(_forward(sb, None)[0])
-            ta.append(_forward(sa, ga)[0])
-            tb.append(_forward(sb, gb)[0])
+            _check(_forward(s_, g)[1], full_out, masks, args.tol, f"A/B r={r}")
+        runs = {"full": (sb, None), "A": (sa, ga), "B": (sb, gb)}
+        t = interleave(args.rounds, tuple(runs), lambda k: _forward(*runs[k])[0])
         med = statistics.median
         m_ = statistics.mean(int(m.sum()) for m in masks) / sa.n_tokens
-        lines.append(f"| {m_:.3f} | {med(tf) * 1e3:.1f} | {med(ta) * 1e3:.1f} | {med(tb) * 1e3:.1f} | "
-                     f"{med([f / a for f, a in zip(tf, ta)]):.2f} | {med([f / b for f, b in zip(tf, tb)]):.2f} | "
-                     f"{med([b / a for a, b in zip(ta, tb)]):.3f} |")
+        lines.append(f"| {m_:.3f} | " + " | ".join(f"{med(t[k]) * 1e3:.1f}" for k in runs) + " | "
+                     f"{paired(t['full'], t['A']):.2f} | {paired(t['full'], t['B']):.2f} | "
+                     f"{paired(t['B'], t['A']):.3f} |")
         log.info("A/B r=%.2f done", r)
     ctrl_a.remove()
     ctrl_b.remove()
     return lines
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _model(args: argparse.Namespace) -> torch.nn.Module:
+    return build_flux(args.seed, double=args.double, single=args.single, heads=args.heads, head_dim=args.head_dim,
+                      joint_dim=args.joint_dim)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = cli.parser(__doc__, out="", clock="auto")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--double", type=int, default=2)
@@ -245,39 +217,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--text-len", type=int, default=64)
     p.add_argument("--joint-dim", type=int, default=4096)
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--ratios", type=lambda s: [float(x) for x in s.split(",")],
-                   default=[0.05, 0.1, 0.2, 0.35, 0.5, 1.0])
+    p.add_argument("--ratios", default="0.05,0.1,0.2,0.35,0.5,1.0")
     p.add_argument("--kv-formats", default="raw,roped")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--text-sweep", type=lambda s: [int(x) for x in s.split(",") if x], default=[0, 128, 512])
+    p.add_argument("--text-sweep", default="0,128,512", help="comma-separated text lengths ('' = no sweep)")
     p.add_argument("--sweep-ratio", type=float, default=0.2)
     p.add_argument("--sweep-rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--clock", choices=sorted(_CLOCK), default=None,
-                   help="cpu = thread CPU time (default with --threads 1: robust on a shared machine), wall otherwise")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tol", type=float, default=1e-4,
                    help="abort if masked-token outputs differ from full compute by more than this")
     p.add_argument("--ab", default=None, metavar="FLUX_PY",
                    help="instead of the tables: paired A/B against another flux.py, e.g. "
                         "`git show 2c0d50d:workers/maskaware/flux.py > /tmp/flux_prev.py`")
-    p.add_argument("--out", default=None, help="write the result tables (markdown) here")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    torch.set_num_threads(args.threads)
-    args.clock = args.clock or ("cpu" if args.threads == 1 else "wall")
-    if args.clock == "cpu" and args.threads != 1:
-        p.error("--clock cpu needs --threads 1 (intra-op worker threads are not counted)")
+    run = cli.start(p, argv, __file__, quick=dict(heads=2, head_dim=32, single=1, double=1, side=8, text_len=8,
+                                                  joint_dim=64, ratios="0.2,1.0", rounds=1, kv_formats="raw",
+                                                  text_sweep="8", sweep_rounds=1))
+    args = run.args
+    args.ratios = [float(x) for x in args.ratios.split(",")]
+    args.text_sweep = [int(x) for x in args.text_sweep.split(",") if x]
     torch.set_grad_enabled(False)
-
-    model = build_flux_transformer(args.seed, num_layers=args.double, num_single_layers=args.single,
-                                   attention_head_dim=args.head_dim, num_attention_heads=args.heads,
-                                   joint_attention_dim=args.joint_dim, pooled_projection_dim=768)
+    model = _model(args)
     inner = args.heads * args.head_dim
     n = args.side * args.side
     fmts = [f for f in args.kv_formats.split(",") if f]
-    header = [f"Command: `HF_HUB_OFFLINE=1 .venv/bin/python -m ops.bench_maskaware_flux {' '.join(sys.argv[1:])}`",
-              "",
+    header = [f"Command: `{run.command}`", "",
               f"Model: FluxTransformer2DModel, {args.double} double + {args.single} single blocks, inner dim {inner} "
               f"({args.heads} heads x {args.head_dim}), in/out channels 384/64 (Fill). Batch {args.batch} rows, "
               f"{n} image tokens ({args.side}x{args.side}), T = {args.text_len} text tokens, fp32, "
@@ -298,13 +260,9 @@ def main(argv: list[str] | None = None) -> None:
                           f"{args.sweep_rounds} rounds, median):", ""]
             lines += run_text_sweep(args, model, ctrl)
         ctrl.remove()
-    for line in lines:
-        log.info("%s", line)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
-        log.info("wrote %s", args.out)
+    run.write(lines)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -2,7 +2,7 @@
 
 Why: the random-init tiny Flux Fill outputs noise, so Flux fidelity numbers measured noise
 against noise. This trains, on the images that ship with scikit-image (no downloads; the data,
-crops, masks and VAE stage of ``ops/train_tiny_sd.py``), a model of Flux Fill's classes that
+crops, masks and VAE stage of ``ops/train/common.py``), a model of Flux Fill's classes that
 really inpaints:
 
 1. a 16-channel ``AutoencoderKL`` without quant convs (Flux's VAE layout); its ``shift_factor``
@@ -22,13 +22,12 @@ The velocity target lets the model reproduce the template outside the mask for a
 the masked-image latents give x0, so v = (x_t - x0) / sigma is determined and Euler steps land on
 x0 whatever the seed (``tests/test_trained_flux.py`` checks it).
 
-    python -m ops.train_tiny_flux --out workers/models/trained/tiny-flux-fill-trained
+    python -m ops.train.flux --out workers/models/trained/tiny-flux-fill-trained
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import time
@@ -38,10 +37,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ops.train_tiny_sd import EMA, HELD_OUT, SIZE, TRAIN_SOURCES, Crops, add_data_args, draw_masks, setup, train_vae
+from ops.train import common
 
-log = logging.getLogger("train_tiny_flux")
-LATENT = SIZE // 8
+log = logging.getLogger(__name__)
+LATENT = common.SIZE // 8
 
 
 def build_pipeline(args: argparse.Namespace, vae: torch.nn.Module | None = None, seed: int | None = None):  # type: ignore[no-untyped-def]
@@ -75,13 +74,14 @@ def build_pipeline(args: argparse.Namespace, vae: torch.nn.Module | None = None,
 
 
 @torch.no_grad()
-def encode(pipe, crops: Crops, n: int, rng: np.random.Generator, full_mask_share: float) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+def encode(pipe, crops: common.Crops, n: int, rng: np.random.Generator,  # type: ignore[no-untyped-def]
+           full_mask_share: float) -> dict[str, torch.Tensor]:
     """Raw VAE latents of ``n`` crops and their masked images, the pixel masks, the source index."""
     out: dict[str, list[torch.Tensor]] = {"latents": [], "masked": [], "mask": [], "src": []}
     for start in range(0, n, 32):
         k = min(32, n - start)
         x, idx = crops.batch(k)
-        mask = draw_masks(k, rng, full_mask_share)
+        mask = common.draw_masks(k, rng, full_mask_share)
         out["latents"].append(pipe.vae.encode(x).latent_dist.sample())
         out["masked"].append(pipe.vae.encode(x * (1 - mask)).latent_dist.sample())  # FluxFill: image * (1 - mask)
         out["mask"].append(mask)
@@ -94,7 +94,7 @@ def model_inputs(pipe, d: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.
     b = d["latents"].shape[0]
     cfg = pipe.vae.config
     x0 = pipe._pack_latents((d["latents"] - cfg.shift_factor) * cfg.scaling_factor, b, 16, LATENT, LATENT)
-    mask, masked = pipe.prepare_mask_latents(d["mask"], d["masked"], b, 16, 1, SIZE, SIZE, torch.float32,
+    mask, masked = pipe.prepare_mask_latents(d["mask"], d["masked"], b, 16, 1, common.SIZE, common.SIZE, torch.float32,
                                              torch.device("cpu"), None)
     return x0, torch.cat((masked, mask), dim=-1)
 
@@ -120,7 +120,7 @@ def train_transformer(args: argparse.Namespace, pipe, data: dict[str, torch.Tens
                                      cfg.max_shift))
     img_ids = pipe._prepare_latent_image_ids(1, LATENT // 2, LATENT // 2, torch.device("cpu"), torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
-    ema = EMA(model, 0.999)
+    ema = common.EMA(model, 0.999)
     gen = torch.Generator().manual_seed(args.seed)
     n = data["latents"].shape[0]
 
@@ -139,10 +139,8 @@ def train_transformer(args: argparse.Namespace, pipe, data: dict[str, torch.Tens
     h_noise = torch.randn(hb, n_tokens, 64, generator=hg)
     h_sigma, h_guid = sample_sigmas(hb, hg, shift), 1 + 29 * torch.rand(hb, generator=hg)
     h_cap = 1 + len(captions) + held["src"]
-    curve: list[tuple[int, float]] = []
-    held_curve: list[tuple[int, float]] = []
-    t0, run, step = time.monotonic(), 0.0, 0
-    for step in range(1, args.steps + 1):
+
+    def batch_loss() -> torch.Tensor:
         b = torch.randint(0, n, (args.batch,), generator=gen)
         d = {k: v[b] for k, v in data.items()}
         cap = 1 + d["src"]
@@ -150,30 +148,14 @@ def train_transformer(args: argparse.Namespace, pipe, data: dict[str, torch.Tens
         noise = torch.randn(args.batch, n_tokens, 64, generator=gen)
         sigma = sample_sigmas(args.batch, gen, shift)
         guidance = 1 + 29 * torch.rand(args.batch, generator=gen)
-        for g in opt.param_groups:
-            g["lr"] = args.lr * min(1.0, step / 100)
-        loss = loss_on(model, d, cap, noise, sigma, guidance)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        ema.update(model)
-        run = loss.item() if step == 1 else 0.98 * run + 0.02 * loss.item()
-        if step % 10 == 0:
-            curve.append((step, run))
-        if step % 200 == 0 or step == 1:
-            with torch.no_grad():
-                hl = loss_on(ema.model, held, h_cap, h_noise, h_sigma, h_guid).item()
-            held_curve.append((step, hl))
-            log.info("transformer step %d loss %.4f held-out (EMA) %.4f (%.0fs)", step, run, hl, time.monotonic() - t0)
-        if time.monotonic() - t0 > args.minutes * 60:
-            log.warning("transformer: wall-clock cap %.1f min hit at step %d", args.minutes, step)
-            break
+        return loss_on(model, d, cap, noise, sigma, guidance)
+
+    step, curve, held_curve, hl, t0 = common.optimise(
+        "transformer", args.steps, args.minutes, args.lr, opt, [(model, ema)], batch_loss,
+        lambda: loss_on(ema.model, held, h_cap, h_noise, h_sigma, h_guid))
     with torch.no_grad():
-        hl = loss_on(ema.model, held, h_cap, h_noise, h_sigma, h_guid).item()
         rl = loss_on(build_pipeline(args, pipe.vae, seed=args.seed + 1).transformer, held, h_cap, h_noise, h_sigma,
                      h_guid).item()
-    held_curve.append((step, hl))
     pipe.transformer = ema.model.eval()
     log.info("transformer held-out velocity MSE %.4f (random init %.4f)", hl, rl)
     return {"steps": step, "seconds": round(time.monotonic() - t0, 1), "loss_curve": curve,
@@ -186,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="workers/models/trained/tiny-flux-fill-trained")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    add_data_args(p, vae_steps=3000, vae_minutes=9.0, encode_crops=2048)
+    common.add_data_args(p, vae_steps=3000, vae_minutes=9.0, encode_crops=2048)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--double", type=int, default=2)
@@ -199,11 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--caption-dropout", type=float, default=0.15)
     args = p.parse_args(argv)
     t_all = time.monotonic()
-    rng, crops, held_crops, held_x = setup(args)
+    rng, crops, held_crops, held_x = common.setup(args)
     from workers.models.tiny_flux import build_flux_vae
 
-    names = list(TRAIN_SOURCES)
-    vae, vae_log = train_vae(args, crops, held_x,
+    vae, vae_log = common.train_vae(args, crops, held_x,
                              build=lambda seed: build_flux_vae(seed, block_out_channels=tuple(args.vae_channels)))
     vae.requires_grad_(False).eval()
     pipe = build_pipeline(args, vae)
@@ -214,17 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     vae.register_to_config(shift_factor=round(shift, 5), scaling_factor=round(1.0 / std, 5))
     log.info("encoded %d crops in %.0fs; latent mean %.4f std %.4f", args.encode_crops, time.monotonic() - t_enc,
              shift, std)
-    tlog = train_transformer(args, pipe, data, held, [TRAIN_SOURCES[n] for n in names], list(HELD_OUT.values()))
-    out = Path(args.out)
-    pipe.save_pretrained(out, safe_serialization=True)
-    record = {"command": "python -m ops.train_tiny_flux " + " ".join(
-                  f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                  for k, v in vars(args).items()),
+    tlog = train_transformer(args, pipe, data, held, list(common.TRAIN_SOURCES.values()),
+                             list(common.HELD_OUT.values()))
+    record = {"command": common.command("ops.train.flux", args),
               "torch_threads": args.threads, "total_seconds": round(time.monotonic() - t_all, 1),
               "shift_factor": vae.config.shift_factor, "scaling_factor": vae.config.scaling_factor,
-              "train_sources": TRAIN_SOURCES, "held_out": HELD_OUT, "vae": vae_log, "transformer": tlog}
-    (out / "training_log.json").write_text(json.dumps(record, indent=1))
-    log.info("saved %s (total %.0fs)", out, record["total_seconds"])
+              "train_sources": common.TRAIN_SOURCES, "held_out": common.HELD_OUT, "vae": vae_log, "transformer": tlog}
+    common.save(pipe, Path(args.out), record)
     return 0
 
 

@@ -5,39 +5,32 @@ CPU and GPU workers, the dispatcher), submits jobs, waits until some are denoisi
 fault, restarts what died after 1 s (as compose's restart policy would), and measures the time
 from the fault until every job is terminal; it checks exactly one stored result per done job.
 
-    python -m ops.fault_recovery --out docs/bench/recovery.md
+    python -m ops.bench.recovery --out docs/bench/recovery.md
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
 import signal
-import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from app.client import StencilClient
 from app.demo import demo_templates
 from app.embedded import EmbeddedStack
 from app.maskgen import make_mask
-from ops.bench_fidelity import write_markdown
-
-log = logging.getLogger("fault_recovery")
+from ops.bench.harness import cli
 
 
-def _restart(stack: EmbeddedStack, name: str) -> Callable[[], None]:
-    def again() -> None:
-        time.sleep(1.0)
-        if name.startswith("gpu"):
-            stack.start_gpu_worker(name[3:])
-        elif name == "cpu":
-            stack.start_cpu_worker()
-        else:
-            stack.start_dispatcher()
-    return again
+def _restart(stack: EmbeddedStack, name: str) -> None:
+    """Start a dead process again after 1 s, as compose's restart policy would."""
+    time.sleep(1.0)
+    if name.startswith("gpu"):
+        stack.start_gpu_worker(name[3:])
+    elif name == "cpu":
+        stack.start_cpu_worker()
+    else:
+        stack.start_dispatcher()
 
 
 def inject(stack: EmbeddedStack, scenario: str) -> None:
@@ -46,7 +39,7 @@ def inject(stack: EmbeddedStack, scenario: str) -> None:
         return
     name = {"gpu-kill": "gpu0", "cpu-kill": "cpu", "dispatcher-kill": "dispatcher"}[scenario]
     stack.kill(name, signal.SIGKILL)
-    _restart(stack, name)()
+    _restart(stack, name)
 
 
 def supervise_until_terminal(stack: EmbeddedStack, handles: list, timeout: float) -> list[str]:  # type: ignore[type-arg]
@@ -59,14 +52,15 @@ def supervise_until_terminal(stack: EmbeddedStack, handles: list, timeout: float
             if proc.poll() is not None:
                 exited.append(name)
                 stack.procs.pop(name)
-                _restart(stack, name)()
+                _restart(stack, name)
         time.sleep(0.5)
     return exited
 
 
-def run_scenario(scenario: str, jobs: int, steps: int, home: Path) -> dict[str, object]:
+def run_scenario(scenario: str, jobs: int, steps: int, home: Path, **settings: float) -> dict[str, object]:
+    """One fault on a fresh stack (``settings``: recovery settings other than the shipped ones)."""
     workdir = Path(tempfile.mkdtemp(prefix=f"stencil-fault-{scenario}-"))
-    with EmbeddedStack.start(workdir, home=home, redis_appendonly=True, max_batch=4) as stack:
+    with EmbeddedStack.start(workdir, home=home, redis_appendonly=True, max_batch=4, **settings) as stack:
         client = StencilClient(stack.settings)
         templates = [img for _n, img in demo_templates(128)]
         handles = [client.submit(template=templates[i % len(templates)], mask=make_mask(0.2, (128, 128), seed=i),
@@ -90,25 +84,24 @@ def run_scenario(scenario: str, jobs: int, steps: int, home: Path) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__, out="docs/bench/recovery.md", threads=None, seed=None)
     p.add_argument("--scenarios", default="gpu-kill,cpu-kill,dispatcher-kill,redis-restart")
     p.add_argument("--jobs", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--quick", action="store_true", help="gpu-kill only, 4 jobs")
-    p.add_argument("--out", default="docs/bench/recovery.md")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.quick:
-        args.scenarios, args.jobs = "gpu-kill", 4
+    p.add_argument("--stall-timeout-s", type=float, default=0.0, help="0 = the shipped STENCIL_STALL_TIMEOUT_S")
+    run = cli.start(p, argv, __file__, quick=dict(scenarios="gpu-kill", jobs=2, steps=4, stall_timeout_s=8.0))
+    args = run.args
     from app.settings import Settings
     from workers.models.loader import ensure_model_dir
 
     home = Path(tempfile.mkdtemp(prefix="stencil-fault-home-"))
     ensure_model_dir(Settings.from_env(home=home))
-    rows = [run_scenario(s, args.jobs, args.steps, home) for s in args.scenarios.split(",")]
-    command = "python -m ops.fault_recovery " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = ["# Recovery after process faults (real stack, shipped recovery settings)\n",
-             f"Command: `{command}`. Each scenario: a fresh stack (redis-server with AOF, 1 CPU worker, 1 GPU "
+    short = dict(stall_timeout_s=args.stall_timeout_s, sweep_interval_s=1.0, lease_seconds=4.0)
+    rows = [run_scenario(s, args.jobs, args.steps, home, **(short if args.stall_timeout_s else {}))
+            for s in args.scenarios.split(",")]
+    settings = "shortened" if args.stall_timeout_s else "shipped"
+    lines = [f"# Recovery after process faults (real stack, {settings} recovery settings)\n",
+             f"Command: `{run.command}`. Each scenario: a fresh stack (redis-server with AOF, 1 CPU worker, 1 GPU "
              "worker, the dispatcher; embedded random-init model, 128 px), jobs submitted, the fault injected "
              "once two jobs are denoising, the dead process restarted after 1 s. Time = fault to every job "
              "terminal; bound = STENCIL_STALL_TIMEOUT_S + STENCIL_LEASE_SECONDS + STENCIL_SWEEP_INTERVAL_S "
@@ -121,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['exited']} | "
                      f"{r['seconds_to_all_terminal']} s | {r['bound_s']:.0f} s | "
                      f"{'yes' if r['results_ok'] else 'NO'} |")
-    write_markdown(Path(args.out), lines)
+    run.write(lines)
     return 0
 
 

@@ -1,0 +1,14 @@
+"""Benchmarks: one module per benchmark on one harness (``ops.bench.harness``).
+
+Run any of them as ``python -m ops.bench.<name> [--quick] [--out ...]`` or ``stencil bench <name>``;
+each writes its Markdown report (and plots) where ``--out`` says, under ``docs/bench/`` by default,
+with the exact command line that produced it. ``--quick`` is a smoke run in seconds.
+
+- per denoising step: ``maskaware_unet``, ``maskaware_flux``, ``policy_speed``, ``overheads``,
+  ``batch_curve``, ``bubble`` (cache loading and prefetch);
+- fidelity: ``fidelity``, ``fidelity_causes``, ``fidelity_baselines``;
+- whole service: ``e2e`` (against a stock diffusers server), ``recovery`` (process faults),
+  ``replay`` (a trace against a real 2-worker stack);
+- dispatch: ``profile`` (fits the cost model), ``simulate`` (8-64 worker cluster simulation),
+  ``batching_sim`` (continuous vs static batching by batch-cost shape).
+"""

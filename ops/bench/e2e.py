@@ -1,0 +1,351 @@
+"""End-to-end benchmark: Stencil against a stock diffusers server and its own baselines.
+
+Replays Poisson arrivals at several request rates, with mask ratios drawn from the public traces
+(``ops/data/mask_ratios``) and mask shapes drawn from ``app.maskgen`` (blobs, rectangles,
+free-form strokes of the drawn ratio), against five systems on the same machine, one after the
+other, each with 2 workers:
+
+1. ``stock``: the diffusers inpainting pipeline called per batch in a plain worker loop (static
+   batching, full compute, VAE and text encoder inside the loop), routed round-robin;
+2. ``full-static``: Stencil, full compute, static batching;
+3. ``full-continuous``: Stencil, full compute, continuous batching;
+4. ``maskaware``: Stencil, mask-aware inference, continuous batching, round-robin routing;
+5. ``stencil``: all of Stencil (4 + mask-aware routing + prefetch at routing time).
+
+Latency, queueing time and phases come from the job records (server timestamps). Writes
+``README.md`` (tables, claims), ``e2e.json`` (every job) and PNG plots into ``--out``;
+``--from-json`` re-renders them from a saved ``e2e.json``.
+
+    python -m ops.bench.e2e --trace spring --rates 0.9,2.0 --jobs 20 --out docs/bench/e2e
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from app.demo import demo_templates
+from ops.bench.harness import cli, load_trace
+from ops.bench.harness.engine import batch_curve, curve_table
+from ops.bench.harness.models import saved_sd_pipeline
+from ops.bench.harness.report import finish_axes, pyplot, save_figure
+
+log = logging.getLogger(__name__)
+
+
+SYSTEMS: dict[str, dict[str, object]] = {
+    "stock": {"stock": True},
+    "full-static": {"mask_aware": False, "batching": "static", "prefetch_steps": 0},
+    "full-continuous": {"mask_aware": False, "batching": "continuous"},
+    "maskaware": {"mask_aware": True, "batching": "continuous", "routing_policy": "round_robin",
+                  "prefetch_steps": 2},
+    "stencil": {"mask_aware": True, "batching": "continuous", "routing_policy": "mask_aware",
+                "prefetch_steps": 64},
+}
+
+
+Workload = tuple[list[float], list[dict[str, Any]]]  # arrival offsets; template, mask, prompt, seed of each job
+
+
+def make_workload(rate: float, n: int, ratios: np.ndarray, templates: list[Image.Image], steps: int,
+                  seed: int) -> Workload:
+    """Poisson arrivals at ``rate``, mask ratios from the trace, shapes, templates, prompts, seeds."""
+    from app.maskgen import SHAPES, make_mask
+
+    rng = random.Random(seed)
+    t, arrivals, jobs = 0.0, [], []
+    size = templates[0].size
+    for i in range(n):
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+        ratio = float(ratios[rng.randrange(len(ratios))])
+        mask = make_mask(ratio, size, rng.choice(SHAPES), seed=rng.randrange(1 << 30))
+        jobs.append({"template": rng.randrange(len(templates)), "mask": mask,
+                     "prompt": rng.choice(["a red scarf", "a hat", "flowers", "a cat", "sunglasses"]),
+                     "seed": rng.randrange(1 << 31), "steps": steps})
+    return arrivals, jobs
+
+
+def submit_stock(client, *, template: Image.Image, mask: np.ndarray, **params: object):  # type: ignore[no-untyped-def]
+    """A stock-baseline job with its template as the job's own upload (the ``image`` blob the stock
+    worker reads; ``client.submit`` stores uploads as templates, which the stock worker does not read)."""
+    from app.client import JobHandle, _image_bytes
+    from app.jobs import JobParams, new_job_id
+
+    job_id = new_job_id()
+    client.blobs.put(job_id, "image", _image_bytes(template, mask=False))
+    client.blobs.put(job_id, "mask", _image_bytes(mask, mask=True))
+    job_id, _ = client.jobs.create(JobParams(**params).check(client.settings.max_steps), job_id=job_id)  # type: ignore[arg-type]
+    return JobHandle(client, job_id)
+
+
+def run_rate(client, stock: bool, template_ids: list[str], templates: list[Image.Image],  # type: ignore[no-untyped-def]
+             workload: Workload, guidance: float, timeout: float) -> list[dict[str, float]]:
+    """Open-loop replay: submit at the arrival times, then wait for every job."""
+    start = time.monotonic()
+    submit = (lambda **kw: submit_stock(client, **kw)) if stock else client.submit
+    handles = []
+    for offset, job in zip(*workload):
+        delay = start + offset - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        tpl = templates[job["template"]] if stock else template_ids[job["template"]]
+        handles.append((submit(template=tpl, mask=job["mask"], prompt=job["prompt"], seed=job["seed"],
+                               steps=job["steps"], guidance=guidance), float(job["mask"].mean())))
+    rows = []
+    for handle, ratio in handles:
+        rec = handle.wait(timeout)
+        queued = rec.ts("queued") or 0.0
+        end = rec.ts("done") or rec.ts(rec.status) or time.time()
+        started = rec.ts("denoising") or end
+        rows.append({"status": rec.status.value, "latency": end - queued, "queueing": max(0.0, started - queued),
+                     "ratio": ratio, "queued": queued, "end": end,
+                     "worker": str(rec.fields.get("worker") or ""),
+                     "masked_steps": float(rec.fields.get("masked_steps") or 0),
+                     "fallback_steps": float(rec.fields.get("fallback_steps") or 0)})
+    return rows
+
+
+def busy_seconds(stack) -> float:  # type: ignore[no-untyped-def]
+    r = stack.redis()
+    total = 0.0
+    for wid in stack.settings.gpu_worker_ids:
+        value = r.hget(f"stencil:worker:{wid}", "busy_seconds")
+        total += float(value) if value else 0.0
+    return total
+
+
+def summarize(rows: list[dict[str, float]], busy: float, workers: int) -> dict[str, float]:
+    done = [r for r in rows if r["status"] == "done"]
+    lat = np.array([r["latency"] for r in done]) if done else np.array([np.nan])
+    span = max(r["end"] for r in rows) - min(r["queued"] for r in rows)
+    return {
+        "jobs": len(rows), "done": len(done),
+        "mean": float(lat.mean()), "p50": float(np.percentile(lat, 50)), "p95": float(np.percentile(lat, 95)),
+        "p99": float(np.percentile(lat, 99)),
+        "queueing": float(np.mean([r["queueing"] for r in done])) if done else float("nan"),
+        "throughput": len(done) / span if span > 0 else float("nan"),
+        "gpu_busy": busy / (span * workers) if span > 0 else float("nan"),
+    }
+
+
+def run_system(name: str, cfg: dict[str, object], rates: list[float], args: argparse.Namespace,
+               model_dir: Path, ratios: np.ndarray, templates: list[Image.Image]) -> dict[str, object]:
+    from app.client import StencilClient
+    from app.embedded import EmbeddedStack
+
+    cfg = dict(cfg)
+    stock = bool(cfg.pop("stock", False))
+    workdir = Path(args.workdir) / name
+    overrides = dict(model_dir=str(model_dir), max_batch=args.max_batch, **cfg)
+    log.info("system %s: starting (%s)", name, overrides)
+    with EmbeddedStack.start(workdir, gpu_workers=args.workers, stock=stock, **overrides) as stack:
+        client = StencilClient(stack.settings)
+        template_ids = [client.add_template(img, f"bench-{i}") for i, img in enumerate(templates)]
+        if not stock and stack.settings.mask_aware:
+            for tid in template_ids:
+                rec = client.warm_template(tid, steps=args.steps, guidance=args.guidance).wait(args.timeout)
+                assert rec.status.value == "done", rec.error
+        # Warm every process (lazy model loads) outside the measurement.
+        warm = make_workload(100.0, 2 * args.workers, ratios, templates, args.steps, seed=1)
+        run_rate(client, stock, template_ids, templates, warm, args.guidance, args.timeout)
+        results = {}
+        for k, rate in enumerate(rates):
+            workload = make_workload(rate, args.jobs, ratios, templates, args.steps, seed=100 + k)
+            busy0 = busy_seconds(stack)
+            rows = run_rate(client, stock, template_ids, templates, workload, args.guidance, args.timeout)
+            summary = summarize(rows, busy_seconds(stack) - busy0, args.workers)
+            log.info("system %s rate %.3f/s: %s", name, rate, json.dumps({k: round(v, 3) for k, v in summary.items()}))
+            results[f"{rate:.4f}"] = {"summary": summary, "rows": rows}
+    return results
+
+
+def _summary(report: dict, system: str, rate_key: str) -> dict[str, float]:
+    return report["results"][system][rate_key]["summary"]
+
+
+def sustained(report: dict, system: str) -> str | None:
+    """Highest rate the system sustains: it completes the offered load (throughput >= 85% of
+    the rate) without its queue growing (mean queueing below the mean service time x 4). For the
+    stock baseline also at most its measured closed-loop capacity: above it the queue grows without
+    bound, which a short run at that rate can hide."""
+    best = None
+    limit = float(report.get("capacity_stock", float("inf"))) if system == "stock" else float("inf")
+    for key in sorted(report["results"][system], key=float):
+        if float(key) > limit * 1.0001:
+            continue
+        s = _summary(report, system, key)
+        service = s["mean"] - s["queueing"]
+        if s["done"] == s["jobs"] and s["throughput"] >= 0.85 * float(key) and s["queueing"] <= 4 * max(service, 1e-6):
+            best = key
+    return best
+
+
+def claims(report: dict) -> list[str]:
+    lines = []
+    systems = report["results"]
+    if "stock" not in systems:
+        return lines
+    base_key = sustained(report, "stock") or min(systems["stock"], key=float)
+    base = _summary(report, "stock", base_key)
+    lines.append(f"- Highest rate the stock baseline sustains: {float(base_key):.3f} jobs/s "
+                 f"(throughput {base['throughput']:.3f}/s, P95 {base['p95']:.2f} s, mean {base['mean']:.2f} s).")
+    for name in systems:
+        if name == "stock" or base_key not in systems[name]:
+            continue
+        at = _summary(report, name, base_key)
+        ok = [k for k in systems[name] if _summary(report, name, k)["p95"] <= base["p95"]
+              and _summary(report, name, k)["done"] == _summary(report, name, k)["jobs"]]
+        tput = max((_summary(report, name, k)["throughput"] for k in ok), default=float("nan"))
+        equal_p95 = (f"{tput:.3f}/s ({tput / base['throughput']:.2f}x the stock's)" if ok
+                     else "none (P95 above the stock's at every measured rate)")
+        lines.append(f"- `{name}`: at that rate mean latency {at['mean']:.2f} s "
+                     f"({base['mean'] / at['mean']:.1f}x lower), P95 {at['p95']:.2f} s; highest throughput "
+                     f"with P95 <= the stock's: {equal_p95}.")
+    if "full-static" in systems and "full-continuous" in systems:
+        for key in sorted(systems["full-static"], key=float):
+            if key in systems["full-continuous"]:
+                a, b = _summary(report, "full-static", key), _summary(report, "full-continuous", key)
+                lines.append(f"- rate {float(key):.3f}/s: continuous vs static batching P95 {b['p95']:.2f} s vs "
+                             f"{a['p95']:.2f} s ({(1 - b['p95'] / a['p95']) * 100:.0f}% lower).")
+    return lines
+
+
+def table(report: dict) -> str:
+    head = "| system | rate (jobs/s) | done | mean s | P50 s | P95 s | P99 s | queueing s | throughput /s | busy |\n"
+    head += "|---|---|---|---|---|---|---|---|---|---|\n"
+    rows = []
+    for name, per_rate in report["results"].items():
+        for key in sorted(per_rate, key=float):
+            s = per_rate[key]["summary"]
+            rows.append(f"| {name} | {float(key):.3f} | {s['done']}/{s['jobs']} | {s['mean']:.2f} | {s['p50']:.2f} | "
+                        f"{s['p95']:.2f} | {s['p99']:.2f} | {s['queueing']:.2f} | {s['throughput']:.3f} | "
+                        f"{s['gpu_busy']:.2f} |")
+    return head + "\n".join(rows) + "\n"
+
+
+def plots(report: dict, out: Path) -> list[str]:
+    plt = pyplot()
+    files = []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, per_rate in report["results"].items():
+        keys = sorted(per_rate, key=float)
+        x = [float(k) for k in keys]
+        axes[0].plot(x, [per_rate[k]["summary"]["mean"] for k in keys], marker="o", label=name)
+        axes[1].plot(x, [per_rate[k]["summary"]["p95"] for k in keys], marker="o", label=name)
+    for ax, what in zip(axes, ("mean latency (s)", "P95 latency (s)")):
+        ax.set_yscale("log")
+        finish_axes(ax, "request rate (jobs/s)", what)
+    axes[0].legend(fontsize=8)
+    files.append(save_figure(fig, out / "latency_vs_rate.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in ("stock", "stencil"):
+        if name not in report["results"]:
+            continue
+        keys = sorted(report["results"][name], key=float)
+        rows = report["results"][name][keys[0]]["rows"]  # lowest rate: little queueing
+        ax.scatter([r["ratio"] for r in rows], [r["latency"] - r["queueing"] for r in rows], label=name, s=12)
+    finish_axes(ax, "mask ratio", "service time (s, lowest rate)", legend=0)
+    files.append(save_figure(fig, out / "latency_vs_mask_ratio.png"))
+
+    curve = report.get("batch_curve")
+    if curve:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for engine in dict.fromkeys(r["engine"] for r in curve):
+            points = sorted((r["batch"], r["jobs_per_s"]) for r in curve if r["engine"] == engine)
+            ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=engine)
+        finish_axes(ax, "batch size (jobs)", "throughput (jobs / s of denoising)", legend=8)
+        files.append(save_figure(fig, out / "throughput_vs_batch.png"))
+    return files
+
+
+def write_report(report: dict, out: Path) -> Path:
+    """``README.md`` and the plots of a run (``report`` as ``e2e.json`` holds it) in ``out``."""
+    files = plots(report, out)
+    args = report["args"]
+    text = [f"# End-to-end benchmark ({args['trace']} trace)\n",
+            f"Command: `{report['command']}` on {report['machine']}, "
+            f"{args['workers']} workers per system, max batch {args['max_batch']}, {args['steps']} steps, "
+            f"guidance {args['guidance']}, {args['size']}x{args['size']} images, {args['jobs']} jobs per rate; "
+            f"took {report['elapsed_s']:.0f} s. Stock capacity (closed loop): {report['capacity_stock']:.3f} jobs/s.\n",
+            "## Results\n", table(report), "\n## Claims\n", "\n".join(claims(report)) + "\n",
+            "\n## Plots\n", "\n".join(f"![{f}]({f})" for f in files) + "\n"]
+    if report.get("batch_curve"):
+        text += ["\n## Throughput vs batch size (in process, same model and size)\n",
+                 "Jobs per second of denoising (`ops/bench/batch_curve.py`; the stock pipeline's call includes "
+                 "its text encoding and VAE work). The gain column says what a step of B jobs saves over B steps "
+                 "of one job; continuous batching can only beat static batching by what batching saves plus the "
+                 "waiting it avoids.\n", curve_table(report["batch_curve"]) + "\n"]
+    path = out / "README.md"
+    path.write_text("\n".join(text))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = cli.parser(__doc__, out="docs/bench/e2e", threads=None, seed=None)
+    p.add_argument("--trace", default="spring", choices=["spring", "controlnet", "adetailer"])
+    p.add_argument("--workdir", default="", help="stacks' state and the model (default: a new temporary folder)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--max-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--guidance", type=float, default=7.5)
+    p.add_argument("--size", type=int, default=256, help="image side (latent = size / 8)")
+    p.add_argument("--jobs", type=int, default=60, help="jobs per rate")
+    p.add_argument("--rates", default="0.3,0.6,0.9,1.2,2.0,3.0,4.0", help="comma-separated multiples of the stock "
+                   "capacity")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--unet-hidden", default="64,128", help="block_out_channels of the benchmark UNet")
+    p.add_argument("--batch-curve", default="1,2,4", help="batch sizes of the in-process curve ('' = skip)")
+    p.add_argument("--from-json", default="", help="measure nothing: re-render --out from a saved e2e.json")
+    run = cli.start(p, argv, __file__, quick=dict(workers=1, steps=2, size=64, jobs=2, rates="2.0",
+                                                  systems="stencil", unet_hidden="32,64", batch_curve="1",
+                                                  timeout=300.0))
+    args = run.args
+    out = Path(args.out)
+    if args.from_json:
+        write_report(json.loads(Path(args.from_json).read_text()), out)
+        return 0
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # each worker process: one core's worth
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="stencil-bench-e2e-")
+    multiples = [float(x) for x in args.rates.split(",")]
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = saved_sd_pipeline(Path(args.workdir), tuple(int(x) for x in args.unet_hidden.split(",")))
+    ratios = load_trace(args.trace)
+    templates = [img for _name, img in demo_templates(args.size)]
+    curve: list[dict[str, object]] = []
+    if args.batch_curve:
+        curve = batch_curve(model_dir, size=args.size, steps=min(args.steps, 4),
+                            batches=[int(x) for x in args.batch_curve.split(",")], ratio=float(np.mean(ratios)))
+    # The stock baseline's closed-loop capacity (a burst of jobs): the rates are multiples of it.
+    burst = run_system("stock-capacity", SYSTEMS["stock"], [1000.0], args, model_dir, ratios, templates)
+    capacity = float(next(iter(burst.values()))["summary"]["throughput"])  # type: ignore[index]
+    rates = [m * capacity for m in multiples]
+    log.info("stock capacity %.3f jobs/s; rates %s", capacity, [round(r, 3) for r in rates])
+    results: dict[str, object] = {}
+    for name in args.systems.split(","):
+        results[name] = run_system(name, SYSTEMS[name], rates, args, model_dir, ratios, templates)
+    report = {"command": run.command, "capacity_stock": capacity, "rates": rates, "batch_curve": curve,
+              "multiples": multiples, "results": results, "args": vars(args), "elapsed_s": run.elapsed(),
+              "machine": f"{platform.machine()} {os.cpu_count()} cores"}
+    (out / "e2e.json").write_text(json.dumps(report, indent=1, default=float))
+    write_report(report, out)
+    log.info("done in %.0fs; report in %s", run.elapsed(), out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""Report files: sections of Markdown files that several commands write, and plots (whole files: ``cli.Run``)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def replace_section(path: Path, name: str, text: str) -> None:
+    """Replace ``<!-- name:begin -->...<!-- name:end -->`` in ``path`` (append if missing): several
+    commands write one report, each its own section."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    block = f"{begin}\n{text.rstrip()}\n{end}"
+    old = path.read_text() if path.exists() else ""
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    new = pattern.sub(lambda _: block, old) if pattern.search(old) else (old.rstrip() + "\n\n" + block + "\n").lstrip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(new)
+    log.info("wrote section %s of %s", name, path)
+
+
+def pyplot():  # type: ignore[no-untyped-def]
+    """matplotlib's pyplot on the Agg backend (no display on the benchmark machines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def finish_axes(ax: Any, xlabel: str, ylabel: str, legend: float | None = None) -> None:
+    """The reports' axes: labels, a light grid, and a legend when ``legend`` is given (its font size, 0 = default)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if legend is not None:
+        ax.legend(fontsize=legend or None)
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> str:
+    """Lay out, write and close a figure (every plot of the reports: same layout and resolution); its file name."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path.name

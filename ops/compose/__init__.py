@@ -1,1 +1,0 @@
-"""Helpers that docker-compose.yml runs inside the containers (healthchecks, MinIO set-up)."""
