@@ -22,7 +22,7 @@ from PIL import Image
 
 from app.blobs import BlobStore
 from app.jobs import JobStatus, JobStore
-from app.keys import result_key
+from app.keys import result_key, template_key
 from app.settings import Settings
 from app.storage import open_store
 
@@ -89,6 +89,12 @@ class StockWorker:
             ids.append(more.decode())
         return ids
 
+    def _template(self, job_id: str, template_id: str) -> bytes:
+        """The job's template: a stored (or content-addressed uploaded) template, else its own blob."""
+        if template_id:
+            return self.store.get(template_key(template_id))
+        return self.blobs.get(job_id, "image") or b""
+
     def _run_batch(self, ids: list[str]) -> None:
         recs = [self.jobs.get(j) for j in ids]
         live = [(j, r) for j, r in zip(ids, recs) if r is not None and not r.status.terminal]
@@ -96,7 +102,7 @@ class StockWorker:
             return
         images, masks, gens = [], [], []
         for job_id, rec in live:
-            images.append(Image.open(io.BytesIO(self.blobs.get(job_id, "image") or b"")).convert("RGB"))
+            images.append(Image.open(io.BytesIO(self._template(job_id, rec.params.template_id))).convert("RGB"))
             masks.append(Image.open(io.BytesIO(self.blobs.get(job_id, "mask") or b"")).convert("L"))
             gens.append(torch.Generator("cpu").manual_seed(rec.params.seed))
             self.jobs.transition(job_id, JobStatus.DENOISING, worker=f"stock.{self.worker_id}")

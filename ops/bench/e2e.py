@@ -77,24 +77,11 @@ def make_workload(rate: float, n: int, ratios: np.ndarray, templates: list[Image
     return arrivals, jobs
 
 
-def submit_stock(client, *, template: Image.Image, mask: np.ndarray, **params: object):  # type: ignore[no-untyped-def]
-    """A stock-baseline job with its template as the job's own upload (the ``image`` blob the stock
-    worker reads; ``client.submit`` stores uploads as templates, which the stock worker does not read)."""
-    from app.client import JobHandle, _image_bytes
-    from app.jobs import JobParams, new_job_id
-
-    job_id = new_job_id()
-    client.blobs.put(job_id, "image", _image_bytes(template, mask=False))
-    client.blobs.put(job_id, "mask", _image_bytes(mask, mask=True))
-    job_id, _ = client.jobs.create(JobParams(**params).check(client.settings.max_steps), job_id=job_id)  # type: ignore[arg-type]
-    return JobHandle(client, job_id)
-
-
 def run_rate(client, stock: bool, template_ids: list[str], templates: list[Image.Image],  # type: ignore[no-untyped-def]
              workload: Workload, guidance: float, timeout: float) -> list[dict[str, float]]:
     """Open-loop replay: submit at the arrival times, then wait for every job."""
     start = time.monotonic()
-    submit = (lambda **kw: submit_stock(client, **kw)) if stock else client.submit
+    submit = client.submit
     handles = []
     for offset, job in zip(*workload):
         delay = start + offset - time.monotonic()
