@@ -67,7 +67,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ops.train_tiny_sd import EMA, HELD_OUT, LATENT, TRAIN_SOURCES, Crops, draw_masks, load_source
+from ops.train.common import EMA, HELD_OUT, LATENT, TRAIN_SOURCES, Crops, draw_masks, load_source
 
 log = logging.getLogger("train_controlnet")
 

@@ -5,7 +5,7 @@ the base model's own objective, so that loading one with the stock
 ``StableDiffusionInpaintPipeline.load_lora_weights`` changes *what the masked region becomes*
 while the template outside the mask stays the template.
 
-Objective (the base model's, see its model card and ``ops/train_tiny_sd.py``): the 9-channel
+Objective (the base model's, see its model card and ``ops/train/sd.py``): the 9-channel
 UNet input ``cat(noisy latents, mask, masked-image latents)`` on SD's scaled-linear 1000-step
 schedule, x0 ("sample") prediction read from the model's scheduler config, MSE on the clean
 latents, 15 % empty captions (the CFG branch runs with the adapter loaded too).
@@ -52,8 +52,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ops.train.common import EMA, HELD_OUT, LATENT, TRAIN_SOURCES, Crops, draw_masks, load_source
 from ops.train.styles import STYLES, apply_style
-from ops.train_tiny_sd import EMA, HELD_OUT, LATENT, TRAIN_SOURCES, Crops, draw_masks, load_source
 
 log = logging.getLogger("train_lora")
 

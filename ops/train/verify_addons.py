@@ -39,9 +39,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ops.train.common import HELD_OUT, Crops, load_source
 from ops.train.controlnet import CANNY_SIGMA, canny_edges, control_image
 from ops.train.styles import PRIMARY, STYLE_NAMES, mean_lch, style_scores
-from ops.train_tiny_sd import HELD_OUT, Crops, load_source
 
 log = logging.getLogger("verify_addons")
 

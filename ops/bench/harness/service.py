@@ -1,0 +1,106 @@
+"""The service's job path in one process, for add-on benchmarks: what the dispatcher, a CPU worker
+and a GPU worker do, minus Redis and Celery (measured elsewhere: ``ops/bench/overheads.py``).
+
+``route`` is the dispatcher's part (the GPU worker starts fetching the job's adapters and
+ControlNets; an idle engine merges the adapters in the background), ``prepare`` / ``decode`` the
+CPU worker's (the product's own functions), and the engine runs on its own thread with the
+product's LoRA patcher, adapter bank and ControlNet bank, reading add-ons from an object store as
+a GPU worker does.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from app.adapters import lora_weights_key
+from app.jobs import JobParams
+from app.storage import ObjectStore
+from workers.adapters.bank import AdapterBank
+from workers.adapters.convert import canonical_lora
+from workers.adapters.lora import LoraWeights
+from workers.adapters.patcher import LoraPatcher
+from workers.controlnets.bank import ControlNetBank, store_loader
+from workers.controlnets.inputs import prepare_control_images
+from workers.engine.engine import Engine
+from workers.engine.scheduler import BatchScheduler
+from workers.engine.sd_runner import SDRunner
+from workers.models.loader import load_cpu_pipeline, load_unet, scheduler_config
+from workers.sd_inputs import decode_latents, prepare_job_tensors
+
+
+def add_lora(store: ObjectStore, model_dir: Path, lora_id: str, file: Path) -> LoraWeights:
+    """What ``stencil lora add`` stores (the canonical weights)."""
+    weights = canonical_lora(file.read_bytes(), model_dir, lora_id, max_bytes=1 << 32)
+    store.put(lora_weights_key(lora_id), weights.to_bytes())
+    return weights
+
+
+class InProcess:
+    def __init__(self, model_dir: Path, store: ObjectStore, *, max_batch: int = 4, lora_cache_bytes: int = 1 << 30,
+                 controlnet_cache_bytes: int = 1 << 32, controlnet_parallel: bool = True,
+                 merge_buffers: int = 2) -> None:
+        self.model_dir = model_dir
+        self.store = store
+        self.cfg = scheduler_config(model_dir)
+        self.cpu = load_cpu_pipeline(model_dir)
+        unet = load_unet(model_dir, "cpu")
+        self.bank = AdapterBank(lambda i: LoraWeights.from_bytes(store.get(lora_weights_key(i))), lora_cache_bytes)
+        self.lora = LoraPatcher(unet, "unet", self.bank.get, merge_buffers=merge_buffers)
+        self.controlnets = ControlNetBank(store_loader(store.get, "cpu", unet.dtype), controlnet_cache_bytes)
+        self.runner = SDRunner(unet, self.cfg, lora=self.lora, adapters=self.bank, controlnets=self.controlnets,
+                               controlnet_parallel=controlnet_parallel)
+        self.engine = Engine(self.runner, BatchScheduler(max_batch=max_batch)).start()
+        self._n = 0
+
+    def route(self, params: JobParams) -> None:
+        """The dispatcher's part for a routed job: fetch its add-ons (and, on an idle engine, merge
+        its adapters in the background), as ``stencil.prefetch_loras`` / ``_controlnets`` do."""
+        if params.loras:
+            def stage() -> None:
+                if not self.engine.scheduler.jobs():
+                    self.lora.stage(tuple(params.loras))
+            self.bank.prefetch((i for i, _ in params.loras), on_ready=stage)
+        if params.controls:
+            self.controlnets.prefetch(c[0] for c in params.controls)
+
+    def prepare(self, image: Image.Image, mask: np.ndarray, params: JobParams,
+                controls: list[Image.Image] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+        h, w = mask.shape
+        prep = prepare_job_tensors(self.cpu, self.cfg, image, Image.fromarray(mask.astype(np.uint8) * 255), params,
+                                   h, w)
+        tensors = dict(prep.tensors, **prepare_control_images(self.cpu, list(controls), h, w,
+                                                                bool(prep.meta["do_cfg"])))
+        meta = dict(prep.meta, cache_mode="full", loras=[[i, s] for i, s in params.loras],
+                    controls=[list(c) for c in params.controls])
+        return tensors, meta
+
+    def submit(self, tensors: dict[str, Any], meta: dict[str, Any]) -> Any:
+        self._n += 1
+        return self.engine.submit(f"j{self._n}", tensors, meta, total_steps=int(meta["num_steps"]))
+
+    def decode(self, latents: torch.Tensor) -> Image.Image:
+        return decode_latents(self.cpu, latents)
+
+    def job(self, image: Image.Image, mask: np.ndarray, params: JobParams,
+            controls: list[Image.Image] = ()) -> tuple[Image.Image, float]:
+        """One job end to end (route, prepare, denoise, decode); returns the image and its seconds."""
+        t0 = time.perf_counter()
+        self.route(params)
+        job = self.submit(*self.prepare(image, mask, params, controls))
+        image_out = self.decode(job.future.result()["latents"])
+        return image_out, time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.engine.stop()
+        self.bank.close()
+        self.controlnets.close()
+        self.lora.weights.close()
+
+
+__all__ = ["InProcess", "add_lora"]

@@ -1,0 +1,307 @@
+"""LoRA adapters per job: Stencil vs the stock per-request path, side by side in one run.
+
+Parts (``--parts``):
+
+- ``latency``: the latency one and two adapters (rank ``--rank`` on every attention projection)
+  add to a job over the same job without adapters. Stock per-request path: ``load_lora_weights``
+  for each adapter (files on local disk), ``set_adapters``, ``fuse_lora``, the pipeline call,
+  ``unfuse_lora``, ``unload_lora_weights``. Stencil: the job as the service runs it in process
+  (``ops/bench/harness/service.py``: routed (the worker fetches the adapters from the object store
+  and, idle, merges them in the background), prepared, denoised by the engine on its thread,
+  decoded). Every request uses adapters no earlier request used (the long tail: nothing is warm).
+  Configurations interleaved per round; medians.
+- ``step``: one batch step of 4 CFG jobs whose adapter sets all differ (two of them with two
+  adapters) vs the same batch without adapters, and with one shared set; the engine chooses merge
+  or per-row terms by its cost model. CPU time of the one compute thread, interleaved rounds.
+- ``trace``: a long-tail trace (``--pool`` adapters with Zipf popularity, 1 or 2 adapters per job,
+  scales in [0.5, 1]): jobs per second of the stock path (one request at a time) vs Stencil (the
+  whole trace routed at once, continuous batching), both on one compute thread (Stencil prepares,
+  denoises and decodes on the same thread; only its fetches and background merges use others).
+
+    python -m ops.bench.lora --parts latency,step,trace --out docs/bench/lora.md
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import StableDiffusionInpaintPipeline
+from PIL import Image
+
+from app.demo import demo_templates
+from app.jobs import JobParams
+from app.maskgen import make_mask
+from app.storage import LocalStore
+from ops.bench.harness import cli
+from ops.bench.harness.addons import save_sd_lora
+from ops.bench.harness.models import saved_sd_pipeline
+from ops.bench.harness.service import InProcess, add_lora
+from ops.bench.harness.timing import interleave, median, uptime
+from workers.engine.engine import Engine
+from workers.engine.scheduler import BatchScheduler
+
+log = logging.getLogger(__name__)
+
+
+def _pipe(model_dir: Path) -> StableDiffusionInpaintPipeline:
+    pipe = StableDiffusionInpaintPipeline.from_pretrained(model_dir, safety_checker=None, feature_extractor=None,
+                                                          requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+class Adapters:
+    """Adapter files made on demand (one per id, seeded by its number) and added to Stencil's store."""
+
+    def __init__(self, model_dir: Path, root: Path, store: LocalStore, rank: int) -> None:
+        self.model_dir, self.root, self.store, self.rank = model_dir, root, store, rank
+        self.maker = _pipe(model_dir)  # PEFT leaves wrappers in a model it made adapters on: not a served one
+        self.dirs: dict[str, Path] = {}
+
+    def get(self, lora_id: str) -> Path:
+        if lora_id not in self.dirs:
+            out = self.root / lora_id
+            f = save_sd_lora(self.maker, out, rank=self.rank, seed=int(lora_id.split("-")[-1]), std=0.02)
+            add_lora(self.store, self.model_dir, lora_id, f)
+            self.dirs[lora_id] = out
+        return self.dirs[lora_id]
+
+
+class Stock:
+    """The per-request path diffusers documents: load, set, fuse, run, unfuse, unload."""
+
+    def __init__(self, model_dir: Path, adapters: Adapters) -> None:
+        self.pipe = _pipe(model_dir)
+        self.adapters = adapters
+        self.lora_seconds: list[float] = []
+
+    def job(self, image: Image.Image, mask: np.ndarray, params: JobParams) -> float:
+        pipe = self.pipe
+        t0 = time.perf_counter()
+        ids = [i for i, _ in params.loras]
+        for i in ids:
+            pipe.load_lora_weights(str(self.adapters.get(i)), adapter_name=i)
+        if ids:
+            pipe.set_adapters(ids, [s for _, s in params.loras])
+            pipe.fuse_lora(adapter_names=ids, lora_scale=1.0)
+        t1 = time.perf_counter()
+        h, w = mask.shape
+        pipe(prompt=params.prompt, image=image, mask_image=Image.fromarray(mask.astype(np.uint8) * 255),
+             num_inference_steps=params.steps, guidance_scale=params.guidance, height=h, width=w,
+             generator=torch.Generator("cpu").manual_seed(params.seed))
+        t2 = time.perf_counter()
+        if ids:
+            pipe.unfuse_lora()
+            pipe.unload_lora_weights()
+        t3 = time.perf_counter()
+        self.lora_seconds.append((t1 - t0) + (t3 - t2))
+        return t3 - t0
+
+
+def _inputs(size: int, k: int) -> tuple[Image.Image, np.ndarray]:
+    templates = demo_templates(size)
+    return templates[k % len(templates)][1], make_mask(0.25, (size, size), ("blob", "rect")[k % 2], seed=k)
+
+
+def part_latency(args: Any, model_dir: Path, work: Path) -> list[str]:
+    store = LocalStore(work / "store")
+    adapters = Adapters(model_dir, work / "loras", store, args.rank)
+    stock, svc = Stock(model_dir, adapters), InProcess(model_dir, store)
+    counter = iter(range(1, 10**6))
+
+    def params(n: int, k: int) -> JobParams:  # adapters no earlier request used
+        ids = [f"lat-{next(counter)}" for _ in range(n)]
+        for i in ids:
+            adapters.get(i)
+        return JobParams(prompt="a hat", steps=args.steps, guidance=7.5, seed=k, loras=tuple((i, 0.8) for i in ids))
+
+    image, mask = _inputs(args.size, 0)
+    svc.job(image, mask, params(1, 0))  # warm-up both (lazy inits)
+    stock.job(image, mask, params(1, 0))
+    stock.lora_seconds.clear()
+    configs = [(system, n) for system in ("stock", "stencil") for n in (0, 1, 2)]
+
+    def measure(config: tuple[str, int]) -> float:
+        system, n = config
+        p = params(n, len(stock.lora_seconds))
+        return stock.job(image, mask, p) if system == "stock" else svc.job(image, mask, p)[1]
+
+    samples = interleave(args.rounds, configs, measure, rng=random.Random(args.seed), label="latency ")
+    lora_handling = median(stock.lora_seconds)
+    mib = adapters.get("lat-1").joinpath("pytorch_lora_weights.safetensors").stat().st_size / 2**20
+    weights = svc.lora.weights
+    rows = ["| adapters | stock latency | stock added | Stencil latency | Stencil added | "
+            "Stencil added / stock added |", "|---|---|---|---|---|---|"]
+    for n in (1, 2):
+        s0, s1 = median(samples[("stock", 0)]), median(samples[("stock", n)])
+        t0_, t1 = median(samples[("stencil", 0)]), median(samples[("stencil", n)])
+        added_stock, added_ours = s1 - s0, t1 - t0_
+        rows.append(f"| {n} | {s1:.3f} s | {added_stock * 1e3:.0f} ms | {t1:.3f} s | {added_ours * 1e3:.0f} ms | "
+                    f"{added_ours / added_stock:.3f} |")
+    svc.close()
+    return ["## Added latency per job\n",
+            f"UNet {args.hidden}, {args.size} px, {args.steps} steps, guidance 7.5; adapters rank {args.rank} on every "
+            f"attention projection ({mib:.1f} MiB each); {args.rounds} interleaved rounds, medians of wall time. "
+            f"The stock path's LoRA calls took "
+            f"{lora_handling * 1e3:.0f} ms per request (median over all its requests). Stencil merged "
+            f"{weights.staged_seconds:.2f} s in the background and {weights.sync_seconds:.2f} s on the critical path "
+            f"in all; its engine waited {weights.waited_seconds:.2f} s for background merges.\n", *rows, ""]
+
+
+def _sets(kind: str) -> list[tuple[tuple[str, float], ...]]:
+    if kind == "none":
+        return [()] * 4
+    if kind == "uniform":
+        return [(("step-1", 1.0), ("step-2", 0.5))] * 4
+    return [(("step-1", 1.0),), (("step-2", 1.0), ("step-3", 0.5)), (("step-3", 0.8),),
+            (("step-1", 0.3), ("step-4", 1.0))]
+
+
+def part_step(args: Any, model_dir: Path, work: Path) -> list[str]:
+    from ops.bench.harness.models import cfg_job, pixel_mask
+
+    store = LocalStore(work / "store-step")
+    adapters = Adapters(model_dir, work / "loras-step", store, args.rank)
+    for k in range(1, 5):
+        adapters.get(f"step-{k}")
+    svc = InProcess(model_dir, store)
+    svc.engine.stop()  # stepped by hand below
+    latent = args.step_size // 8
+    text = (77, svc.runner.unet.config.cross_attention_dim)
+
+    def step_seconds(kind: str) -> float:
+        jobs = []
+        for k, adapter_set in enumerate(_sets(kind)):
+            tensors, meta = cfg_job(pixel_mask(args.step_size, 0.25, "blob", k), latent, 50, text, k)
+            jobs.append((tensors, dict(meta, loras=[list(a) for a in adapter_set])))
+        engine = Engine(svc.runner, BatchScheduler(max_batch=4))
+        for k, (tensors, meta) in enumerate(jobs):
+            engine.submit(f"s{k}", tensors, meta, total_steps=50)
+        engine._drain_inbox(block=False)
+        while len(engine.scheduler.running) < 4:  # until the adapters are fetched and all four admitted
+            if not engine.step_once():
+                time.sleep(0.01)
+        for _ in range(2):  # background merges the cost model asked for land
+            engine.step_once()
+        times = []
+        for _ in range(args.step_repeats):
+            t0 = time.thread_time()
+            engine.step_once()
+            times.append(time.thread_time() - t0)
+        for job in engine.scheduler.jobs():
+            engine.scheduler.remove(job.job_id)
+        return statistics.median(times)
+
+    samples = interleave(args.rounds, ["none", "mixed", "uniform"], step_seconds, rng=random.Random(args.seed),
+                         label="step ")
+    none = median(samples["none"])
+    rows = ["| batch of 4 CFG jobs | step (CPU s) | vs no adapters |", "|---|---|---|"]
+    for kind, text_ in (("none", "no adapters"), ("mixed", "4 different sets (per-row terms)"),
+                        ("uniform", "one shared set of 2 (merged)")):
+        rows.append(f"| {text_} | {median(samples[kind]):.3f} | {median(samples[kind]) / none:.3f}x |")
+    svc.close()
+    return ["## A batch step with mixed adapters\n",
+            f"UNet {args.hidden} at {args.step_size} px (latent {latent}), 4 jobs with CFG (8 rows), adapters rank "
+            f"{args.rank} on every attention projection; medians of {args.step_repeats} steps per configuration and "
+            f"round, {args.rounds} interleaved rounds, thread CPU time (1 torch thread). Last choice of the patcher: "
+            f"merged {svc.lora.stats.last_merged or '()'}.\n", *rows, ""]
+
+
+def trace_jobs(n: int, pool: int, zipf: float, seed: int) -> list[tuple[tuple[str, float], ...]]:
+    """Adapter sets of a long-tail trace: ids by Zipf popularity, 1 or 2 per job, scales in [0.5, 1]."""
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, pool + 1) ** zipf
+    weights /= weights.sum()
+    out = []
+    for _ in range(n):
+        k = int(rng.integers(1, 3))
+        ids = rng.choice(pool, size=k, replace=False, p=weights) + 1
+        out.append(tuple(sorted((f"tail-{int(i)}", float(round(rng.uniform(0.5, 1.0), 2))) for i in ids)))
+    return out
+
+
+def part_trace(args: Any, model_dir: Path, work: Path) -> list[str]:
+    store = LocalStore(work / "store-trace")
+    adapters = Adapters(model_dir, work / "loras-trace", store, args.rank)
+    sets = trace_jobs(args.jobs, args.pool, args.zipf, args.seed)
+    for adapter_set in sets:
+        for i, _ in adapter_set:
+            adapters.get(i)
+    jobs = [(*_inputs(args.size, k), JobParams(prompt="a hat", steps=args.steps, guidance=7.5, seed=k, loras=s))
+            for k, s in enumerate(sets)]
+    stock = Stock(model_dir, adapters)
+    t0 = time.perf_counter()
+    for image, mask, p in jobs:
+        stock.job(image, mask, p)
+    stock_s = time.perf_counter() - t0
+    svc = InProcess(model_dir, store, lora_cache_bytes=args.cache_mib << 20)
+    svc.engine.stop()  # one compute thread: prepare, step and decode on this thread
+    engine = Engine(svc.runner, BatchScheduler(max_batch=4))
+    t0 = time.perf_counter()
+    for _image, _mask, p in jobs:
+        svc.route(p)
+    handles = []
+    for k, (image, mask, p) in enumerate(jobs):
+        tensors, meta = svc.prepare(image, mask, p)
+        handles.append(engine.submit(f"t{k}", tensors, meta, total_steps=int(meta["num_steps"])))
+    engine._drain_inbox(block=False)
+    while not all(h.future.done() for h in handles):
+        if not engine.step_once():
+            time.sleep(0.005)
+    for h in handles:
+        svc.decode(h.future.result()["latents"])
+    ours_s = time.perf_counter() - t0
+    distinct = len({i for s in sets for i, _ in s})
+    svc.close()
+    return ["## Long-tail trace\n",
+            f"{args.jobs} jobs, {args.pool} adapters with Zipf({args.zipf}) popularity ({distinct} distinct in the "
+            f"trace), 1-2 per job, rank {args.rank}; UNet {args.hidden}, {args.size} px, {args.steps} steps; "
+            f"Stencil's adapter bank {args.cache_mib} MiB, max batch 4.\n",
+            "| system | seconds | jobs/s | vs stock |", "|---|---|---|---|",
+            f"| stock per-request path | {stock_s:.1f} | {args.jobs / stock_s:.3f} | 1.00x |",
+            f"| Stencil | {ours_s:.1f} | {args.jobs / ours_s:.3f} | {stock_s / ours_s:.2f}x |", ""]
+
+
+PARTS = {"latency": part_latency, "step": part_step, "trace": part_trace}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = cli.parser(__doc__, out="docs/bench/lora.md")
+    p.add_argument("--parts", default="latency,step,trace")
+    p.add_argument("--hidden", default="320,640", help="block_out_channels of the benchmark pipeline's UNet")
+    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--size", type=int, default=256, help="image side of whole jobs (latency, trace)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--step-size", type=int, default=512, help="image side of the batch-step part")
+    p.add_argument("--step-repeats", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--jobs", type=int, default=24)
+    p.add_argument("--pool", type=int, default=1000)
+    p.add_argument("--zipf", type=float, default=1.0)
+    p.add_argument("--cache-mib", type=int, default=256)
+    run = cli.start(p, argv, __file__, quick=dict(hidden="32,64", rank=4, size=64, steps=2, step_size=64,
+                                                   step_repeats=1, rounds=1, jobs=3, pool=20))
+    args = run.args
+    args.hidden = tuple(int(c) for c in args.hidden.split(","))
+    work = Path(tempfile.mkdtemp(prefix="stencil-lora-bench-"))
+    model_dir = saved_sd_pipeline(work, args.hidden)
+    load = uptime()
+    lines = ["# LoRA adapters: Stencil vs the stock per-request path\n",
+             f"Command: `{run.command}`. Machine load at start: {load}.\n"]
+    for name in args.parts.split(","):
+        lines += PARTS[name](args, model_dir, work)
+    lines.append(f"Total {run.elapsed():.0f} s; load at end: {uptime()}.")
+    run.write(lines)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
