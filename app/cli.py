@@ -102,16 +102,21 @@ def _is_number(v: str) -> bool:
     return True
 
 
-def cmd_controlnet_add(args: argparse.Namespace) -> int:
+def _add(what: str, call) -> int:  # type: ignore[no-untyped-def]
+    """``stencil lora add`` / ``controlnet add``: the stored description, or the refusal (exit 2)."""
     from app.client import InvalidAdapter
 
     try:
-        meta = _client().add_controlnet(Path(args.dir), args.id, timeout=args.timeout)
+        meta = call()
     except InvalidAdapter as exc:
-        sys.stderr.write(f"stencil controlnet add: {exc}\n")
+        sys.stderr.write(f"stencil {what} add: {exc}\n")
         return 2
     sys.stdout.write(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return 0
+
+
+def cmd_controlnet_add(args: argparse.Namespace) -> int:
+    return _add("controlnet", lambda: _client().add_controlnet(Path(args.dir), args.id, timeout=args.timeout))
 
 
 def cmd_controlnet_list(args: argparse.Namespace) -> int:
@@ -122,15 +127,7 @@ def cmd_controlnet_list(args: argparse.Namespace) -> int:
 
 
 def cmd_lora_add(args: argparse.Namespace) -> int:
-    from app.client import InvalidAdapter
-
-    try:
-        meta = _client().add_lora(Path(args.file), args.id, timeout=args.timeout)
-    except InvalidAdapter as exc:
-        sys.stderr.write(f"stencil lora add: {exc}\n")
-        return 2
-    sys.stdout.write(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    return 0
+    return _add("lora", lambda: _client().add_lora(Path(args.file), args.id, timeout=args.timeout))
 
 
 def cmd_lora_list(args: argparse.Namespace) -> int:
@@ -267,7 +264,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from app.demo import run_demo
 
-    return run_demo(jobs=args.jobs, out_dir=Path(args.out), steps=args.steps, keep_unmasked=not args.raw)
+    return run_demo(jobs=args.jobs, out_dir=Path(args.out), steps=args.steps, keep_unmasked=not args.raw,
+                    addons=not args.no_addons)
 
 
 def _run_ops(module: str, argv: list[str]) -> int:
@@ -434,6 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=20)
     s.add_argument("--raw", action="store_true",
                    help="return the model's decoded output everywhere (no template paste-back outside the mask)")
+    s.add_argument("--no-addons", action="store_true",
+                   help="skip the add-on jobs (one template with each trained LoRA and the trained ControlNet)")
     s.set_defaults(func=cmd_demo)
 
     for name, module, text in (("profile", "ops.bench.profile", "fit the dispatcher's cost model on this device"),

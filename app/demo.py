@@ -60,9 +60,44 @@ def strip(template: Image.Image, mask: np.ndarray, result: Image.Image) -> Image
     return out
 
 
-def run_demo(jobs: int, out_dir: Path, steps: int = 20, timeout: float = 600.0, keep_unmasked: bool = True) -> int:
+def addon_strip(panels: list[Image.Image], gap: int = 4) -> Image.Image:
+    """Images side by side (the add-on demo: one edit plain, with each adapter, with the ControlNet)."""
+    w, h = panels[0].size
+    out = Image.new("RGB", (len(panels) * (w + gap) - gap, h), (255, 255, 255))
+    for k, panel in enumerate(panels):
+        out.paste(panel.convert("RGB").resize((w, h)), (k * (w + gap), 0))
+    return out
+
+
+def _edges(image: Image.Image) -> Image.Image:
+    """The canny edges the trained ControlNet was trained on (``ops/train/controlnet.py``)."""
+    from skimage.feature import canny
+
+    gray = np.asarray(image.convert("L"), dtype=np.float32) / 255
+    return Image.fromarray((canny(gray, sigma=1.5) * 255).astype(np.uint8)).convert("RGB")
+
+
+def _addon_jobs(client, image: Image.Image, mask: np.ndarray, steps: int,  # type: ignore[no-untyped-def]
+                keep_unmasked: bool) -> list[tuple[str, object]]:
+    """The trained add-ons (sepia and noir LoRAs, canny ControlNet) added to the service and one edit
+    of ``image`` with each, beside the same edit without: what the README's add-on strip shows."""
+    from workers.models.loader import TRAINED_DIR
+
+    client.add_lora(TRAINED_DIR / "loras" / "sepia" / "pytorch_lora_weights.safetensors", "sepia")
+    client.add_lora(TRAINED_DIR / "loras" / "noir" / "pytorch_lora_weights.safetensors", "noir")
+    client.add_controlnet(TRAINED_DIR / "tiny-sd-controlnet-canny", "canny")
+    variants = {"plain": {}, "sepia": {"loras": [("sepia", 1.0)]}, "noir": {"loras": [("noir", 0.5)]},
+                "canny": {"controls": [("canny", _edges(image), 0.5)]}}
+    return [(name, client.submit(template=image, mask=mask, prompt=PROMPTS[0], steps=steps, guidance=GUIDANCE,
+                                 seed=7, keep_unmasked=keep_unmasked, **extra))
+            for name, extra in variants.items()]
+
+
+def run_demo(jobs: int, out_dir: Path, steps: int = 20, timeout: float = 600.0, keep_unmasked: bool = True,
+             addons: bool = True) -> int:
     """Edits keep the template's pixels outside the mask (``keep_unmasked``), as an editing product
-    does; ``keep_unmasked=False`` shows the small model's raw decoded output everywhere."""
+    does; ``keep_unmasked=False`` shows the small model's raw decoded output everywhere. ``addons``
+    (trained default model only): also one template edited with each trained add-on."""
     from app.client import StencilClient
     from app.embedded import EmbeddedStack
 
@@ -80,6 +115,14 @@ def run_demo(jobs: int, out_dir: Path, steps: int = 20, timeout: float = 600.0, 
             handle = client.submit(template=image, mask=mask, prompt=PROMPTS[i % len(PROMPTS)],
                                    steps=steps, guidance=GUIDANCE, seed=1000 + i, keep_unmasked=keep_unmasked)
             handles.append((handle, name, float(mask.mean()), time.time(), image, mask))
+        extra: list[tuple[str, object]] = []
+        if addons and stack.settings.model_id == "tiny-sd-inpaint-trained" and not stack.settings.model_dir:
+            name, image = templates[0]
+            addon_mask = make_mask(0.3, image.size, "blob", seed=11)
+            extra = _addon_jobs(client, image, addon_mask, steps, keep_unmasked)
+            submitted = time.time()
+            handles += [(h, f"{name}+{variant}", float(addon_mask.mean()), submitted, image, addon_mask)
+                        for variant, h in extra]
         rows = []
         failed = 0
         for i, (handle, name, ratio, submitted, image, mask) in enumerate(handles):
@@ -96,6 +139,12 @@ def run_demo(jobs: int, out_dir: Path, steps: int = 20, timeout: float = 600.0, 
             else:
                 failed += 1
             rows.append(row)
+    if extra and all(r["status"] == "done" for r in rows[-len(extra):]):
+        image, mask = handles[-1][4], handles[-1][5]
+        results = [Image.open(out_dir / Path(r["output"]).name) for r in rows[-len(extra):]]
+        tint = np.asarray(strip(image, mask, image))[:, image.width + 4:2 * image.width + 4]
+        (out_dir / "strips").mkdir(exist_ok=True)
+        addon_strip([image, Image.fromarray(tint), *results]).save(out_dir / "strips" / "addons.png")
     (out_dir / "summary.json").write_text(json.dumps({"jobs": rows}, indent=2))
     sys.stdout.write(f"{'job':<34} {'template':<10} {'mask':>6} {'status':<8} {'latency':>8}\n")
     for row in rows:

@@ -16,6 +16,7 @@ from PIL import Image
 from app.jobs import JobParams
 from app.maskgen import make_mask
 from tests.support.controlnets import save_controlnet
+from tests.support.pipes import controlnet_call
 from tests.test_lora_engine import SD_DIR, SIZE, _image, _sd_pipe, run_engine
 from workers.controlnets.bank import ControlNetBank
 from workers.controlnets.inputs import prepare_control_images
@@ -26,7 +27,8 @@ from workers.models.loader import scheduler_config
 def nets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     unet = _sd_pipe().unet
     root = tmp_path_factory.mktemp("controlnets")
-    return {"edges": save_controlnet(unet, root / "edges", seed=1), "depth": save_controlnet(unet, root / "depth", seed=2)}
+    return {"edges": save_controlnet(unet, root / "edges", seed=1),
+            "depth": save_controlnet(unet, root / "depth", seed=2)}
 
 
 def _control(seed: int) -> Image.Image:
@@ -40,26 +42,13 @@ def _control(seed: int) -> Image.Image:
 
 def stock(nets: dict[str, Path], image: Image.Image, mask: np.ndarray, params: JobParams,
           controls: list[tuple[str, Image.Image, float, float, float]]) -> np.ndarray:
-    from diffusers import ControlNetModel, StableDiffusionControlNetInpaintPipeline
-
-    base = _sd_pipe()
     kw = dict(prompt=params.prompt, image=image, mask_image=Image.fromarray(mask.astype(np.uint8) * 255),
               num_inference_steps=params.steps, guidance_scale=params.guidance, height=SIZE, width=SIZE,
               generator=torch.Generator("cpu").manual_seed(params.seed))
     if not controls:
-        return np.asarray(base(**kw).images[0], dtype=np.int16)
-    models = [ControlNetModel.from_pretrained(nets[c[0]]) for c in controls]
-    pipe = StableDiffusionControlNetInpaintPipeline(
-        vae=base.vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, unet=base.unet,
-        controlnet=models if len(models) > 1 else models[0], scheduler=base.scheduler, safety_checker=None,
-        feature_extractor=None, requires_safety_checker=False)
-    pipe.set_progress_bar_config(disable=True)
-    one = len(controls) == 1
-    out = pipe(**kw, control_image=controls[0][1] if one else [c[1] for c in controls],
-               controlnet_conditioning_scale=controls[0][2] if one else [c[2] for c in controls],
-               control_guidance_start=controls[0][3] if one else [c[3] for c in controls],
-               control_guidance_end=controls[0][4] if one else [c[4] for c in controls]).images[0]
-    return np.asarray(out, dtype=np.int16)
+        return np.asarray(_sd_pipe()(**kw).images[0], dtype=np.int16)
+    pipe, control_args = controlnet_call(SD_DIR, [nets[c[0]] for c in controls], controls)
+    return np.asarray(pipe(**kw, **control_args).images[0], dtype=np.int16)
 
 
 class Service:

@@ -21,18 +21,13 @@ from app.embedded import EmbeddedStack
 from app.jobs import JobStatus
 from app.maskgen import make_mask
 from tests.support.controlnets import save_controlnet
+from tests.support.pipes import controlnet_call, sd_pipe
 from tests.test_service import SIZE, result_array, template
 
 pytestmark = pytest.mark.integration
 
 
-def _pipe(folder: Path):  # type: ignore[no-untyped-def]
-    from diffusers import StableDiffusionInpaintPipeline
-
-    pipe = StableDiffusionInpaintPipeline.from_pretrained(folder, safety_checker=None, feature_extractor=None,
-                                                          requires_safety_checker=False)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+_pipe = sd_pipe
 
 
 @pytest.fixture(scope="module")
@@ -53,21 +48,10 @@ def control_image(seed: int, size: int = SIZE) -> Image.Image:
 
 
 def stock(folder: Path, nets: dict[str, Path], image: Image.Image, mask: np.ndarray, controls, **kw) -> np.ndarray:  # type: ignore[no-untyped-def]
-    from diffusers import ControlNetModel, StableDiffusionControlNetInpaintPipeline
-
-    base = _pipe(folder)
-    models = [ControlNetModel.from_pretrained(nets[c[0]]) for c in controls]
-    pipe = StableDiffusionControlNetInpaintPipeline(
-        vae=base.vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, unet=base.unet,
-        controlnet=models if len(models) > 1 else models[0], scheduler=base.scheduler, safety_checker=None,
-        feature_extractor=None, requires_safety_checker=False)
-    pipe.set_progress_bar_config(disable=True)
-    one = len(controls) == 1
+    pipe, control_args = controlnet_call(folder, [nets[c[0]] for c in controls], controls)
     out = pipe(prompt=kw["prompt"], image=image, mask_image=Image.fromarray(mask.astype(np.uint8) * 255),
-               control_image=controls[0][1] if one else [c[1] for c in controls],
-               controlnet_conditioning_scale=controls[0][2] if one else [c[2] for c in controls],
                num_inference_steps=kw["steps"], guidance_scale=kw["guidance"], height=SIZE, width=SIZE,
-               generator=torch.Generator("cpu").manual_seed(kw["seed"])).images[0]
+               generator=torch.Generator("cpu").manual_seed(kw["seed"]), **control_args).images[0]
     return np.asarray(out, dtype=np.int16)
 
 

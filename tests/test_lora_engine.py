@@ -15,6 +15,8 @@ from PIL import Image
 
 from app.jobs import JobParams
 from app.maskgen import make_mask
+from tests.support.loras import save_flux_lora, save_sd_lora
+from tests.support.pipes import sd_pipe
 from workers.adapters.bank import AdapterBank
 from workers.adapters.convert import canonical_lora
 from workers.adapters.lora import LoraWeights
@@ -22,7 +24,6 @@ from workers.adapters.patcher import GroupDemand, LoraPatcher
 from workers.engine.engine import Engine
 from workers.engine.scheduler import BatchScheduler
 from workers.models.loader import TRAINED_DIR, scheduler_config
-from tests.support.loras import save_flux_lora, save_sd_lora
 
 SD_DIR = TRAINED_DIR / "tiny-sd-inpaint-trained"
 FLUX_DIR = TRAINED_DIR / "tiny-flux-fill-trained"
@@ -37,12 +38,7 @@ def _image(seed: int) -> Image.Image:
 
 
 def _sd_pipe():  # type: ignore[no-untyped-def]
-    from diffusers import StableDiffusionInpaintPipeline
-
-    pipe = StableDiffusionInpaintPipeline.from_pretrained(SD_DIR, safety_checker=None, feature_extractor=None,
-                                                          requires_safety_checker=False)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return sd_pipe(SD_DIR)
 
 
 class World:
@@ -327,8 +323,8 @@ def test_flux_mixed_adapter_batch_equals_stock_per_job(tmp_path: Path) -> None:
              JobParams(prompt="a cat", steps=5, guidance=30.0, seed=i, loras=s)) for i, s in enumerate(sets)]
     prepared = []
     for img, m, p in jobs:
-        prep = prepare_flux_job_tensors(pipe, scheduler_config(FLUX_DIR), img, Image.fromarray(m.astype(np.uint8) * 255),
-                                        p, SIZE, SIZE)
+        prep = prepare_flux_job_tensors(pipe, scheduler_config(FLUX_DIR), img,
+                                        Image.fromarray(m.astype(np.uint8) * 255), p, SIZE, SIZE)
         prepared.append((prep.tensors, dict(prep.meta, loras=[[i, s] for i, s in p.loras], cache_mode="full")))
     results, engine = run_engine(runner, prepared)
     assert any(len(rec.job_ids) == 3 for rec in engine.stats.history) and lora.stats.steps_terms > 0

@@ -18,18 +18,13 @@ from app.embedded import EmbeddedStack
 from app.jobs import JobStatus
 from app.maskgen import make_mask
 from tests.support.loras import save_sd_lora
+from tests.support.pipes import sd_pipe
 from tests.test_service import SIZE, result_array, template
 
 pytestmark = pytest.mark.integration
 
 
-def _pipe(folder: Path):  # type: ignore[no-untyped-def]
-    from diffusers import StableDiffusionInpaintPipeline
-
-    pipe = StableDiffusionInpaintPipeline.from_pretrained(folder, safety_checker=None, feature_extractor=None,
-                                                          requires_safety_checker=False)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+_pipe = sd_pipe
 
 
 @pytest.fixture(scope="module")

@@ -18,18 +18,13 @@ from PIL import Image
 
 from app.maskgen import make_mask
 from app.settings import Settings
+from tests.support.pipes import sd_pipe
 from workers.models.loader import TRAINED_DIR, ensure_model_dir, model_identity
 
 MODEL = TRAINED_DIR / "tiny-sd-inpaint-trained"
 
 
-def _pipe(folder: Path):  # type: ignore[no-untyped-def]
-    from diffusers import StableDiffusionInpaintPipeline
-
-    pipe = StableDiffusionInpaintPipeline.from_pretrained(folder, safety_checker=None, feature_extractor=None,
-                                                          requires_safety_checker=False)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+_pipe = sd_pipe
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from app.celery_app import app
 from app.storage import ObjectNotFound
 from workers import context as ctx
 from workers.adapters.lora import LoraWeights
+from workers.addon_store import Descriptions, already_added
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,9 @@ def add_lora(token: str, lora_id: str, source_sha256: str) -> dict[str, Any]:
     from workers.adapters.convert import InvalidAdapter, canonical_lora
 
     store = ctx.object_store()
-    if store.exists(lora_meta_key(lora_id)):
-        meta = json.loads(store.get(lora_meta_key(lora_id)))
-        if meta.get("source_sha256") == source_sha256:
-            return meta
-        return {"error": f"{lora_id!r} already names another adapter (ids are immutable)"}
+    known = already_added(store, lora_meta_key(lora_id), lora_id, source_sha256, "adapter")
+    if known is not None:
+        return known
     try:
         data = store.get(lora_upload_key(token))
     except ObjectNotFound:
@@ -58,22 +57,12 @@ def add_lora(token: str, lora_id: str, source_sha256: str) -> dict[str, Any]:
     return meta
 
 
-_metas: dict[str, dict[str, Any]] = {}
+_descriptions = Descriptions(lora_meta_key)
 
 
 def adapter_meta(lora_id: str) -> dict[str, Any] | None:
-    """An adapter's description, or None if no such adapter. Found ones are cached for the process
-    (ids are immutable); a miss is asked again next time (the adapter may be added meanwhile)."""
-    meta = _metas.get(lora_id)
-    if meta is None:
-        try:
-            meta = json.loads(ctx.object_store().get(lora_meta_key(lora_id)))
-        except ObjectNotFound:
-            return None
-        if len(_metas) > 4096:
-            _metas.clear()
-        _metas[lora_id] = meta
-    return meta
+    """An adapter's description, or None if no such adapter."""
+    return _descriptions.get(lora_id)
 
 
 def read_weights(lora_id: str) -> LoraWeights:

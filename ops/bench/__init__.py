@@ -12,5 +12,6 @@ with the exact command line that produced it. ``--quick`` is a smoke run in seco
 - dispatch: ``profile`` (fits the cost model), ``simulate`` (8-64 worker cluster simulation),
   ``batching_sim`` (continuous vs static batching by batch-cost shape);
 - add-ons: ``lora`` (adapters vs the stock per-request path), ``controlnet`` (ControlNets vs the stock
-  pipeline, overlapped with the UNet, the resident LRU).
+  pipeline, overlapped with the UNet, the resident LRU), ``addon_fidelity`` (late patching, add-ons
+  with mask-aware caches).
 """

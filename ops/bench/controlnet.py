@@ -43,7 +43,7 @@ from ops.bench.harness import cli
 from ops.bench.harness.addons import save_controlnet
 from ops.bench.harness.models import saved_sd_pipeline
 from ops.bench.harness.service import InProcess
-from ops.bench.harness.timing import interleave, median, uptime
+from ops.bench.harness.timing import interleave, median
 from workers.controlnets.bank import ControlNetBank, store_loader
 
 log = logging.getLogger(__name__)
@@ -317,13 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     args = run.args
     args.hidden = tuple(int(c) for c in args.hidden.split(","))
     work = Path(tempfile.mkdtemp(prefix="stencil-controlnet-bench-"))
-    model_dir = saved_sd_pipeline(work, args.hidden)
-    lines = ["# ControlNets: Stencil vs the stock pipeline\n",
-             f"Command: `{run.command}`. Load at start: {uptime()}.\n"]
-    for name in args.parts.split(","):
-        lines += PARTS[name](args, model_dir, work)
-    lines.append(f"Total {run.elapsed():.0f} s; load at end: {uptime()}.")
-    run.write(lines)
+    cli.report_parts(run, "ControlNets: Stencil vs the stock pipeline", PARTS, saved_sd_pipeline(work, args.hidden),
+                     work)
     return 0
 
 

@@ -44,7 +44,7 @@ from ops.bench.harness import cli
 from ops.bench.harness.addons import save_sd_lora
 from ops.bench.harness.models import saved_sd_pipeline
 from ops.bench.harness.service import InProcess, add_lora
-from ops.bench.harness.timing import interleave, median, uptime
+from ops.bench.harness.timing import interleave, median
 from workers.engine.engine import Engine
 from workers.engine.scheduler import BatchScheduler
 
@@ -292,14 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     args = run.args
     args.hidden = tuple(int(c) for c in args.hidden.split(","))
     work = Path(tempfile.mkdtemp(prefix="stencil-lora-bench-"))
-    model_dir = saved_sd_pipeline(work, args.hidden)
-    load = uptime()
-    lines = ["# LoRA adapters: Stencil vs the stock per-request path\n",
-             f"Command: `{run.command}`. Machine load at start: {load}.\n"]
-    for name in args.parts.split(","):
-        lines += PARTS[name](args, model_dir, work)
-    lines.append(f"Total {run.elapsed():.0f} s; load at end: {uptime()}.")
-    run.write(lines)
+    cli.report_parts(run, "LoRA adapters: Stencil vs the stock per-request path", PARTS,
+                     saved_sd_pipeline(work, args.hidden), work)
     return 0
 
 

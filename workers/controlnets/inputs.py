@@ -10,7 +10,6 @@ different size is a mistake the service reports instead of silently stretching i
 from __future__ import annotations
 
 import hashlib
-import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,22 +17,9 @@ import torch
 from PIL import Image
 
 from app.controls import Control, controlnet_meta_key
-from app.storage import ObjectNotFound
-from workers import context as ctx
+from workers.addon_store import Descriptions
 
-_metas: dict[str, dict[str, Any]] = {}
-
-
-def controlnet_meta(controlnet_id: str) -> dict[str, Any] | None:
-    """A stored ControlNet's description (found ones cached: ids are immutable), or None."""
-    meta = _metas.get(controlnet_id)
-    if meta is None:
-        try:
-            meta = json.loads(ctx.object_store().get(controlnet_meta_key(controlnet_id)))
-        except ObjectNotFound:
-            return None
-        _metas[controlnet_id] = meta
-    return meta
+controlnet_meta = Descriptions(controlnet_meta_key).get  # a stored ControlNet's description, or None
 
 
 def controls_problem(controls: tuple[Control, ...], model_id: str, family: str) -> str | None:

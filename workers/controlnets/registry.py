@@ -21,6 +21,7 @@ from app.celery_app import app
 from app.controls import CONTROL_FILES, controlnet_key, controlnet_meta_key, controlnet_upload_key
 from app.storage import ObjectNotFound
 from workers import context as ctx
+from workers.addon_store import already_added
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +91,9 @@ def check_controlnet(config: dict[str, Any], weights: bytes, unet_config: dict[s
 @app.task(name="stencil.add_controlnet")
 def add_controlnet(token: str, controlnet_id: str, source_sha256: str) -> dict[str, Any]:
     store = ctx.object_store()
-    if store.exists(controlnet_meta_key(controlnet_id)):
-        meta = json.loads(store.get(controlnet_meta_key(controlnet_id)))
-        if meta.get("source_sha256") == source_sha256:
-            return meta
-        return {"error": f"{controlnet_id!r} already names another ControlNet (ids are immutable)"}
+    known = already_added(store, controlnet_meta_key(controlnet_id), controlnet_id, source_sha256, "ControlNet")
+    if known is not None:
+        return known
     if ctx.model_family() != "sd":
         return {"error": "ControlNets are served for SD-family models only (diffusers has no Flux Fill ControlNet "
                          "inpainting pipeline)"}

@@ -7,12 +7,12 @@ import logging
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ops.bench.harness.timing import CLOCKS
+from ops.bench.harness.timing import CLOCKS, uptime
 
 log = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -90,3 +90,13 @@ def start(p: argparse.ArgumentParser, argv: Sequence[str] | None, file: str, *, 
             i = shown.index(option)
             del shown[i:i + 2]
     return Run(f"ops.bench.{Path(file).stem}", args, shown)
+
+
+def report_parts(run: Run, title: str, parts: dict[str, Callable[..., list[str]]], *args: Any) -> None:
+    """A report of the parts named in ``--parts`` (each returns its Markdown lines), with the command,
+    the machine's load before and after, and the total time."""
+    lines = [f"# {title}\n", f"Command: `{run.command}`. Load at start: {uptime()}.\n"]
+    for name in run.args.parts.split(","):
+        lines += parts[name](run.args, *args)
+    lines.append(f"Total {run.elapsed():.0f} s; load at end: {uptime()}.")
+    run.write(lines)

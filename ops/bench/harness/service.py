@@ -30,6 +30,9 @@ from workers.controlnets.inputs import prepare_control_images
 from workers.engine.engine import Engine
 from workers.engine.scheduler import BatchScheduler
 from workers.engine.sd_runner import SDRunner
+from workers.engine.template_cache import CacheRecorder, StepCacheProvider
+from workers.maskaware.activation_store import ActivationStore
+from workers.maskaware.unet import MaskAwareUNet
 from workers.models.loader import load_cpu_pipeline, load_unet, scheduler_config
 from workers.sd_inputs import decode_latents, prepare_job_tensors
 
@@ -44,17 +47,24 @@ def add_lora(store: ObjectStore, model_dir: Path, lora_id: str, file: Path) -> L
 class InProcess:
     def __init__(self, model_dir: Path, store: ObjectStore, *, max_batch: int = 4, lora_cache_bytes: int = 1 << 30,
                  controlnet_cache_bytes: int = 1 << 32, controlnet_parallel: bool = True,
-                 merge_buffers: int = 2) -> None:
+                 merge_buffers: int = 2, mask_aware: bool = False) -> None:
         self.model_dir = model_dir
         self.store = store
         self.cfg = scheduler_config(model_dir)
         self.cpu = load_cpu_pipeline(model_dir)
         unet = load_unet(model_dir, "cpu")
-        self.bank = AdapterBank(lambda i: LoraWeights.from_bytes(store.get(lora_weights_key(i))), lora_cache_bytes)
+        read = lambda i: LoraWeights.from_bytes(store.get(lora_weights_key(i)))  # noqa: E731
+        self.bank = AdapterBank(read, lora_cache_bytes)
+        self.text = LoraPatcher(self.cpu.text_encoder, "text_encoder", read)  # the CPU worker's text adapters
         self.lora = LoraPatcher(unet, "unet", self.bank.get, merge_buffers=merge_buffers)
         self.controlnets = ControlNetBank(store_loader(store.get, "cpu", unet.dtype), controlnet_cache_bytes)
+        caches: dict[str, Any] = {}
+        if mask_aware:  # after the patcher (its forwards must be the ones the hooks wrap)
+            activations = ActivationStore(store)
+            caches = dict(maskaware=MaskAwareUNet(unet), caches=StepCacheProvider(activations, 1 << 31),
+                          recorder=CacheRecorder(activations), prefetch_steps=64)
         self.runner = SDRunner(unet, self.cfg, lora=self.lora, adapters=self.bank, controlnets=self.controlnets,
-                               controlnet_parallel=controlnet_parallel)
+                               controlnet_parallel=controlnet_parallel, **caches)
         self.engine = Engine(self.runner, BatchScheduler(max_batch=max_batch)).start()
         self._n = 0
 
@@ -72,6 +82,7 @@ class InProcess:
     def prepare(self, image: Image.Image, mask: np.ndarray, params: JobParams,
                 controls: list[Image.Image] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
         h, w = mask.shape
+        self.text.merge(tuple((i, sc) for i, sc in params.loras if self.text._mods(i)))
         prep = prepare_job_tensors(self.cpu, self.cfg, image, Image.fromarray(mask.astype(np.uint8) * 255), params,
                                    h, w)
         tensors = dict(prep.tensors, **prepare_control_images(self.cpu, list(controls), h, w,
@@ -101,6 +112,7 @@ class InProcess:
         self.bank.close()
         self.controlnets.close()
         self.lora.weights.close()
+        self.text.weights.close()
 
 
 __all__ = ["InProcess", "add_lora"]

@@ -1,0 +1,36 @@
+"""The stock diffusers pipelines the tests compare with, built one way everywhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from diffusers import ControlNetModel, StableDiffusionControlNetInpaintPipeline, StableDiffusionInpaintPipeline
+
+
+def sd_pipe(folder: Path | str) -> StableDiffusionInpaintPipeline:
+    pipe = StableDiffusionInpaintPipeline.from_pretrained(folder, safety_checker=None, feature_extractor=None,
+                                                          requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def controlnet_call(folder: Path | str, nets: list[Path], controls: list[tuple[Any, ...]]) -> tuple[Any, dict]:
+    """``StableDiffusionControlNetInpaintPipeline`` over the model in ``folder`` with the ControlNets
+    in ``nets`` (``MultiControlNetModel`` for several), and its call's control arguments for
+    ``controls`` = ``(id, image, scale[, start, end])`` each."""
+    base = sd_pipe(folder)
+    models = [ControlNetModel.from_pretrained(n) for n in nets]
+    pipe = StableDiffusionControlNetInpaintPipeline(
+        vae=base.vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, unet=base.unet,
+        controlnet=models if len(models) > 1 else models[0], scheduler=base.scheduler, safety_checker=None,
+        feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    full = [tuple(c) + (0.0, 1.0)[len(c) - 3:] if len(c) < 5 else tuple(c) for c in controls]
+    one = len(full) == 1
+
+    def arg(i: int) -> Any:
+        return full[0][i] if one else [c[i] for c in full]
+
+    return pipe, {"control_image": arg(1), "controlnet_conditioning_scale": arg(2),
+                  "control_guidance_start": arg(3), "control_guidance_end": arg(4)}
