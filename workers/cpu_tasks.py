@@ -28,7 +28,7 @@ from app.adapters import AdapterSet, adapter_digest
 from app.celery_app import app
 from app.controls import control_blob, controls_digest
 from app.fidelity import expected_ssim, policy_schedule
-from app.jobs import JobParams, JobStatus, new_job_id
+from app.jobs import JobParams, JobStatus
 from app.keys import UPLOAD_PREFIX, result_key, template_key
 from app.storage import ObjectNotFound, StoreUnavailable
 from app.validation import InvalidParameter, object_id
@@ -276,9 +276,11 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: 
         return {**full, "cache_note": "full mask"}
     exact = template_cache_key(params, meta, region=region_digest(pixel_mask, params, meta.get("addons", "")))
     base = template_cache_key(params, meta, s.warm_seed)
-    # Add-ons change every token's activations: a cache recorded with the job's adapters and
-    # controls is the template cache proper; one recorded without them is a further approximation,
-    # corrected by the same refresh steps (measured in BENCHMARKS.md, "Add-ons and mask-aware caches").
+    # Add-ons change every token's activations, yet the refresh steps' offset correction absorbs
+    # that: from the template's cache recorded without them, edits with a LoRA or a ControlNet are
+    # as faithful as from one recorded with them (docs/bench/addon_fidelity.md: SSIM 0.995 vs 0.995,
+    # ControlNet 0.988 vs 0.988). A cache recorded with the job's add-ons is used when a user warmed
+    # one; none is warmed automatically per add-on set (a long tail of sets would each need one).
     plain = template_cache_key(params, meta, s.warm_seed, addons="") if meta.get("addons") else None
     try:
         if ctx.activations().has(exact):
@@ -293,10 +295,8 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: 
                 if note:
                     fields["cache_note"] = note
                 expected = expected_ssim(ctx.model_id(), policy, params.guidance)
-                if expected is not None and not note:
+                if expected is not None:
                     fields["expected_ssim"] = f"{expected:.3f}"
-                if key is plain and s.auto_warm:
-                    _trigger_warm(job_id, params, meta, base.digest())  # the add-ons' own cache, if they recur
                 return _use_cache(job_id, meta, key, schedule, fields)
     except TRANSIENT as exc:
         log.warning("job %s: activation store unreachable (%s); full compute", job_id, exc)
@@ -305,8 +305,8 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: 
     meta["cache_mode"] = "full"
     if policy == "exact":
         return {**full, "cache_note": "no exact cache for this edit"}
-    if s.auto_warm:
-        _trigger_warm(job_id, params, meta, base.digest())
+    if s.auto_warm:  # the template's own warm-up (without add-ons: see above)
+        _trigger_warm(params, meta, (plain or base).digest())
     return {**full, "cache_note": "template not warmed"}
 
 
@@ -329,13 +329,12 @@ def _send_prefetch(job_id: str, key: dict[str, Any], steps: int) -> None:
         log.warning("job %s: prefetch request failed: %s", job_id, exc)
 
 
-def _trigger_warm(job_id: str, params: JobParams, meta: dict[str, Any], digest: str) -> None:
-    """Submit the template's warm-up for this cache key (with the job's add-ons, if any: adapters,
-    and ControlNets with copies of its control images). Uploads and add-on sets are warmed when
-    they come back a second time, not for a one-off edit."""
+def _trigger_warm(params: JobParams, meta: dict[str, Any], digest: str) -> None:
+    """Submit the template's warm-up for this cache key (recorded without the job's add-ons).
+    Uploads are warmed when their bytes come back a second time, not for a one-off edit."""
     s = ctx.settings()
     r = ctx.redis_client()
-    if params.template_id.startswith(UPLOAD_PREFIX) or meta.get("addons"):
+    if params.template_id.startswith(UPLOAD_PREFIX):
         seen = f"stencil:seen:{digest}"
         count = r.incr(seen)
         r.expire(seen, s.job_ttl_seconds)
@@ -345,12 +344,8 @@ def _trigger_warm(job_id: str, params: JobParams, meta: dict[str, Any], digest: 
         return  # a warm-up for this key is already under way (or recently was)
     warm = JobParams(kind="warm", template_id=params.template_id, prompt=s.warm_prompt, seed=s.warm_seed,
                      steps=params.steps, strength=params.strength, guidance=params.guidance, priority=-10,
-                     width=int(meta["width"]), height=int(meta["height"]), loras=params.loras,
-                     controls=params.controls)
-    warm_id = new_job_id()
-    for i in range(len(params.controls)):
-        ctx.blobs().put(warm_id, control_blob(i), ctx.blobs().get(job_id, control_blob(i)) or b"")
-    ctx.jobs().create(warm, job_id=warm_id)
+                     width=int(meta["width"]), height=int(meta["height"]))
+    warm_id, _ = ctx.jobs().create(warm)
     log.info("template %s has no cache for this key: warm-up job %s submitted", params.template_id, warm_id)
 
 
