@@ -65,20 +65,30 @@ class MergedWeights:
             if path not in self._base:
                 self._base[path] = self.modules[path].weight.data
 
-    def _fill(self, slot: _Slot, adapters: AdapterSet, paths: set[str]) -> None:
-        """slot.bufs[path] = W0 + the set's deltas, computed in float32 from the pristine weights."""
+    def _fill(self, slot: _Slot, adapters: AdapterSet, paths: set[str],
+              bases: dict[str, torch.Tensor] | None = None) -> None:
+        """slot.bufs[path] = W0 + the set's deltas: one fused ``addmm`` per module with the set's
+        adapters as one low-rank product ([s1 B1, s2 B2] @ [A1; A2]), in float32 (half-precision
+        weights are merged in float32 and rounded once)."""
+        bases = self._base if bases is None else bases
         with torch.no_grad():
             for path in paths:
-                base = self._base[path]
-                acc = base.to(torch.float32)
-                for lora_id, scale in adapters:
-                    m = self.mods_of(lora_id).get(path)
-                    if m is not None:
-                        acc = acc + m.delta(scale, torch.float32)
+                base = bases[path]
+                mods = [(m, scale) for lora_id, scale in adapters
+                        if (m := self.mods_of(lora_id).get(path)) is not None]
                 buf = slot.bufs.get(path)
                 if buf is None:
                     buf = slot.bufs[path] = torch.empty_like(base)
-                buf.copy_(acc.to(base.dtype))
+                if not mods:
+                    buf.copy_(base)
+                    continue
+                ups = torch.cat([m.up.reshape(m.up.shape[0], -1).float() * (scale * m.scaling) for m, scale in mods], 1)
+                downs = torch.cat([m.down.reshape(m.rank, -1).float() for m, _ in mods])
+                flat = base.reshape(base.shape[0], -1)
+                if base.dtype == torch.float32:
+                    torch.addmm(flat, ups, downs, out=buf.view(flat.shape))
+                else:
+                    buf.view(flat.shape).copy_(torch.addmm(flat.float(), ups, downs))
         slot.adapters = adapters
 
     def ready(self, adapters: AdapterSet) -> bool:
@@ -174,18 +184,10 @@ class MergedWeights:
         t0 = time.perf_counter()
         if not hasattr(self, "_pristine"):
             self._pristine: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for path in paths:
-                w = self.modules[path].weight
-                base = self._pristine.get(path)
-                if base is None:
-                    base = self._pristine[path] = w.detach().clone()
-                acc = base.to(torch.float32)
-                for lora_id, scale in adapters:
-                    m = self.mods_of(lora_id).get(path)
-                    if m is not None:
-                        acc = acc + m.delta(scale, torch.float32)
-                w.data.copy_(acc.to(w.dtype))
+        for path in paths:
+            if path not in self._pristine:
+                self._pristine[path] = self.modules[path].weight.detach().clone()
+        self._fill(_Slot(bufs={p: self.modules[p].weight.data for p in paths}), adapters, paths, self._pristine)
         self.sync_seconds += time.perf_counter() - t0
         self.current = adapters
 
