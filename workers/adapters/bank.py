@@ -33,6 +33,7 @@ class AdapterBank:
         self._lock = threading.Lock()
         self._pending: set[str] = set()
         self._failed: dict[str, tuple[str, float]] = {}
+        self._waiters: list[tuple[frozenset[str], Callable[[], None]]] = []
         self.retry_after_s = retry_after_s
         self.fetches = 0
 
@@ -47,6 +48,19 @@ class AdapterBank:
         finally:
             with self._lock:
                 self._pending.discard(lora_id)
+            self._notify()
+
+    def _notify(self) -> None:
+        """Run the callbacks whose adapters are all resident now (once each)."""
+        with self._lock:
+            due = [w for w in self._waiters if all(i in self.host for i in w[0])]
+            self._waiters = [w for w in self._waiters if w not in due
+                             and not any(i in self._failed for i in w[0])]
+        for _ids, callback in due:
+            try:
+                callback()
+            except Exception:
+                log.exception("adapter ready callback failed")
 
     def _read(self, lora_id: str) -> LoraWeights:
         self.fetches += 1
@@ -54,7 +68,8 @@ class AdapterBank:
 
     def prefetch(self, ids: Iterable[str], on_ready: Callable[[], None] | None = None) -> None:
         """Start loading adapters that are not resident (deduplicated; returns at once). ``on_ready``
-        runs (on a fetch thread) once all of them are resident."""
+        runs once all of them are resident (on the thread whose fetch completed the set, or here);
+        never if one of them fails to load."""
         ids = list(ids)
         now = time.monotonic()
         for lora_id in ids:
@@ -68,18 +83,9 @@ class AdapterBank:
                 self._pending.add(lora_id)
             self._pool.submit(self._fetch, lora_id)
         if on_ready is not None:
-            self._pool.submit(self._when_ready, ids, on_ready)
-
-    def _when_ready(self, ids: list[str], on_ready: Callable[[], None]) -> None:
-        """Runs after the fetches queued before it (one queue): call back if they all landed."""
-        deadline = time.monotonic() + 60.0
-        while not self.ready(ids) and self.failure(ids) is None and time.monotonic() < deadline:
-            time.sleep(0.01)  # a fetch still running on another fetch thread
-        if self.ready(ids):
-            try:
-                on_ready()
-            except Exception:
-                log.exception("adapter ready callback failed")
+            with self._lock:
+                self._waiters.append((frozenset(ids), on_ready))
+            self._notify()  # all of them may be resident already
 
     def ready(self, ids: Iterable[str]) -> bool:
         return all(i in self.host for i in ids)
