@@ -226,3 +226,33 @@ def test_engine_sets_each_jobs_latent_grid_and_rows() -> None:
     engine.submit("a", {}, {"h": 16, "w": 12}, total_steps=2)
     engine._drain_inbox(block=False)
     assert engine.scheduler.waiting[0].latent_hw == (16, 12) and engine.scheduler.waiting[0].rows == 2
+
+
+def test_a_running_job_late_for_its_soft_deadline_yields_its_slot_to_an_on_time_one() -> None:
+    clock = Clock()
+    s = BatchScheduler(1, step_time=linear, clock=clock)
+    slow = EngineJob("slow", 10, deadline=clock.t + 10.0, mask_ratio=1.0, hard_deadline=False, arrival=0.0)
+    s.add(slow)
+    batch, _ = s.schedule()
+    batch[0].steps_done = 4
+    clock.t += 9.5  # 6 steps x 0.2 s still to go: late for good
+    fresh = EngineJob("fresh", 5, deadline=clock.t + 5.0, mask_ratio=1.0, hard_deadline=False, arrival=1.0)
+    s.add(fresh)
+    batch, admitted = s.schedule()
+    assert [j.job_id for j in batch] == ["fresh"] and s.yielded == 1 and slow in s.waiting and slow.steps_done == 4
+    fresh.steps_done = fresh.total_steps
+    s.complete_step([fresh])
+    batch, admitted = s.schedule()  # nobody on time waits: the late job resumes where it was
+    assert [j.job_id for j in batch] == ["slow"] and slow.steps_done == 4
+
+
+def test_a_late_job_with_a_hard_deadline_keeps_running() -> None:
+    clock = Clock()
+    s = BatchScheduler(1, step_time=linear, clock=clock)
+    mine = EngineJob("mine", 10, deadline=clock.t + 10.0, mask_ratio=1.0, arrival=0.0)
+    s.add(mine)
+    s.schedule()
+    clock.t += 9.5
+    s.add(EngineJob("other", 5, deadline=clock.t + 5.0, mask_ratio=1.0, hard_deadline=False, arrival=1.0))
+    batch, _ = s.schedule()
+    assert [j.job_id for j in batch] == ["mine"] and s.yielded == 0

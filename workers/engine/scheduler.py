@@ -16,7 +16,8 @@ SLO-aware admission (PatchedServe-style), active only when a step-time predictor
   work is half done and the runner may still beat the prediction. That holds for hard (user)
   deadlines; a job whose soft deadline (the service's default, ``STENCIL_SLO_FACTOR``) is out of
   reach is not expired but goes behind every job that can still make its own: it runs late
-  rather than making others late too.
+  rather than making others late too. A running job in that state gives its slot back (keeping
+  its progress) while an on-time job waits, and rejoins when there is room.
 - waiting jobs are ordered by priority, then slack (deadline - now - predicted time alone), then
   arrival: the most urgent job gets the next free slot.
 - a waiting job is admitted only if no running (or just admitted) job that would meet its
@@ -68,6 +69,7 @@ class BatchScheduler:
         self.running: list[EngineJob] = []
         self.expired: list[EngineJob] = []  # since the last ``pop_expired`` (last 1000 at most)
         self.refused = 0  # admissions refused to protect running jobs' deadlines
+        self.yielded = 0  # late (soft-deadline) running jobs that gave their slot to on-time ones
 
     def add(self, job: EngineJob) -> None:
         self.waiting.append(job)
@@ -203,6 +205,21 @@ class BatchScheduler:
             out.append(missed)
         return out
 
+    def _yield_late(self, now: float, alone: dict[int, float], late: set[int]) -> None:
+        """Running jobs whose soft deadline is out of reach even alone give their slot back while a
+        job that can still make its own waits: they keep their progress, wait behind the on-time
+        jobs and rejoin when there is room (a job's state is its own, so it may skip steps)."""
+        for job in list(self.running):
+            if job.hard_deadline or job.deadline is None or job.remaining == 0:
+                continue
+            need = self.alone_seconds(job)
+            if now + need > job.deadline:
+                self.running.remove(job)
+                self.waiting.append(job)
+                alone[id(job)] = need
+                late.add(id(job))
+                self.yielded += 1
+
     def _schedule_slo(self, predict: StepTimePredictor) -> tuple[list[EngineJob], list[EngineJob]]:
         now = self.clock()
         alone = {id(j): self.alone_seconds(j) for j in self.waiting}
@@ -214,6 +231,8 @@ class BatchScheduler:
             self.waiting.remove(job)
             self._expire(job, f"deadline unreachable: needs {alone[id(job)]:.3f} s alone for "
                               f"{job.remaining} steps, {job.deadline - now:.3f} s left")  # type: ignore[operator]
+        if self.mode == "continuous" and any(id(j) not in late for j in self.waiting):
+            self._yield_late(now, alone, late)
         admitted: list[EngineJob] = []
         if self.waiting and len(self.running) < self.max_batch and (self.mode != "static" or not self.running):
             self.waiting.sort(key=lambda j: (-j.priority, id(j) in late,
