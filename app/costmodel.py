@@ -516,6 +516,22 @@ def step_time_predictor(model: CostModel) -> Callable[[Sequence[Any]], float]:
     return predict
 
 
+SLO_ADMISSION_MODES = ("auto", "on", "off")
+
+
+def slo_admission_on(mode: str, model: CostModel | None) -> bool:
+    """Whether an engine runs SLO-aware admission (``STENCIL_SLO_ADMISSION``): never without a fitted
+    model; ``auto`` only with the resolution-aware batch predictor (a single-size linear model
+    mispredicts mixed-size batches); ``on`` (also 1/true/yes) with any fitted model."""
+    mode = (mode or "auto").strip().lower()
+    mode = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off", "": "auto"}.get(mode, mode)
+    if mode not in SLO_ADMISSION_MODES:
+        raise ValueError(f"STENCIL_SLO_ADMISSION must be one of {SLO_ADMISSION_MODES}, got {mode!r}")
+    if model is None or mode == "off":
+        return False
+    return mode == "on" or model.batch is not None
+
+
 def default_path(home: Path, model_id: str, device_kind: str) -> Path:
     """Where ``ops.bench.profile`` writes a model by default: ``<home>/costmodels/<model>--<device>.json``."""
     safe = lambda s: "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in s)  # noqa: E731
@@ -625,5 +641,5 @@ def queue_finish_time(running: Sequence[tuple[float, int]], queued: Sequence[tup
 __all__ = [
     "BlockSpec", "CostModel", "FitReport", "STEP_FEATURES", "TierFit", "UNetArch", "admission_profile",
     "default_path", "find_model", "finish_after_admission", "finish_times", "level_hw", "min_service_seconds",
-    "queue_finish_time", "step_time_predictor", "token_counts_from_mask",
+    "queue_finish_time", "slo_admission_on", "step_time_predictor", "token_counts_from_mask",
 ]

@@ -129,11 +129,15 @@ class Settings:
     routing_policy: str = "round_robin"  # round_robin | least_requests | least_masked_tokens | mask_aware
     cost_model: str = ""  # fitted cost-model JSON (ops/bench/profile.py); empty = look up by model id
     # SLO-aware scheduling (workers/engine/scheduler.py): the engine orders waiting jobs by slack,
-    # refuses admissions that would make a running job miss its deadline and expires jobs whose
-    # (user) deadline is out of reach, with the cost model's step-time predictor (the
-    # resolution-aware batch SVR when ``stencil profile --sizes`` fitted one); without a fitted
-    # model it stays off whatever this says.
-    slo_admission: bool = False
+    # refuses admissions that would make a running job miss its deadline, lets jobs late for their
+    # default deadline yield to on-time ones and expires jobs whose (user) deadline is out of reach,
+    # with the cost model's step-time predictor. auto (default) | on | off. auto = on wherever the
+    # resolution-aware batch predictor is fitted (``stencil profile --sizes``), because that is where
+    # it helps (BENCHMARKS.md, mixed sizes): below capacity it changes nothing measurable
+    # (throughput equal, SLO satisfaction equal or higher), under overload it keeps far more jobs on
+    # time than FCFS, at a cost of some peak throughput. Off without it: a single-size linear model
+    # mispredicts mixed-size batches. on = with any fitted model; never without one.
+    slo_admission: str = "auto"
     # Default deadline of a job without one: submission + slo_factor x its standalone time (alone on an
     # idle worker, predicted, plus slo_overhead_seconds for prepare and finalize); recorded as
     # ``slo_deadline`` with ``slo_met`` at the end, counted by ``stencil_slo_jobs{outcome}``.

@@ -137,3 +137,15 @@ def test_vectorized_deadline_check_decides_as_the_general_one() -> None:
                 j.future = type(j.future)()
                 j.expired_reason = None
         assert outcomes[0] == outcomes[1], trial
+
+
+def test_slo_admission_is_on_by_default_only_with_the_batch_predictor() -> None:
+    from app.costmodel import slo_admission_on
+
+    with_batch = _cost_model()
+    linear = CostModel("m", "cpu", with_batch.arch, 0.01, (0.0,) * 5)
+    assert slo_admission_on("auto", with_batch) and not slo_admission_on("auto", linear)
+    assert slo_admission_on("1", linear) and slo_admission_on("on", with_batch)
+    assert not slo_admission_on("off", with_batch) and not slo_admission_on("on", None)
+    with pytest.raises(ValueError):
+        slo_admission_on("sometimes", with_batch)

@@ -214,18 +214,19 @@ def get_engine() -> Engine:
                                   controlnets=controlnets, controlnet_parallel=s.controlnet_parallel == "thread",
                                   **cache_options)
             step_time = None
-            if s.slo_admission:
-                from app.costmodel import find_model, step_time_predictor
+            if s.slo_admission.strip().lower() not in ("off", "0", "false", "no"):
+                from app.costmodel import find_model, slo_admission_on, step_time_predictor
 
                 try:
                     model = find_model(s.home, s.model_id, s.cost_model)
                 except (OSError, ValueError, KeyError) as exc:
                     log.warning("cost model unusable (%s): SLO admission off", exc)
                     model = None
-                step_time = step_time_predictor(model) if model else None
+                on = slo_admission_on(s.slo_admission, model)
+                step_time = step_time_predictor(model) if on and model is not None else None
                 log.info("SLO admission %s", f"on ({model.model_id}/{model.device_kind}, "
-                         f"{'resolution-aware batch SVR' if model.batch else 'linear model'})" if model
-                         else "off: no fitted cost model (run `stencil profile`)")
+                         f"{'resolution-aware batch SVR' if model.batch else 'linear model'})" if on and model else
+                         "off: no fitted cost model with the batch step-time predictor (`stencil profile --sizes`)")
 
             def expire(job: EngineJob, why: str) -> None:
                 ctx.jobs().transition(job.job_id, JobStatus.EXPIRED, error=why)
