@@ -264,7 +264,8 @@ def mape(pred: np.ndarray, y: np.ndarray) -> float:
 
 
 def fit(x: np.ndarray, y: np.ndarray, *, seed: int = 0, kernels: Sequence[str] = KERNELS,
-        targets: Sequence[str] = TARGETS, folds: int = 5, linear_margin: float = 0.005) -> tuple[SVRModel, dict[str, Any]]:
+        targets: Sequence[str] = TARGETS, folds: int = 5,
+        linear_margin: float = 0.005) -> tuple[SVRModel, dict[str, Any]]:
     """The SVR (kernel, target, C, gamma, epsilon) with the lowest cross-validated MAPE on (x, y)
     (a linear kernel within ``linear_margin`` of it preferred), refitted on all of it.
     scikit-learn is imported here only: serving never needs it."""

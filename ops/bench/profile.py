@@ -426,8 +426,10 @@ def features(arch: UNetArch, rows: list[dict[str, Any]], unet_config: dict[str, 
     """The architecture with the mask boundary cells the measured masks had, and each row's step
     features (each job's at its own size when rows carry sizes)."""
     own = [tuple(hw) for row in rows for hw in row.get("latent_hw", [])]
-    at_size = [(r, t) for row in rows for r, t, c, hw in zip(row["ratios"], row["tokens"], row["cached"],
-                                                           row.get("latent_hw") or [arch.latent_hw] * len(row["ratios"]))
+    def sizes_of(row: dict[str, Any]) -> list[Any]:
+        return row.get("latent_hw") or [arch.latent_hw] * len(row["ratios"])
+
+    at_size = [(r, t) for row in rows for r, t, c, hw in zip(row["ratios"], row["tokens"], row["cached"], sizes_of(row))
                if c and t is not None and tuple(hw) == tuple(arch.latent_hw)]
     arch = arch.with_edges(at_size)
     archs = {tuple(arch.latent_hw): arch}
@@ -440,9 +442,9 @@ def features(arch: UNetArch, rows: list[dict[str, Any]], unet_config: dict[str, 
     def job_features(t: Any, c: bool, hw: Any) -> Any:
         return archs.get(tuple(hw) if hw else arch.latent_hw, arch).job_features(t if c else None)
 
-    return arch, np.array([np.sum([job_features(t, c, hw) for t, c, hw in
-                                   zip(row["tokens"], row["cached"], row.get("latent_hw") or [None] * len(row["tokens"]))],
-                                  axis=0) for row in rows], dtype=np.float64)
+    return arch, np.array([np.sum([job_features(t, c, hw)
+                                   for t, c, hw in zip(row["tokens"], row["cached"], sizes_of(row))], axis=0)
+                           for row in rows], dtype=np.float64)
 
 
 def shapes(row: dict[str, Any], default_hw: tuple[int, int]) -> list[steptime.JobShape]:
@@ -577,7 +579,8 @@ def render_model(model: CostModel, plot_name: str = "") -> str:
         b = model.batch.report
         mixed = b.get("mape_test_mixed")
         lines += ["", f"Resolution-aware batch step time (`app/steptime.py`), sizes {m.get('sizes', '?')}: an SVR "
-                  f"({b.get('kernel')} kernel on {'log(step seconds)' if b.get('target') == 'log' else 'step seconds'}, "
+                  f"({b.get('kernel')} kernel on "
+                  f"{'log(step seconds)' if b.get('target') == 'log' else 'step seconds'}, "
                   f"C {b.get('C')}, gamma "
                   f"{b.get('gamma', 0):.4g}, epsilon {b.get('epsilon', 0):.4g}, {b.get('n_support')} support vectors, "
                   f"chosen among {b.get('grid')} settings by {b.get('folds')}-fold CV MAPE "
