@@ -348,11 +348,11 @@ class Dispatcher:
                                    ) + self.slo_overhead_s
 
     def slo_deadline(self, rec: JobRecord, need: float | None) -> float | None:
-        """The job's SLO deadline: its own, else submission + ``STENCIL_SLO_FACTOR`` x ``need`` (its
-        standalone time); None without either (no fitted model, or the factor is 0)."""
+        """The job's SLO deadline: its own, else (edits) submission + ``STENCIL_SLO_FACTOR`` x ``need``
+        (its standalone time); None without either (no fitted model, the factor is 0, a warm-up)."""
         if rec.params.deadline is not None:
             return rec.params.deadline
-        if need is None or self.s.slo_factor <= 0:
+        if need is None or self.s.slo_factor <= 0 or rec.params.kind != "edit":  # warm-ups: the service's own work
             return None
         return (rec.ts("queued") or time.time()) + self.s.slo_factor * need
 

@@ -102,3 +102,11 @@ def test_records_say_whether_the_slo_was_met_and_the_metric_counts_it(redis_clie
     assert reg.get_sample_value("stencil_slo_jobs_total", {"outcome": "met"}) == 1
     assert reg.get_sample_value("stencil_slo_jobs_total", {"outcome": "missed"}) == 3
     assert reg.get_sample_value("stencil_slo_satisfaction") == pytest.approx(0.25)
+
+
+def test_warm_ups_get_no_default_deadline(redis_client, make_dispatcher) -> None:  # type: ignore[no-untyped-def]
+    d = make_dispatcher(_cost_model(), routing_policy="least_requests")
+    store = JobStore(redis_client, ttl_seconds=60, intake_stream="stencil:jobs")
+    job, _ = store.create(JobParams(steps=10, kind="warm", template_id="tpl"))
+    d.route(job)
+    assert "slo_deadline" not in store.get(job).fields
