@@ -10,5 +10,6 @@ with the exact command line that produced it. ``--quick`` is a smoke run in seco
 - whole service: ``e2e`` (against a stock diffusers server), ``recovery`` (process faults),
   ``replay`` (a trace against a real 2-worker stack);
 - dispatch: ``profile`` (fits the cost model), ``simulate`` (8-64 worker cluster simulation),
-  ``batching_sim`` (continuous vs static batching by batch-cost shape).
+  ``batching_sim`` (continuous vs static batching by batch-cost shape), ``mixed_sizes`` (mixed image
+  sizes: one-at-a-time, bucketed, mixed and SLO-aware batching, real engine and simulator).
 """
