@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("gpu-worker", help="start a GPU worker (one engine) for queue gpu.<id>")
     s.add_argument("--worker-id", default=os.environ.get("STENCIL_WORKER_ID", "0"))
     s.add_argument("--max-batch", type=int, default=0)
-    s.add_argument("--batching", choices=["continuous", "static"], default=None)
+    s.add_argument("--batching", choices=["continuous", "static", "bucketed"], default=None)
     s.add_argument("--concurrency", type=int, default=0)
     s.set_defaults(func=cmd_gpu_worker)
 

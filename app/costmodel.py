@@ -56,6 +56,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.steptime import BatchPredictor, JobShape, engine_job_shape
+
 FORMAT = "stencil-costmodel"
 VERSION = 1
 STEP_FEATURES = ("fullmap_gmacs", "linear_gmacs", "attn_gmacs", "copy_melems", "jobs")
@@ -355,6 +357,9 @@ class CostModel:
     tiers: dict[str, TierFit] = field(default_factory=dict)
     step_report: FitReport | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    # Resolution-aware step time of whole batches (``app/steptime.py``), fitted on mixed-size batches
+    # by ``ops.bench.profile --sizes``; when present it is what SLO admission and deadlines use.
+    batch: BatchPredictor | None = None
     _memo: dict[tuple[Any, ...], float] = field(default_factory=dict, repr=False, compare=False)
 
     # -- step latency --------------------------------------------------------------------------
@@ -419,6 +424,7 @@ class CostModel:
             "load": {name: {"latency_s": t.latency_s, "bytes_per_s": t.bytes_per_s,
                             "report": t.report.to_dict() if t.report else None} for name, t in self.tiers.items()},
             "meta": self.meta,
+            **({"batch": self.batch.to_dict()} if self.batch is not None else {}),
         }
 
     @classmethod
@@ -436,7 +442,8 @@ class CostModel:
         return cls(model_id=d["model_id"], device_kind=d["device_kind"], arch=UNetArch.from_dict(d["arch"]),
                    intercept=float(step["intercept"]), coef=tuple(float(c) for c in step["coef"]),
                    tiers=tiers, step_report=FitReport.from_dict(step["report"]) if step.get("report") else None,
-                   meta=dict(d.get("meta", {})))
+                   meta=dict(d.get("meta", {})),
+                   batch=BatchPredictor.from_dict(d["batch"]) if d.get("batch") else None)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -459,21 +466,70 @@ class CostModel:
 
 
 def min_service_seconds(model: CostModel, steps: int, *, mask_ratio: float = 1.0,
-                        masked_tokens: Sequence[int] | None = None, cached: bool = True) -> float:
-    """Fastest denoising time of a job: alone on an idle worker (SLO lower bound)."""
+                        masked_tokens: Sequence[int] | None = None, cached: bool = True,
+                        latent_hw: tuple[int, int] | None = None, rows: int = 2) -> float:
+    """Fastest denoising time of a job: alone on an idle worker (SLO lower bound). With the
+    resolution-aware batch predictor and the job's latent size, that predictor's; else the linear
+    model's (at the model's profiled size)."""
+    if model.batch is not None and latent_hw is not None:
+        levels = model.batch.spec.levels
+        tokens = masked_tokens if cached and masked_tokens is not None and len(masked_tokens) == levels else None
+        if cached and tokens is None and 0.0 < mask_ratio < 1.0:  # estimated at the job's own size
+            tokens = dataclasses.replace(model.arch, latent_hw=tuple(latent_hw)).tokens_from_ratio(mask_ratio)[:levels]
+        shape = JobShape(tuple(latent_hw), tuple(tokens) if tokens is not None else None, rows)  # type: ignore[arg-type]
+        return model.batch.alone_seconds(shape, steps)
     return steps * (model.intercept + model.job_seconds(mask_ratio=mask_ratio, masked_tokens=masked_tokens,
                                                         cached=cached))
 
 
 def step_time_predictor(model: CostModel) -> Callable[[Sequence[Any]], float]:
     """``BatchScheduler(step_time=...)`` from a cost model; jobs need ``mask_ratio``,
-    ``masked_tokens`` and ``cached`` attributes (``EngineJob`` has them)."""
+    ``masked_tokens`` and ``cached`` attributes (``EngineJob`` has them), and for the
+    resolution-aware batch predictor (used when the model has one) ``latent_hw`` and ``rows``."""
+    batch = model.batch
+    if batch is not None:
+        levels, default_hw = batch.spec.levels, tuple(model.arch.latent_hw)
+
+        def shape(job: Any) -> JobShape:
+            cached = getattr(job, "_step_shape", None)  # a job's shape never changes: computed once
+            if cached is None:
+                cached = engine_job_shape(job, levels, default_hw)  # type: ignore[arg-type]
+                try:
+                    job._step_shape = cached
+                except AttributeError:
+                    pass
+            return cached
+
+        def predict_batch(jobs: Sequence[Any]) -> float:
+            return batch.step_seconds([shape(j) for j in jobs])
+
+        def predict_sets(jobs: Sequence[Any], sets: Any) -> Any:
+            return batch.predict_sets([shape(j) for j in jobs], sets)
+
+        predict_batch.predict_sets = predict_sets  # type: ignore[attr-defined]
+        return predict_batch
 
     def predict(jobs: Sequence[Any]) -> float:
         return model.intercept + sum(
             model.job_seconds(mask_ratio=j.mask_ratio, masked_tokens=j.masked_tokens, cached=j.cached) for j in jobs)
 
     return predict
+
+
+SLO_ADMISSION_MODES = ("auto", "on", "off")
+
+
+def slo_admission_on(mode: str, model: CostModel | None) -> bool:
+    """Whether an engine runs SLO-aware admission (``STENCIL_SLO_ADMISSION``): never without a fitted
+    model; ``auto`` only with the resolution-aware batch predictor (a single-size linear model
+    mispredicts mixed-size batches); ``on`` (also 1/true/yes) with any fitted model."""
+    mode = (mode or "auto").strip().lower()
+    mode = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off", "": "auto"}.get(mode, mode)
+    if mode not in SLO_ADMISSION_MODES:
+        raise ValueError(f"STENCIL_SLO_ADMISSION must be one of {SLO_ADMISSION_MODES}, got {mode!r}")
+    if model is None or mode == "off":
+        return False
+    return mode == "on" or model.batch is not None
 
 
 def default_path(home: Path, model_id: str, device_kind: str) -> Path:
@@ -585,5 +641,5 @@ def queue_finish_time(running: Sequence[tuple[float, int]], queued: Sequence[tup
 __all__ = [
     "BlockSpec", "CostModel", "FitReport", "STEP_FEATURES", "TierFit", "UNetArch", "admission_profile",
     "default_path", "find_model", "finish_after_admission", "finish_times", "level_hw", "min_service_seconds",
-    "queue_finish_time", "step_time_predictor", "token_counts_from_mask",
+    "queue_finish_time", "slo_admission_on", "step_time_predictor", "token_counts_from_mask",
 ]

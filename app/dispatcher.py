@@ -12,7 +12,12 @@ the jobs this dispatcher routed that the engines cannot show yet (still in ``pre
 in-flight entries leave when the job appears in a worker's state, ends, or gets too old.
 
 SLO at routing: with a fitted cost model, a job whose deadline cannot be met even if it started
-now alone on an idle worker is marked ``expired`` with the reason instead of being routed.
+now alone on an idle worker is marked ``expired`` with the reason instead of being routed. A job
+without a deadline gets a default one, ``STENCIL_SLO_FACTOR`` x its standalone time (that same
+prediction, at the job's own image size with the resolution-aware batch predictor, plus
+``STENCIL_SLO_OVERHEAD_SECONDS``), recorded as ``slo_deadline``; every job with one has
+``slo_met`` on its record when it ends (``app/jobs.py``), so SLO satisfaction is a number every
+deployment reports.
 """
 
 from __future__ import annotations
@@ -281,6 +286,8 @@ class Dispatcher:
         ratio_field = rec.fields.get("mask_ratio")
         ratio = float(ratio_field) if ratio_field else None
         tokens: tuple[int, ...] | None = None
+        size_tokens: tuple[int, ...] | None = None
+        grid: tuple[int, int] | None = None
         model = self.cost_model
         if ratio is None or model is not None:
             mask = self._mask(rec)
@@ -295,6 +302,10 @@ class Dispatcher:
                     lat = (max(1, int(h * scale) // vae), max(1, int(w * scale) // vae))
                     tokens = token_counts_from_mask(mask, lat, model.arch.num_levels) \
                         if lat == model.arch.latent_hw else None
+                    if model.batch is not None:  # the job's own grid (as prepare sizes it) and tokens there
+                        cell = model.batch.vae_factor
+                        grid = (max(1, int(h * scale) // cell), max(1, int(w * scale) // cell))
+                        size_tokens = token_counts_from_mask(mask, grid, model.batch.spec.levels)
         if ratio is None:
             ratio = _env_float("DEFAULT_MASK_RATIO", 1.0)
         cached = bool(p.template_id) and p.kind == "edit" and 0.0 < ratio < 1.0
@@ -303,7 +314,8 @@ class Dispatcher:
         addons = tuple(f"lora:{i}" for i, _ in p.loras) + tuple(dict.fromkeys(f"controlnet:{c[0]}" for c in p.controls))
         return JobDemand(job_id=rec.id, steps=steps, mask_ratio=ratio, masked_tokens=tokens, cached=cached,
                          template_id=p.template_id, priority=p.priority, deadline=p.deadline, refresh_share=refresh,
-                         addons=addons, addon_bytes=tuple(self._addon_bytes(a) for a in addons))
+                         addons=addons, addon_bytes=tuple(self._addon_bytes(a) for a in addons),
+                         latent_hw=grid, size_tokens=size_tokens)
 
     def _addon_bytes(self, addon: str) -> int:
         """An add-on's size from its description in the object store (cached; 0 if unknown)."""
@@ -324,11 +336,25 @@ class Dispatcher:
         return self._object_store
 
     def min_latency(self, demand: JobDemand) -> float | None:
-        """Fastest possible denoising time (alone on an idle worker), or None without a fitted model."""
+        """Fastest possible time of a job (denoising alone on an idle worker, at its own size when the
+        model has the resolution-aware predictor, plus the configured prepare/finalize overhead), or
+        None without a fitted model."""
         if self.cost_model is None:
             return None
+        sized = demand.latent_hw is not None and self.cost_model.batch is not None
         return min_service_seconds(self.cost_model, demand.steps, mask_ratio=demand.mask_ratio,
-                                   masked_tokens=demand.masked_tokens, cached=demand.cached) + self.slo_overhead_s
+                                   masked_tokens=demand.size_tokens if sized else demand.masked_tokens,
+                                   cached=demand.cached, latent_hw=demand.latent_hw if sized else None
+                                   ) + self.slo_overhead_s
+
+    def slo_deadline(self, rec: JobRecord, need: float | None) -> float | None:
+        """The job's SLO deadline: its own, else (edits) submission + ``STENCIL_SLO_FACTOR`` x ``need``
+        (its standalone time); None without either (no fitted model, the factor is 0, a warm-up)."""
+        if rec.params.deadline is not None:
+            return rec.params.deadline
+        if need is None or self.s.slo_factor <= 0 or rec.params.kind != "edit":  # warm-ups: the service's own work
+            return None
+        return (rec.ts("queued") or time.time()) + self.s.slo_factor * need
 
     # -- routing --------------------------------------------------------------------------------
     def route(self, job_id: str) -> str:
@@ -344,16 +370,19 @@ class Dispatcher:
             return "invalid"
         now = time.time()
         if rec.params.deadline is not None and rec.params.deadline < now:
-            self.jobs.transition(job_id, JobStatus.EXPIRED, error="deadline passed before routing")
+            self.jobs.transition(job_id, JobStatus.EXPIRED, error="deadline passed before routing",
+                                 slo_deadline=repr(rec.params.deadline))
             return "expired"
         demand = self.demand(rec)
-        if demand.deadline is not None:
-            need = self.min_latency(demand)
-            if need is not None and now + need > demand.deadline:
-                self.jobs.transition(job_id, JobStatus.EXPIRED,
-                                     error=f"deadline unreachable: needs at least {need:.3f} s, "
-                                           f"{demand.deadline - now:.3f} s left")
-                return "expired"
+        need = self.min_latency(demand)
+        if demand.deadline is not None and need is not None and now + need > demand.deadline:
+            self.jobs.transition(job_id, JobStatus.EXPIRED, slo_deadline=repr(demand.deadline),
+                                 error=f"deadline unreachable: needs at least {need:.3f} s, "
+                                       f"{demand.deadline - now:.3f} s left")
+            return "expired"
+        slo = self.slo_deadline(rec, need)
+        slo_fields = {} if slo is None else {"slo_deadline": repr(slo),
+                                             **({"slo_alone_s": f"{need:.4f}"} if need is not None else {})}
         view = self.view.refresh()
         start = time.perf_counter()
         worker = self.router.choose(demand, view)
@@ -364,6 +393,8 @@ class Dispatcher:
         if rec.params.controls:
             ids = list(dict.fromkeys(c[0] for c in rec.params.controls))
             self.celery.send_task("stencil.prefetch_controlnets", args=(ids,), queue=gpu_queue(worker))
+        if slo_fields:  # before the chain: the GPU worker reads it, whatever prepare's pace
+            self.jobs.update(job_id, **slo_fields)
         self.send_chain(job_id, worker)
         if self.jobs.transition(job_id, JobStatus.ROUTED, expect=(JobStatus.QUEUED,), worker=gpu_queue(worker)):
             self.view.assign(worker, demand)

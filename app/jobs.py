@@ -86,7 +86,9 @@ return ARGV[1]
 
 # KEYS[1] = job hash, KEYS[2] = the live-job set. ARGV: new status, now, ttl, expected current
 # statuses (",a,b," or ""), job id, then field/value pairs. Returns 1 if applied, 0 if the job is
-# terminal, missing or not in an expected status. A terminal job leaves the live set.
+# terminal, missing or not in an expected status. A terminal job leaves the live set. A job with an
+# ``slo_deadline`` gets ``slo_met`` when it ends (1: done by then; 0: later, failed or expired; a
+# cancelled job gets none: users' cancellations are not the service's misses), in the same step.
 _TRANSITION_LUA = """
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return 0 end
@@ -98,6 +100,12 @@ for i = 6, #ARGV, 2 do
   redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
 end
 if new == 'done' or new == 'failed' or new == 'cancelled' or new == 'expired' then
+  local slo = redis.call('HGET', KEYS[1], 'slo_deadline')
+  if slo and slo ~= '' and new ~= 'cancelled' then
+    local met = '0'
+    if new == 'done' and tonumber(ARGV[2]) <= tonumber(slo) then met = '1' end
+    redis.call('HSET', KEYS[1], 'slo_met', met)
+  end
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
   redis.call('ZREM', KEYS[2], ARGV[5])
 end

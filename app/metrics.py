@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -129,6 +129,16 @@ class StencilMetrics:
             "stencil_jobs_ended", "Jobs that reached a terminal status.", ["outcome"], registry=registry)
         self.failures = Counter(
             "stencil_job_failures", "Failed jobs by reason class.", ["reason"], registry=registry)
+        # SLO satisfaction: jobs that ended with an SLO deadline (their own, or the default from
+        # STENCIL_SLO_FACTOR), met or missed. Across processes:
+        # sum(rate(stencil_slo_jobs_total{outcome="met"}[5m])) / sum(rate(stencil_slo_jobs_total[5m]))
+        self.slo_jobs = Counter(
+            "stencil_slo_jobs", "Jobs that ended with an SLO deadline, by whether they met it.", ["outcome"],
+            registry=registry)
+        self.slo_satisfaction = Gauge(
+            "stencil_slo_satisfaction", "Share of the jobs this process saw end with an SLO deadline that met it.",
+            registry=registry, multiprocess_mode="liveall")
+        self._slo_counts = [0, 0]  # met, missed (this process)
 
     def observe_step(self, batch_size: int, masked_tokens: int, seconds: float) -> None:
         self.step_seconds.observe(seconds)
@@ -149,6 +159,15 @@ class StencilMetrics:
         self.jobs_ended.labels(outcome=outcome).inc()
         for phase, seconds in phase_durations(record_fields).items():
             self.job_phase_seconds.labels(phase=phase, outcome=outcome).observe(seconds)
+        met = _text(record_fields.get("slo_met", record_fields.get(b"slo_met", "")))
+        if met in ("0", "1"):
+            self.observe_slo(met == "1")
+
+    def observe_slo(self, met: bool) -> None:
+        """A job with an SLO deadline ended: met (done by its deadline) or missed."""
+        self.slo_jobs.labels(outcome="met" if met else "missed").inc()
+        self._slo_counts[0 if met else 1] += 1
+        self.slo_satisfaction.set(self._slo_counts[0] / sum(self._slo_counts))
 
 
 class QueueLengthCollector(Collector):

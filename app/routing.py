@@ -57,6 +57,8 @@ class JobDemand:
     refresh_share: float = 0.0  # cached jobs: share of steps computed fully (fidelity refresh steps)
     addons: tuple[str, ...] = ()  # "lora:<id>", "controlnet:<id>": models the job needs besides the base
     addon_bytes: tuple[int, ...] = ()  # their sizes (what a worker without them has to fetch)
+    latent_hw: tuple[int, int] | None = None  # the job's latent grid at its processing size, if known
+    size_tokens: tuple[int, ...] | None = None  # masked tokens per level at that size (step-time predictor)
 
 
 @dataclass

@@ -61,7 +61,9 @@ class Settings:
     # Engine.
     worker_id: str = "0"
     max_batch: int = 8
-    batching: str = "continuous"  # continuous | static
+    # continuous (jobs of any size join free slots every step; mixed sizes are batched exactly) |
+    # static (admit only when the batch drained) | bucketed (one image size per batch): baselines.
+    batching: str = "continuous"
     engine_idle_sleep: float = 0.005
 
     # Mask-aware inference and the template activation cache.
@@ -126,7 +128,23 @@ class Settings:
     gpu_workers: str = "0"
     routing_policy: str = "round_robin"  # round_robin | least_requests | least_masked_tokens | mask_aware
     cost_model: str = ""  # fitted cost-model JSON (ops/bench/profile.py); empty = look up by model id
-    slo_admission: bool = False  # engines refuse admissions that make a running job miss its deadline
+    # SLO-aware scheduling (workers/engine/scheduler.py): the engine orders waiting jobs by slack,
+    # refuses admissions that would make a running job miss its deadline, lets jobs late for their
+    # default deadline yield to on-time ones and expires jobs whose (user) deadline is out of reach,
+    # with the cost model's step-time predictor. auto (default) | on | off. auto = on wherever the
+    # resolution-aware batch predictor is fitted (``stencil profile --sizes``), because that is where
+    # it helps (BENCHMARKS.md, mixed sizes): at loads up to 0.7 it is within 3 points of FCFS and
+    # equal in throughput; from the load where FCFS meets 80% or fewer deadlines it meets 27-82%
+    # more (3.6-24x more under overload), for 0-1% less throughput below saturation and 5-11% less
+    # under sustained overload; a burst where every job is late (a catalog) batches like FCFS while
+    # new on-time jobs go first. Off without it: a single-size linear model mispredicts mixed-size
+    # batches. on = with any fitted model; off = never (highest peak throughput under overload).
+    slo_admission: str = "auto"
+    # Default deadline of a job without one: submission + slo_factor x its standalone time (alone on an
+    # idle worker, predicted, plus slo_overhead_seconds for prepare and finalize); recorded as
+    # ``slo_deadline`` with ``slo_met`` at the end, counted by ``stencil_slo_jobs{outcome}``.
+    # Soft: it orders SLO-aware admission, it never expires a job. 0 = no default deadlines.
+    slo_factor: float = 5.0
     view_refresh_ms: float = 50.0
     worker_stale_seconds: float = 120.0
     inflight_ttl_seconds: float = 600.0

@@ -21,8 +21,12 @@ def scrape(port: int) -> str:
         return resp.read().decode()
 
 
+COST_MODEL = Path(__file__).resolve().parents[1] / "ops/sim/costmodels/tiny-sd-inpaint-trained--cpu-1t-mixed.json"
+
+
 def test_metrics_endpoints_during_a_run(tmp_path: Path, model_home: Path) -> None:
-    with EmbeddedStack.start(tmp_path, home=model_home, metrics=True, max_batch=4) as stack:
+    # With a fitted batch predictor: default SLO deadlines, SLO admission (auto), SLO fields and metric.
+    with EmbeddedStack.start(tmp_path, home=model_home, metrics=True, max_batch=4, cost_model=str(COST_MODEL)) as stack:
         client = StencilClient(stack.settings)
         tid = client.add_template(template(90))
         assert client.warm_template(tid, steps=6).wait(120).status == JobStatus.DONE
@@ -31,7 +35,15 @@ def test_metrics_endpoints_during_a_run(tmp_path: Path, model_home: Path) -> Non
         bad = client.submit(template=b"not an image", mask=make_mask(0.2, (SIZE, SIZE)), steps=6)
         assert [j.wait(120).status for j in jobs] == [JobStatus.DONE] * 3
         assert bad.wait(60).status == JobStatus.FAILED
+        records = [client.jobs.get(j.id) for j in [*jobs, bad]]
         gpu, cpu, disp = (scrape(stack.metrics_ports[n]) for n in ("gpu0", "cpu", "dispatcher"))
+        gpu_log = (tmp_path / "logs" / "gpu0.log").read_text()
+    for rec in records:  # each edit: its default deadline (from its predicted standalone time) and the outcome
+        assert float(rec.fields["slo_deadline"]) > rec.ts("queued") and float(rec.fields["slo_alone_s"]) > 0
+        assert rec.fields["slo_met"] in ("0", "1")
+    assert records[-1].fields["slo_met"] == "0"  # a failed job missed its SLO
+    assert 'stencil_slo_jobs_total{outcome="missed"}' in cpu and "stencil_slo_satisfaction" in cpu
+    assert "SLO admission on" in gpu_log
     for name in ("stencil_engine_step_seconds_count", "stencil_engine_batch_size_bucket",
                  "stencil_engine_masked_tokens_bucket", 'stencil_cache_hits_total{tier="host"}'):
         assert name in gpu, name

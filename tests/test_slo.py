@@ -132,3 +132,127 @@ def test_engine_with_slo_admission_expires_and_serves() -> None:
     with pytest.raises(JobExpired):
         late.future.result(timeout=0)
     assert expired == ["late"]
+
+
+def test_soft_deadlines_never_expire_a_job_they_put_late_jobs_last() -> None:
+    clock = Clock()
+    expired: list[str] = []
+    s = BatchScheduler(1, step_time=linear, clock=clock, on_expire=lambda j, why: expired.append(j.job_id))
+    late = EngineJob("late", 10, deadline=clock.t + 1.0, arrival=0.0, mask_ratio=1.0, hard_deadline=False)
+    on_time = EngineJob("on-time", 10, deadline=clock.t + 5.0, arrival=1.0, mask_ratio=1.0, hard_deadline=False)
+    s.add(late)
+    s.add(on_time)
+    order = []
+    while s.waiting:
+        batch, admitted = s.schedule()
+        order += [j.job_id for j in admitted]
+        for j in batch:
+            j.steps_done = j.total_steps
+        s.complete_step(batch)
+    assert order == ["on-time", "late"] and expired == [] and s.expired == []
+
+
+def test_soft_deadlines_do_not_reorder_plain_fcfs_batching() -> None:
+    s = BatchScheduler(1, clock=Clock())
+    first = EngineJob("first", 5, deadline=2000.0, arrival=0.0, hard_deadline=False)
+    urgent = EngineJob("urgent", 5, deadline=1001.0, arrival=1.0, hard_deadline=False)
+    user = EngineJob("user", 5, deadline=1500.0, arrival=2.0)  # a user's (hard) deadline still orders
+    for j in (first, urgent, user):
+        s.add(j)
+    _, admitted = s.schedule()
+    assert [j.job_id for j in admitted] == ["user"]
+    s.running.clear()
+    _, admitted = s.schedule()
+    assert [j.job_id for j in admitted] == ["first"]
+
+
+def sized(job_id: str, hw: tuple[int, int], arrival: float, steps: int = 3) -> EngineJob:
+    return EngineJob(job_id, steps, arrival=arrival, latent_hw=hw)
+
+
+def test_bucketed_batches_hold_one_size_and_the_next_bucket_is_the_oldest_jobs() -> None:
+    s = BatchScheduler(4, "bucketed", clock=Clock())
+    a1, b1, a2, a3, b2 = (sized("a1", (16, 16), 0), sized("b1", (8, 16), 1), sized("a2", (16, 16), 2),
+                          sized("a3", (16, 16), 3), sized("b2", (8, 16), 4))
+    for j in (a1, b1, a2, a3, b2):
+        s.add(j)
+    batch, admitted = s.schedule()  # the oldest job's size; every waiting job of that size joins
+    assert [j.job_id for j in admitted] == ["a1", "a2", "a3"] and {j.latent_hw for j in batch} == {(16, 16)}
+    a4 = sized("a4", (16, 16), 5)
+    s.add(a4)
+    _, admitted = s.schedule()  # b1 waits and is older: the bucket takes no newcomer
+    assert admitted == []
+    for j in list(s.running):
+        j.steps_done = j.total_steps
+    s.complete_step(list(s.running))
+    _, admitted = s.schedule()  # drained: the next bucket is b1's size
+    assert [j.job_id for j in admitted] == ["b1", "b2"]
+    c = sized("c", (8, 16), 6)
+    s.add(c)
+    _, admitted = s.schedule()  # a4 (older, other size) waits: no join
+    assert admitted == []
+    for j in list(s.running):
+        j.steps_done = j.total_steps
+    s.complete_step(list(s.running))
+    _, admitted = s.schedule()
+    assert [j.job_id for j in admitted] == ["a4"]
+    _, admitted = s.schedule()  # nothing older of another size waits now: c would join a (8, 16) bucket only
+    assert admitted == [] and [j.job_id for j in s.waiting] == ["c"]
+
+
+def test_bucketed_joins_while_no_older_job_of_another_size_waits() -> None:
+    s = BatchScheduler(4, "bucketed", clock=Clock())
+    s.add(sized("a1", (16, 16), 0))
+    s.schedule()
+    s.add(sized("a2", (16, 16), 1))
+    _, admitted = s.schedule()
+    assert [j.job_id for j in admitted] == ["a2"]
+
+
+def test_engine_sets_each_jobs_latent_grid_and_rows() -> None:
+    class SizedRunner(StepRunner):
+        def init_state(self, tensors, meta):  # type: ignore[no-untyped-def]
+            import torch
+
+            class St:
+                latents = torch.zeros(1, 4, meta["h"], meta["w"])
+                rows = 2
+            return St()
+
+        def step(self, batch: list[EngineJob]) -> None:
+            pass
+
+    engine = Engine(SizedRunner(), BatchScheduler(4, "bucketed"))
+    engine.submit("a", {}, {"h": 16, "w": 12}, total_steps=2)
+    engine._drain_inbox(block=False)
+    assert engine.scheduler.waiting[0].latent_hw == (16, 12) and engine.scheduler.waiting[0].rows == 2
+
+
+def test_a_running_job_late_for_its_soft_deadline_yields_its_slot_to_an_on_time_one() -> None:
+    clock = Clock()
+    s = BatchScheduler(1, step_time=linear, clock=clock)
+    slow = EngineJob("slow", 10, deadline=clock.t + 10.0, mask_ratio=1.0, hard_deadline=False, arrival=0.0)
+    s.add(slow)
+    batch, _ = s.schedule()
+    batch[0].steps_done = 4
+    clock.t += 9.5  # 6 steps x 0.2 s still to go: late for good
+    fresh = EngineJob("fresh", 5, deadline=clock.t + 5.0, mask_ratio=1.0, hard_deadline=False, arrival=1.0)
+    s.add(fresh)
+    batch, admitted = s.schedule()
+    assert [j.job_id for j in batch] == ["fresh"] and s.yielded == 1 and slow in s.waiting and slow.steps_done == 4
+    fresh.steps_done = fresh.total_steps
+    s.complete_step([fresh])
+    batch, admitted = s.schedule()  # nobody on time waits: the late job resumes where it was
+    assert [j.job_id for j in batch] == ["slow"] and slow.steps_done == 4
+
+
+def test_a_late_job_with_a_hard_deadline_keeps_running() -> None:
+    clock = Clock()
+    s = BatchScheduler(1, step_time=linear, clock=clock)
+    mine = EngineJob("mine", 10, deadline=clock.t + 10.0, mask_ratio=1.0, arrival=0.0)
+    s.add(mine)
+    s.schedule()
+    clock.t += 9.5
+    s.add(EngineJob("other", 5, deadline=clock.t + 5.0, mask_ratio=1.0, hard_deadline=False, arrival=1.0))
+    batch, _ = s.schedule()
+    assert [j.job_id for j in batch] == ["mine"] and s.yielded == 0

@@ -214,11 +214,19 @@ def get_engine() -> Engine:
                                   controlnets=controlnets, controlnet_parallel=s.controlnet_parallel == "thread",
                                   **cache_options)
             step_time = None
-            if s.slo_admission:
-                from app.costmodel import find_model, step_time_predictor
+            if s.slo_admission.strip().lower() not in ("off", "0", "false", "no"):
+                from app.costmodel import find_model, slo_admission_on, step_time_predictor
 
-                model = find_model(s.home, s.model_id, s.cost_model)
-                step_time = step_time_predictor(model) if model else None
+                try:
+                    model = find_model(s.home, s.model_id, s.cost_model)
+                except (OSError, ValueError, KeyError) as exc:
+                    log.warning("cost model unusable (%s): SLO admission off", exc)
+                    model = None
+                on = slo_admission_on(s.slo_admission, model)
+                step_time = step_time_predictor(model) if on and model is not None else None
+                log.info("SLO admission %s", f"on ({model.model_id}/{model.device_kind}, "
+                         f"{'resolution-aware batch SVR' if model.batch else 'linear model'})" if on and model else
+                         "off: no fitted cost model with the batch step-time predictor (`stencil profile --sizes`)")
 
             def expire(job: EngineJob, why: str) -> None:
                 ctx.jobs().transition(job.job_id, JobStatus.EXPIRED, error=why)
@@ -314,8 +322,12 @@ def denoise(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
             jobs.fail(job_id, "prepared inputs are missing (expired?)")
             raise Ignore()
         tensors, meta = unpack(blob)
+        # The user's deadline is hard; the dispatcher's default SLO deadline (slo_deadline) is soft.
+        deadline, hard = rec.params.deadline, True
+        if deadline is None and rec.fields.get("slo_deadline"):
+            deadline, hard = float(rec.fields["slo_deadline"]), False
         job = get_engine().submit(job_id, tensors, meta, total_steps=int(meta["num_steps"]),
-                                  priority=rec.params.priority, deadline=rec.params.deadline,
+                                  priority=rec.params.priority, deadline=deadline, hard_deadline=hard,
                                   template_id=rec.params.template_id,
                                   mask_ratio=float(meta.get("mask_ratio", 1.0)))
         try:

@@ -2,6 +2,8 @@
 
     python -m ops.bench.profile --model tiny       # embedded default, ~2 min
     python -m ops.bench.profile --model sd-l2      # SD-width blocks, ~15 min
+    python -m ops.bench.profile --model tiny --sizes 128x128,96x128,128x96,128x64 --points 320
+                                                   # mixed image sizes: + the batch step-time SVR
 
 What is measured (never fake data, DESIGN.md section 3):
 - Step latency: ``SDRunner.step`` (the engine's runner, with ``MaskAwareUNet`` when importable)
@@ -25,11 +27,23 @@ Fit: non-negative linear regression of step seconds on the features ``app.costmo
 from each job's masked tokens per level; per tier ``seconds ~ latency + bytes / bandwidth``.
 A random quarter of the points is held out *before* fitting; R^2, MAPE and residuals are on
 those. Output: one JSON model file (coefficients only) per (model id, device kind), and a plot.
+
+Mixed image sizes (``--sizes WxH,...``): every job of a composition draws its size from the list
+(uniformly: each size and mixture is covered), each size has its own template cache recorded by
+a warm-up at that size, and the runner batches the sizes exactly (one call per size in lockstep
+threads). The clock is then the process's CPU time (those threads compute one at a time; with
+one torch thread that is the step's work). Besides the linear model (features of each job at its
+own size) the resolution-aware batch predictor (``app/steptime.py``: an SVR with a scaler,
+kernel/target/C/gamma/epsilon chosen by 5-fold cross-validated MAPE on the training points) is
+fitted on the same training points, stored in the model JSON as plain arrays, and checked: its
+MAPE on the held-out points (and on the held-out batches mixing sizes), and its numpy predictions
+against scikit-learn's ``predict`` on every point.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -47,6 +61,7 @@ import torch
 from sklearn.linear_model import LinearRegression
 from sklearn.metrics import r2_score
 
+from app import steptime
 from app.costmodel import STEP_FEATURES, CostModel, FitReport, TierFit, UNetArch, default_path
 from app.settings import Settings
 from app.storage.local import LocalStore
@@ -121,13 +136,13 @@ def device_kind(device: str) -> str:
 
 
 class RecordedCaches:
-    """Recorder + provider for the runner: keeps a warm-up's real per-step activations in RAM."""
+    """Recorder + provider for the runner: keeps warm-ups' real per-step activations in RAM (per key)."""
 
     def __init__(self) -> None:
-        self.steps: dict[int, dict[str, torch.Tensor]] = {}
+        self.steps: dict[tuple[Any, int], dict[str, torch.Tensor]] = {}
 
     def put(self, key: Any, step: int, tensors: dict[str, torch.Tensor]) -> Future:
-        self.steps[step] = {k: v.detach().clone() for k, v in tensors.items()}
+        self.steps[(key, step)] = {k: v.detach().clone() for k, v in tensors.items()}
         return self.commit(key)
 
     def commit(self, key: Any) -> Future:
@@ -140,7 +155,7 @@ class RecordedCaches:
 
     def ready(self, key: Any, step: int, fetch: bool = True) -> dict[str, torch.Tensor] | None:
         """Every recorded step is resident (``fetch`` only matters for a real store)."""
-        return self.steps.get(step)
+        return self.steps.get((key, step))
 
 
 @dataclass
@@ -149,59 +164,76 @@ class JobSpec:
     cached: bool
     shape: str  # blob | rect
     seed: int
+    latent_hw: tuple[int, int] | None = None  # None: the model's profiled size
+
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    """``"128x128,96x128"`` (width x height in pixels) -> [(width, height), ...]."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        w, _, h = part.lower().partition("x")
+        out.append((int(w), int(h)))
+    return out
 
 
 class RunnerTimer:
-    """Builds jobs for the real ``SDRunner`` and times its ``step``."""
+    """Builds jobs for the real ``SDRunner`` and times its ``step`` (one template cache per size)."""
 
-    def __init__(self, mut: ModelUnderTest, steps: int, device: str = "cpu") -> None:
+    def __init__(self, mut: ModelUnderTest, steps: int, device: str = "cpu",
+                 sizes: list[tuple[int, int]] | None = None) -> None:
         self.mut = mut
         self.steps = steps
+        self.sizes = sizes or [(mut.latent, mut.latent)]  # latent (h, w)
         self.h = self.w = mut.latent
-        self.pixels = mut.latent * 8
         self.caches = RecordedCaches()
         self.maskaware = MaskAwareUNet(mut.unet)
         self.runner = SDRunner(mut.unet, mut.scheduler_config, device, maskaware=self.maskaware, caches=self.caches,
                                recorder=self.caches, prefetch_steps=0)
-        self.key_dict = TemplateCacheKey(
-            model_id=mut.model_id, template_id="profile", height=self.pixels, width=self.pixels,
+        self.keys = {hw: TemplateCacheKey(
+            model_id=mut.model_id, template_id="profile", height=hw[0] * 8, width=hw[1] * 8,
             scheduler=str(mut.scheduler_config["_class_name"]), steps=steps, strength=1.0, guidance="cfg2",
-            layout=self.maskaware.cache_layout).to_dict()
-        self._record()
+            layout=self.maskaware.cache_layout).to_dict() for hw in self.sizes}
+        for hw in self.sizes:
+            self._record(hw)
 
-    def tokens(self, pixel_mask: torch.Tensor) -> tuple[int, ...]:
+    def tokens(self, pixel_mask: torch.Tensor, latent_hw: tuple[int, int]) -> tuple[int, ...]:
         levels = len(self.mut.unet.config.block_out_channels)
-        tm = build_token_masks(pixel_mask, (self.h, self.w), levels)
+        tm = build_token_masks(pixel_mask, latent_hw, levels)
         return tuple(int(lvl.sum()) for lvl in tm.levels)
 
     def make_job(self, spec: JobSpec, mode: str, index: int) -> Any:
-        pix = pixel_mask(self.pixels, spec.ratio, spec.shape, spec.seed)
-        tensors, meta = cfg_job(pix, self.h, self.steps, (self.mut.text_len, self.mut.cross_dim), 1000 + spec.seed,
-                                mode=mode, cache_key=self.key_dict if mode != "full" else None)
-        job = EngineJob(job_id=f"j{index}", total_steps=self.steps, mask_ratio=spec.ratio)
+        hw = spec.latent_hw or self.sizes[0]
+        pix = pixel_mask(hw[0] * 8, spec.ratio, spec.shape, spec.seed, width=hw[1] * 8)
+        tensors, meta = cfg_job(pix, hw, self.steps, (self.mut.text_len, self.mut.cross_dim), 1000 + spec.seed,
+                                mode=mode, cache_key=self.keys[hw] if mode != "full" else None)
+        job = EngineJob(job_id=f"j{index}", total_steps=self.steps, mask_ratio=spec.ratio, latent_hw=hw)
         job.state = self.runner.init_state(tensors, meta)
         job.cached = mode == "masked"
-        job.masked_tokens = self.tokens(pix) if job.cached else None
+        job.masked_tokens = self.tokens(pix, hw) if job.cached else None
         return job
 
-    def _record(self) -> None:
-        """A warm-up job records real activations for every step (the template's cache)."""
-        job = self.make_job(JobSpec(0.0, False, "blob", 7), "record", -1)
+    def _record(self, hw: tuple[int, int]) -> None:
+        """A warm-up job records real activations for every step (the template's cache at this size)."""
+        job = self.make_job(JobSpec(0.0, False, "blob", 7, hw), "record", -1)
         for _ in range(self.steps):
             self.runner.step([job])
             job.steps_done += 1
-        log.info("recorded %d steps of template activations (%.1f MiB per step)", len(self.caches.steps),
-                 sum(t.numel() * t.element_size() for t in self.caches.steps[0].values()) / 2**20)
+        first = next(v for (k, st), v in self.caches.steps.items() if st == 0 and k.height == hw[0] * 8
+                     and k.width == hw[1] * 8)
+        log.info("recorded %d steps of template activations at latent %s (%.1f MiB per step)", self.steps, hw,
+                 sum(t.numel() * t.element_size() for t in first.values()) / 2**20)
 
     def time_batch(self, specs: list[JobSpec], repeats: int) -> tuple[list[float], list[float], list[Any]]:
-        """(wall seconds, this thread's CPU seconds) of ``repeats`` steps after one warm step."""
+        """(wall seconds, CPU seconds) of ``repeats`` steps after one warm step. CPU: this thread's,
+        or with several sizes the process's (lockstep threads compute one at a time)."""
         mode = lambda s: "masked" if (s.cached and s.ratio < 1.0) else "full"  # noqa: E731
         jobs = [self.make_job(s, mode(s), i) for i, s in enumerate(specs)]
+        cpu_clock = time.process_time if len(self.sizes) > 1 else time.thread_time
         wall, cpu = [], []
         for r in range(repeats + 1):
-            c0, w0 = time.thread_time(), time.perf_counter()
+            c0, w0 = cpu_clock(), time.perf_counter()
             self.runner.step(jobs)
-            dw, dc = time.perf_counter() - w0, time.thread_time() - c0
+            dw, dc = time.perf_counter() - w0, cpu_clock() - c0
             for j in jobs:
                 j.steps_done += 1
             if r:
@@ -221,14 +253,19 @@ def draw_ratio(rng: np.random.Generator) -> float:
     return float(np.clip(trace[rng.integers(0, len(trace))], 0.005, 1.0))
 
 
-def compositions(n: int, max_jobs: int, full_fraction: float, seed: int) -> list[list[JobSpec]]:
-    """Batch compositions: sizes cycle 1..max_jobs; ratios from traces + uniform; some uncached."""
+def compositions(n: int, max_jobs: int, full_fraction: float, seed: int,
+                 sizes: list[tuple[int, int]] | None = None) -> list[list[JobSpec]]:
+    """Batch compositions: batch sizes cycle 1..max_jobs; ratios from traces + uniform; some uncached;
+    with ``sizes`` (latent h, w) each job's size drawn uniformly from them."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
         size = 1 + i % max_jobs
         specs = [JobSpec(draw_ratio(rng), bool(rng.random() >= full_fraction), "blob" if rng.random() < 0.5 else "rect",
                          int(rng.integers(0, 10_000))) for _ in range(size)]
+        if sizes and len(sizes) > 1:
+            for spec in specs:
+                spec.latent_hw = sizes[int(rng.integers(0, len(sizes)))]
         out.append(specs)
     order = rng.permutation(n)
     return [out[i] for i in order]
@@ -283,8 +320,9 @@ def cross_validated_r2(x: np.ndarray, y: np.ndarray, folds: int, seed: int) -> f
 
 
 def profile_steps(mut: ModelUnderTest, args: argparse.Namespace, arch: UNetArch) -> dict[str, Any]:
-    harness = RunnerTimer(mut, steps=args.repeats + 1)
-    comps = compositions(args.points, args.max_jobs, args.full_fraction, args.seed)
+    sizes = latent_sizes(args)
+    harness = RunnerTimer(mut, steps=args.repeats + 1, sizes=sizes)
+    comps = compositions(args.points, args.max_jobs, args.full_fraction, args.seed, sizes)
     rows = []
     t_start = time.monotonic()
     for i, specs in enumerate(comps):
@@ -294,9 +332,11 @@ def profile_steps(mut: ModelUnderTest, args: argparse.Namespace, arch: UNetArch)
         med = statistics.median(times)
         rows.append({"jobs": len(jobs), "ratios": [round(s.ratio, 4) for s in specs],
                      "cached": [bool(j.cached) for j in jobs], "tokens": [j.masked_tokens for j in jobs],
+                     "latent_hw": [list(j.latent_hw) for j in jobs],
                      "features": [float(v) for v in feats], "seconds": med, "wall": wall, "cpu": cpu})
-        log.info("%d/%d: %d jobs, ratios %s, cached %s -> %.1f ms %s (wall %s) load %.1f", i + 1, len(comps),
-                 len(jobs), [f"{s.ratio:.2f}" for s in specs], [int(j.cached) for j in jobs], med * 1e3, args.clock,
+        log.info("%d/%d: %d jobs, sizes %s, ratios %s, cached %s -> %.1f ms %s (wall %s) load %.1f", i + 1,
+                 len(comps), len(jobs), [f"{w * 8}x{h * 8}" for h, w in (j.latent_hw for j in jobs)],
+                 [f"{s.ratio:.2f}" for s in specs], [int(j.cached) for j in jobs], med * 1e3, args.clock,
                  "/".join(f"{t * 1e3:.0f}" for t in wall), os.getloadavg()[0])
     log.info("step profile: %d points in %.0f s", len(rows), time.monotonic() - t_start)
     return {"rows": rows, "maskaware": True}
@@ -375,12 +415,73 @@ def plot(model: CostModel, rows: list[dict[str, Any]], test_idx: np.ndarray, out
     save_figure(fig, out)
 
 
-def features(arch: UNetArch, rows: list[dict[str, Any]]) -> tuple[UNetArch, np.ndarray]:
-    """The architecture with the mask boundary cells the measured masks had, and each row's step features."""
-    arch = arch.with_edges([(r, t) for row in rows for r, t, c in zip(row["ratios"], row["tokens"], row["cached"])
-                            if c and t is not None])
-    return arch, np.array([np.sum([arch.job_features(t if c else None) for t, c in zip(row["tokens"], row["cached"])],
-                                  axis=0) for row in rows], dtype=np.float64)
+def latent_sizes(args: argparse.Namespace) -> list[tuple[int, int]] | None:
+    """``--sizes`` as latent (h, w) grids (None: the model's one profiled size)."""
+    sizes = parse_sizes(getattr(args, "sizes", "") or "")
+    return [(h // 8, w // 8) for w, h in sizes] or None
+
+
+def features(arch: UNetArch, rows: list[dict[str, Any]], unet_config: dict[str, Any] | None = None
+             ) -> tuple[UNetArch, np.ndarray]:
+    """The architecture with the mask boundary cells the measured masks had, and each row's step
+    features (each job's at its own size when rows carry sizes)."""
+    own = [tuple(hw) for row in rows for hw in row.get("latent_hw", [])]
+    def sizes_of(row: dict[str, Any]) -> list[Any]:
+        return row.get("latent_hw") or [arch.latent_hw] * len(row["ratios"])
+
+    at_size = [(r, t) for row in rows for r, t, c, hw in zip(row["ratios"], row["tokens"], row["cached"], sizes_of(row))
+               if c and t is not None and tuple(hw) == tuple(arch.latent_hw)]
+    arch = arch.with_edges(at_size)
+    archs = {tuple(arch.latent_hw): arch}
+    if unet_config is not None:
+        for hw in set(own) - set(archs):
+            archs[hw] = dataclasses.replace(arch, latent_hw=hw,  # type: ignore[arg-type]
+                                            fullmap_macs_per_row=UNetArch.from_unet_config(unet_config, hw)
+                                            .fullmap_macs_per_row)
+
+    def job_features(t: Any, c: bool, hw: Any) -> Any:
+        return archs.get(tuple(hw) if hw else arch.latent_hw, arch).job_features(t if c else None)
+
+    return arch, np.array([np.sum([job_features(t, c, hw)
+                                   for t, c, hw in zip(row["tokens"], row["cached"], sizes_of(row))], axis=0)
+                           for row in rows], dtype=np.float64)
+
+
+def shapes(row: dict[str, Any], default_hw: tuple[int, int]) -> list[steptime.JobShape]:
+    """A measured composition as the batch predictor sees it."""
+    hws = row.get("latent_hw") or [default_hw] * len(row["tokens"])
+    return [steptime.JobShape(tuple(hw), tuple(t) if c and t is not None else None, 2)  # type: ignore[arg-type]
+            for t, c, hw in zip(row["tokens"], row["cached"], hws)]
+
+
+def fit_batch_predictor(rows: list[dict[str, Any]], arch: UNetArch, test_idx: np.ndarray,
+                        sizes: list[tuple[int, int]] | None, seed: int) -> steptime.BatchPredictor:
+    """The resolution-aware SVR on the training points; its held-out MAPE (all, and batches that
+    mix sizes) and its numpy-vs-scikit-learn agreement in ``report``."""
+    spec = steptime.FeatureSpec(arch.num_levels, tuple(sizes or ()))
+    x = np.array([spec.features(shapes(r, arch.latent_hw)) for r in rows])
+    y = np.array([r["seconds"] for r in rows])
+    test = np.zeros(len(rows), dtype=bool)
+    test[test_idx] = True
+    svr, info = steptime.fit(x[~test], y[~test], seed=seed)
+    scaler, sk = steptime.sklearn_predict(x[~test], y[~test], info)
+    sk_pred = sk.predict(scaler.transform(x))
+    sk_pred = np.exp(sk_pred) if info["target"] == "log" else np.maximum(sk_pred, 0.0)
+    pred = svr.predict(x)
+    mixed = np.array([len({tuple(hw) for hw in (r.get("latent_hw") or [])}) > 1 for r in rows])
+    report = {**info, "n_train": int((~test).sum()), "n_test": int(test.sum()),
+              "mape_train": steptime.mape(pred[~test], y[~test]), "mape_test": steptime.mape(pred[test], y[test]),
+              "n_test_mixed": int((test & mixed).sum()),
+              "mape_test_mixed": steptime.mape(pred[test & mixed], y[test & mixed]) if (test & mixed).any() else None,
+              "max_abs_error_test_ms": float(np.max(np.abs(pred[test] - y[test]))) * 1e3,
+              "sklearn_max_rel_diff": float(np.max(np.abs(pred - sk_pred) / sk_pred)),
+              "test_measured_s": [round(float(v), 5) for v in y[test]],
+              "test_predicted_s": [round(float(v), 5) for v in pred[test]]}
+    log.info("batch predictor: %s kernel on %s, held-out MAPE %.1f%% (mixed-size batches %s), numpy vs "
+             "scikit-learn max relative difference %.2e", info["kernel"], info["target"], report["mape_test"] * 100,
+             "n/a" if report["mape_test_mixed"] is None else f"{report['mape_test_mixed'] * 100:.1f}%",
+             report["sklearn_max_rel_diff"])
+    return steptime.BatchPredictor(spec, svr, 8, report)
 
 
 def project(args: argparse.Namespace, mut: ModelUnderTest, arch: UNetArch) -> int:
@@ -474,6 +575,24 @@ def render_model(model: CostModel, plot_name: str = "") -> str:
             lines.append(f"| {name} | {t.latency_s * 1e3:.2f} | {t.bytes_per_s / 2**20:.0f} | "
                          f"{t.report.r2_test:.3f} |" if t.report else f"| {name} | {t.latency_s * 1e3:.2f} | "
                          f"{t.bytes_per_s / 2**20:.0f} | - |")
+    if model.batch is not None:
+        b = model.batch.report
+        mixed = b.get("mape_test_mixed")
+        lines += ["", f"Resolution-aware batch step time (`app/steptime.py`), sizes {m.get('sizes', '?')}: an SVR "
+                  f"({b.get('kernel')} kernel on "
+                  f"{'log(step seconds)' if b.get('target') == 'log' else 'step seconds'}, "
+                  f"C {b.get('C')}, gamma "
+                  f"{b.get('gamma', 0):.4g}, epsilon {b.get('epsilon', 0):.4g}, {b.get('n_support')} support vectors, "
+                  f"chosen among {b.get('grid')} settings by {b.get('folds')}-fold CV MAPE "
+                  f"{b.get('cv_mape', 0) * 100:.1f}%) on {b.get('n_train')} measured batches; features "
+                  f"{', '.join(f'`{n}`' for n in model.batch.spec.names())}.",
+                  f"- **Held-out MAPE {b.get('mape_test', 0) * 100:.1f}%** on {b.get('n_test')} batches never seen "
+                  f"in fitting; on the {b.get('n_test_mixed')} of them that mix sizes "
+                  + ("n/a" if mixed is None else f"**{mixed * 100:.1f}%**")
+                  + f" (train {b.get('mape_train', 0) * 100:.1f}%, largest held-out error "
+                  f"{b.get('max_abs_error_test_ms', 0):.2f} ms).",
+                  f"- Served from the JSON with numpy: largest relative difference to scikit-learn's `predict` on "
+                  f"every measured batch {b.get('sklearn_max_rel_diff', 0):.1e}."]
     if plot_name:
         lines += ["", f"![{model.model_id}]({plot_name})"]
     return "\n".join(lines) + "\n"
@@ -485,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latent", type=int, default=None, help="latent side (tiny: 16, sd-l2: 32)")
     p.add_argument("--points", type=int, default=48, help="batch compositions measured")
     p.add_argument("--max-jobs", type=int, default=8, help="largest batch (CFG jobs)")
+    p.add_argument("--sizes", default="",
+                   help="image sizes WxH,... (multiples of 8): mixed-size batches and the batch step-time SVR")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--full-fraction", type=float, default=0.25, help="share of jobs without a cache")
     p.add_argument("--test-fraction", type=float, default=0.25)
@@ -511,7 +632,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     load_before = os.getloadavg()
     mut = load_model(args.model, args.latent, args.seed)
-    arch = UNetArch.from_unet_config(dict(mut.unet.config), (mut.latent, mut.latent), text_len=mut.text_len)
+    sizes = latent_sizes(args)
+    arch = UNetArch.from_unet_config(dict(mut.unet.config), sizes[0] if sizes else (mut.latent, mut.latent),
+                                     text_len=mut.text_len)
     if args.project_from:
         return project(args, mut, arch)
     loads: dict[str, list[tuple[int, float]]] | None = None
@@ -525,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             steps = profile_steps(mut, args, arch)
     rows = steps["rows"]
-    arch, x = features(arch, rows)
+    arch, x = features(arch, rows, dict(mut.unet.config))
     log.info("mask boundary cells per level (ratio -> tokens estimate): %s", arch.edge_cells)
     for row, feats in zip(rows, x):
         row["features"] = [float(v) for v in feats]
@@ -545,17 +668,20 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command
     measurement = steps.get("measurement") or {
         "command": command, "clock": args.clock, "threads": torch.get_num_threads(), "repeats": args.repeats,
+        **({"cpu_clock": "process_time (lockstep threads of mixed sizes compute one at a time)"} if sizes else {}),
         "loadavg_before": [round(v, 2) for v in load_before], "loadavg_after": [round(v, 2) for v in os.getloadavg()]}
+    if args.raw:
+        Path(args.raw).write_text(json.dumps({"rows": rows, "test_idx": test_idx.tolist(), "loads": loads,
+                                              "maskaware": steps["maskaware"], "measurement": measurement}, indent=1))
+    batch = fit_batch_predictor(rows, arch, test_idx, latent_sizes(args), args.seed) if args.sizes else None
     model = CostModel(
         model_id=mut.model_id, device_kind=dev, arch=arch, intercept=float(reg.intercept_),
         coef=tuple(float(c) for c in reg.coef_), tiers=tiers, step_report=report,
         meta={"created": time.time(), "command": command, "model": mut.description, "latent": mut.latent,
               "maskaware_profiled": steps["maskaware"], "torch": torch.__version__, "points": len(rows),
               "cv5_r2": cv_r2, "total_macs_only_r2_test": macs_only.r2_test, **measurement,
-              "fit_command": command})
-    if args.raw:
-        Path(args.raw).write_text(json.dumps({"rows": rows, "test_idx": test_idx.tolist(), "loads": loads,
-                                              "maskaware": steps["maskaware"], "measurement": measurement}, indent=1))
+              "fit_command": command, **({"sizes": args.sizes} if args.sizes else {})},
+        batch=batch)
     if args.plot:
         plot(model, rows, test_idx, Path(args.plot))
         log.info("wrote %s", args.plot)

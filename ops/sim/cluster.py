@@ -11,6 +11,11 @@ Template caches: a job whose template was warmed computes masked tokens only, bu
 template's activations are in the worker's host-RAM LRU; until the fetch (predicted by the load
 model) completes it computes full steps, exactly as ``SDRunner`` falls back. Jobs with an empty
 mask never reach a GPU worker (``prepare`` returns the template).
+
+Mixed image sizes: jobs carry their latent grid (``SimJob.latent_hw``); a batch's step time then
+comes from ``ClusterConfig.step_cost`` (e.g. the resolution-aware batch predictor fitted on this
+CPU, or a GPU-shaped batch curve), and SLO admission from ``ClusterConfig.step_time`` (default:
+the cost model's predictor). Batching modes are the engine's: continuous, static, bucketed.
 """
 
 from __future__ import annotations
@@ -51,6 +56,10 @@ class ClusterConfig:
     # Step cost of a batch of B jobs = intercept + (sum of their job seconds) * B ** (exponent - 1):
     # 1 is the linear cost fitted on this CPU, < 1 a sublinear (GPU-shaped) one.
     batch_exponent: float = 1.0
+    # Overrides: seconds of one step of a batch of engine jobs (replaces the formula above), and
+    # the SLO admission's step-time predictor (default: ``step_time_predictor(model)``).
+    step_cost: Callable[[list[EngineJob]], float] | None = None
+    step_time: Callable[..., float] | None = None
 
 
 @dataclass
@@ -77,7 +86,7 @@ class Cluster:
         self._events: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = 0
         self.jobs: dict[str, SimJob] = {}
-        predictor = step_time_predictor(model) if cfg.slo_admission else None
+        predictor = (cfg.step_time or step_time_predictor(model)) if cfg.slo_admission else None
         self.workers = [self._make_worker(str(i), predictor) for i in range(cfg.workers)]
         self.by_id = {w.wid: w for w in self.workers}
         self.view = WorkerView(w.state for w in self.workers)
@@ -112,7 +121,7 @@ class Cluster:
         if job.ratio <= 0.0:  # empty mask: prepare returns the template, no GPU work
             job.finish = self.now + self.cfg.prepare_s + self.cfg.finalize_s
             return
-        if self.cfg.slo_admission:
+        if self.cfg.slo_admission and job.hard_deadline:
             need = min_service_seconds(self.model, job.steps, mask_ratio=job.ratio, masked_tokens=job.masked_tokens,
                                        cached=job.cached) + self.cfg.prepare_s + self.cfg.finalize_s
             if self.now + need > job.deadline:
@@ -158,7 +167,8 @@ class Cluster:
     def _enqueue(self, job: SimJob, w: SimWorker) -> None:
         ej = EngineJob(job_id=job.job_id, total_steps=job.steps, deadline=job.deadline, arrival=self.now,
                        mask_ratio=job.ratio, masked_tokens=job.masked_tokens, cached=job.cached,
-                       template_id=job.template_id)
+                       template_id=job.template_id, latent_hw=job.latent_hw, rows=job.rows,
+                       hard_deadline=job.hard_deadline)
         if job.cached:
             usable = w.templates.get(job.template_id)
             if usable is None:
@@ -186,8 +196,11 @@ class Cluster:
             w.busy = False
             self._publish(w)
             return
-        predicted = self.model.intercept + sum(self._job_seconds(w, j) for j in batch) * (
-            len(batch) ** (self.cfg.batch_exponent - 1.0))
+        if self.cfg.step_cost is not None:
+            predicted = self.cfg.step_cost(batch)
+        else:
+            predicted = self.model.intercept + sum(self._job_seconds(w, j) for j in batch) * (
+                len(batch) ** (self.cfg.batch_exponent - 1.0))
         sigma = self.cfg.noise
         dur = predicted * (float(self.rng.lognormal(-sigma * sigma / 2, sigma)) if sigma else 1.0)
         w.busy, w.batch = True, batch

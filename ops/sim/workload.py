@@ -48,6 +48,9 @@ class SimJob:
     finish: float | None = None
     expired: str = ""
     extra: dict[str, float] = field(default_factory=dict)
+    latent_hw: tuple[int, int] | None = None  # mixed sizes (None: the cost model's size)
+    rows: int = 2
+    hard_deadline: bool = True  # False: a default SLO deadline (soft: never expires the job)
 
     @property
     def job_id(self) -> str:
@@ -95,3 +98,33 @@ def generate(model: CostModel, spec: WorkloadSpec) -> list[SimJob]:
                            template_id=f"t{int(templates[i])}", masked_tokens=model.arch.tokens_from_ratio(ratio),
                            deadline=float(arrivals[i]) + spec.slo_factor * total_alone, alone_s=total_alone))
     return jobs
+
+
+@dataclass(frozen=True)
+class MixedArrival:
+    """One job of a mixed-size trace: when it arrives, its size (width, height in pixels), its mask
+    ratio and the seed of its mask's shape."""
+
+    index: int
+    arrival: float
+    size: tuple[int, int]
+    ratio: float
+    seed: int
+
+
+def mixed_arrivals(sizes: list[tuple[int, int]], weights: list[float], trace: str, rate: float, jobs: int,
+                   seed: int) -> list[MixedArrival]:
+    """Poisson arrivals at ``rate`` jobs/s; each job's size drawn from ``sizes`` with ``weights``, its
+    mask ratio from the trace's non-empty masks (an empty mask never reaches a GPU worker: ``prepare``
+    returns the template). Deterministic for a seed: the real run and the simulator replay the same."""
+    rng = np.random.default_rng(seed)
+    ratios = load_trace(trace)
+    ratios = ratios[ratios > 0.0]
+    p = np.asarray(weights, dtype=np.float64)
+    p /= p.sum()
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, jobs))
+    picks = rng.choice(len(sizes), size=jobs, p=p)
+    draws = ratios[rng.integers(0, len(ratios), jobs)]
+    seeds = rng.integers(0, 1 << 30, jobs)
+    return [MixedArrival(i, float(arrivals[i]), tuple(sizes[int(picks[i])]), float(draws[i]), int(seeds[i]))  # type: ignore[arg-type]
+            for i in range(jobs)]

@@ -66,6 +66,21 @@ class EngineStats:
             del self.history[: len(self.history) - self.history_limit]
 
 
+def job_geometry(runner: Any, state: Any, meta: dict[str, Any]) -> tuple[tuple[int, int] | None, int]:
+    """(latent grid, batch rows) of a job: the runner's answer if it has one, else the state's 4-D
+    latents (SD), else the prepared pixel size over the VAE factor; rows 2 with CFG."""
+    rows = int(getattr(state, "rows", 2 if meta.get("do_cfg", True) else 1))
+    if hasattr(runner, "latent_hw"):
+        return runner.latent_hw(state), rows
+    latents = getattr(state, "latents", None)
+    if latents is not None and getattr(latents, "dim", lambda: 0)() == 4:
+        return (int(latents.shape[-2]), int(latents.shape[-1])), rows
+    if meta.get("height") and meta.get("width"):
+        factor = int(getattr(runner, "vae_scale_factor", 8))
+        return (int(meta["height"]) // factor, int(meta["width"]) // factor), rows
+    return None, rows
+
+
 class Engine:
     def __init__(self, runner: Runner, scheduler: BatchScheduler, hooks: EngineHooks | None = None,
                  *, idle_wait: float = 0.05, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -85,10 +100,11 @@ class Engine:
     # -- called from other threads -------------------------------------------------------
     def submit(self, job_id: str, tensors: dict[str, Any], meta: dict[str, Any], *,
                total_steps: int, priority: int = 0, deadline: float | None = None,
-               mask_ratio: float = 1.0, template_id: str = "") -> EngineJob:
-        """Queue a job; its ``future`` resolves to the runner's result or raises."""
-        job = EngineJob(job_id=job_id, total_steps=total_steps, priority=priority,
-                        deadline=deadline, mask_ratio=mask_ratio, template_id=template_id)
+               mask_ratio: float = 1.0, template_id: str = "", hard_deadline: bool = True) -> EngineJob:
+        """Queue a job; its ``future`` resolves to the runner's result or raises. ``hard_deadline``
+        False: ``deadline`` is the service's default SLO deadline (soft, see ``EngineJob``)."""
+        job = EngineJob(job_id=job_id, total_steps=total_steps, priority=priority, deadline=deadline,
+                        mask_ratio=mask_ratio, template_id=template_id, hard_deadline=hard_deadline)
         job.state = (tensors, meta)  # turned into runner state on the engine thread
         self._inbox.put(job)
         return job
@@ -131,6 +147,7 @@ class Engine:
             if hasattr(self.runner, "masked_tokens"):
                 job.masked_tokens = self.runner.masked_tokens(job.state)
             job.cached = getattr(job.state, "mode", "full") == "masked"
+            job.latent_hw, job.rows = job_geometry(self.runner, job.state, meta)
         except Exception as exc:  # bad tensors fail this job only
             log.warning("job %s rejected by the runner: %s", job.job_id, exc)
             job.future.set_exception(exc)

@@ -71,6 +71,10 @@ class FluxRunner(BaseRunner):
         self._init_adapters(state, meta)
         return state
 
+    def latent_hw(self, st: FluxJobState) -> tuple[int, int]:
+        """The job's token grid (packed 2x2 latents): the size the step-time predictor sees."""
+        return int(st.image_ids[:, 1].max()) + 1, int(st.image_ids[:, 2].max()) + 1
+
     def _token_masks(self, st: JobState, tensors: dict[str, torch.Tensor]) -> Any:
         return self.maskaware.token_mask(tensors["pixel_mask"].bool(), self.dilation)
 

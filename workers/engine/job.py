@@ -32,6 +32,13 @@ class EngineJob:
     cached: bool = False  # computes masked tokens only (its template cache is in use)
     template_id: str = ""
     expired_reason: str | None = None
+    # Size and rows (the resolution-aware step-time predictor, bucketed batching): set by the engine
+    # from the runner's state (latent grid; 2 rows with classifier-free guidance).
+    latent_hw: tuple[int, int] | None = None
+    rows: int = 2
+    # A user's deadline is hard (a job that cannot meet it expires); a default one from the service's
+    # SLO factor is soft: it orders SLO-aware admission, a job late for it still runs (last).
+    hard_deadline: bool = True
 
     @property
     def finished(self) -> bool:
@@ -42,8 +49,9 @@ class EngineJob:
         return max(0, self.total_steps - self.steps_done)
 
     def sort_key(self) -> tuple[float, float, float]:
-        """Admission order: higher priority, then earlier deadline, then earlier arrival."""
-        deadline = self.deadline if self.deadline is not None else float("inf")
+        """Admission order: higher priority, then earlier (user) deadline, then earlier arrival.
+        Default (soft) deadlines do not reorder plain FCFS batching: only SLO-aware admission uses them."""
+        deadline = self.deadline if self.deadline is not None and self.hard_deadline else float("inf")
         return (-self.priority, deadline, self.arrival)
 
     def slack(self, now: float, seconds_needed: float) -> float:

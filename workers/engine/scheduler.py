@@ -2,14 +2,22 @@
 
 This is the "scheduler" half of the engine (the runner executes). Continuous batching admits
 waiting jobs into free slots at every step, so jobs join and leave the running batch step by
-step; static batching (the baseline) admits only when the running batch has drained.
+step, whatever their image sizes (the runners batch mixed sizes exactly); static batching (a
+baseline) admits only when the running batch has drained; bucketed batching (a baseline) keeps
+one image size per batch: when the batch drains, the next bucket is the size of the first
+waiting job in admission order, and every waiting job of that size may join; while it runs,
+jobs of its size join free slots only while no job of another size is ahead of them.
 
 SLO-aware admission (PatchedServe-style), active only when a step-time predictor is injected
 (``step_time(jobs) -> seconds`` of one step of that batch; ``None`` keeps the plain behaviour):
 - a waiting job that cannot meet its deadline even if it ran alone from now is expired: it leaves
   the queue, its future fails with ``JobExpired(reason)`` and ``on_expire(job, reason)`` tells the
   engine's host (which marks the record ``expired``). Running jobs are never expired here: their
-  work is half done and the runner may still beat the prediction.
+  work is half done and the runner may still beat the prediction. That holds for hard (user)
+  deadlines; a job whose soft deadline (the service's default, ``STENCIL_SLO_FACTOR``) is out of
+  reach is not expired but goes behind every job that can still make its own: it runs late
+  rather than making others late too. A running job in that state gives its slot back (keeping
+  its progress) while an on-time job waits, and rejoins when there is room.
 - waiting jobs are ordered by priority, then slack (deadline - now - predicted time alone), then
   arrival: the most urgent job gets the next free slot.
 - a waiting job is admitted only if no running (or just admitted) job that would meet its
@@ -28,12 +36,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from app.costmodel import finish_times
 from workers.engine.job import EngineJob, JobExpired
 
 log = logging.getLogger(__name__)
 
-MODES = ("continuous", "static")
+MODES = ("continuous", "static", "bucketed")
 
 StepTimePredictor = Callable[[Sequence[EngineJob]], float]
 ExpireCallback = Callable[[EngineJob, str], None]
@@ -59,6 +69,7 @@ class BatchScheduler:
         self.running: list[EngineJob] = []
         self.expired: list[EngineJob] = []  # since the last ``pop_expired`` (last 1000 at most)
         self.refused = 0  # admissions refused to protect running jobs' deadlines
+        self.yielded = 0  # late (soft-deadline) running jobs that gave their slot to on-time ones
 
     def add(self, job: EngineJob) -> None:
         self.waiting.append(job)
@@ -101,16 +112,23 @@ class BatchScheduler:
         if self.step_time is not None:
             return self._schedule_slo(self.step_time)
         admitted: list[EngineJob] = []
-        if self.mode == "continuous" or not self.running:
+        if self.mode != "static" or not self.running:
             self.waiting.sort(key=EngineJob.sort_key)
+            bucket = self.running[0].latent_hw if self.running else None
+            opening = not self.running  # a bucket being chosen takes every waiting job of its size
             for job in list(self.waiting):
                 if len(self.running) >= self.max_batch:
                     break
+                if self.mode == "bucketed" and bucket is not None and job.latent_hw != bucket:
+                    if opening:
+                        continue
+                    break  # an older job of another size waits: this bucket takes no newcomers
                 if not self._is_ready(job):
                     continue
                 self.waiting.remove(job)
                 self.running.append(job)
                 admitted.append(job)
+                bucket = job.latent_hw
         return self._batch(), admitted
 
     # -- SLO-aware admission ---------------------------------------------------------------------
@@ -130,35 +148,119 @@ class BatchScheduler:
 
     def _misses(self, batch: Sequence[EngineJob], now: float, predict: StepTimePredictor) -> set[int]:
         """Indices of ``batch`` jobs with a deadline that the predicted finish would miss."""
-        ft = finish_times([j.remaining for j in batch], lambda idx: predict([batch[i] for i in idx]))
-        return {i for i, j in enumerate(batch) if j.deadline is not None and now + ft[i] > j.deadline}
+        return self._misses_many(list(batch), [[]], now, predict)[0]
+
+    def _misses_many(self, running: list[EngineJob], extras: list[list[EngineJob]], now: float,
+                     predict: StepTimePredictor) -> list[set[int]]:
+        """``_misses(running + extra)`` for each extra; one vectorized call when the predictor can
+        predict many batches at once (``predict.predict_sets``), the general walk otherwise."""
+        many = getattr(predict, "predict_sets", None)
+        if many is None:
+            out = []
+            for extra in extras:
+                batch = running + extra
+                ft = finish_times([j.remaining for j in batch], lambda idx, b=batch: predict([b[i] for i in idx]))
+                out.append({i for i, j in enumerate(batch) if j.deadline is not None and now + ft[i] > j.deadline})
+            return out
+        pool = running + [j for extra in extras for j in extra]
+        n_run = len(running)
+        rows: list[np.ndarray] = []
+        walks = []
+        offset = n_run
+        for extra in extras:
+            members = list(range(n_run)) + list(range(offset, offset + len(extra)))
+            offset += len(extra)
+            remaining = [pool[i].remaining for i in members]
+            order = sorted(range(len(members)), key=lambda k: remaining[k])
+            segments = []  # (row of the active set, steps it runs, members finishing after it)
+            done, pos = 0, 0
+            active = list(order)
+            while pos < len(order):
+                k = remaining[order[pos]] - done
+                finishing = []
+                while pos < len(order) and remaining[order[pos]] <= done + max(k, 0):
+                    finishing.append(order[pos])
+                    pos += 1
+                if k > 0:
+                    row = np.zeros(len(pool), dtype=bool)
+                    row[[members[a] for a in active]] = True
+                    rows.append(row)
+                    segments.append((len(rows) - 1, k, finishing))
+                    done += k
+                else:
+                    segments.append((-1, 0, finishing))
+                active = [a for a in active if a not in finishing]
+            walks.append((members, segments))
+        seconds = many(pool, np.stack(rows)) if rows else np.zeros(0)
+        out = []
+        for members, segments in walks:
+            t, missed = 0.0, set()
+            for row, k, finishing in segments:
+                if row >= 0:
+                    t += k * float(seconds[row])
+                for a in finishing:
+                    job = pool[members[a]]
+                    if job.deadline is not None and now + t > job.deadline:
+                        missed.add(a)
+            out.append(missed)
+        return out
+
+    def _yield_late(self, now: float, alone: dict[int, float], late: set[int]) -> None:
+        """Running jobs whose soft deadline is out of reach even alone give their slot back while a
+        job that can still make its own waits: they keep their progress, wait behind the on-time
+        jobs and rejoin when there is room (a job's state is its own, so it may skip steps)."""
+        for job in list(self.running):
+            if job.hard_deadline or job.deadline is None or job.remaining == 0:
+                continue
+            need = self.alone_seconds(job)
+            if now + need > job.deadline:
+                self.running.remove(job)
+                self.waiting.append(job)
+                alone[id(job)] = need
+                late.add(id(job))
+                self.yielded += 1
 
     def _schedule_slo(self, predict: StepTimePredictor) -> tuple[list[EngineJob], list[EngineJob]]:
         now = self.clock()
         alone = {id(j): self.alone_seconds(j) for j in self.waiting}
+        late: set[int] = set()  # soft deadlines out of reach: they go last, they are not expired
         for job in [j for j in self.waiting if j.deadline is not None and now + alone[id(j)] > j.deadline]:
+            if not job.hard_deadline:
+                late.add(id(job))
+                continue
             self.waiting.remove(job)
             self._expire(job, f"deadline unreachable: needs {alone[id(job)]:.3f} s alone for "
                               f"{job.remaining} steps, {job.deadline - now:.3f} s left")  # type: ignore[operator]
+        if self.mode == "continuous" and any(id(j) not in late for j in self.waiting):
+            self._yield_late(now, alone, late)
         admitted: list[EngineJob] = []
-        if self.waiting and len(self.running) < self.max_batch and (self.mode == "continuous" or not self.running):
-            self.waiting.sort(key=lambda j: (-j.priority, j.slack(now, alone[id(j)]), j.arrival))
+        if self.waiting and len(self.running) < self.max_batch and (self.mode != "static" or not self.running):
+            self.waiting.sort(key=lambda j: (-j.priority, id(j) in late,
+                                             0.0 if id(j) in late else j.slack(now, alone[id(j)]), j.arrival))
+            bucket = self.running[0].latent_hw if self.mode == "bucketed" and self.running else None
+            candidates = [j for j in self.waiting if bucket is None or j.latent_hw == bucket]
             misses = self._misses(self.running, now, predict) if self.running else set()
-            for job in list(self.waiting):
-                if len(self.running) >= self.max_batch:
+            while candidates and len(self.running) < self.max_batch:
+                trials = self._misses_many(self.running, [[j] for j in candidates], now, predict)
+                n_run = len(self.running)
+                chosen = None
+                for k, (job, after) in enumerate(zip(candidates, trials)):
+                    if not self._is_ready(job):
+                        continue
+                    if {i for i in after if i < n_run} - misses:
+                        self.refused += 1
+                        continue
+                    chosen = k
                     break
-                if not self._is_ready(job):
-                    continue
-                trial = self.running + [job]
-                after = self._misses(trial, now, predict)
-                hurt = {i for i in after if i < len(self.running)} - misses
-                if hurt:
-                    self.refused += 1
-                    continue
+                if chosen is None:
+                    break
+                job = candidates[chosen]
                 self.waiting.remove(job)
                 self.running.append(job)
                 admitted.append(job)
-                misses = after
+                misses = {i if i < n_run else len(self.running) - 1 for i in trials[chosen]}
+                candidates = [j for j in candidates[chosen + 1:] if j in self.waiting and
+                              (self.mode != "bucketed" or j.latent_hw == job.latent_hw)]
         return self._batch(), admitted
 
     def complete_step(self, batch: list[EngineJob]) -> list[EngineJob]:

@@ -45,11 +45,13 @@ def unet_from_args(args: argparse.Namespace) -> UNet2DConditionModel:
                          args.seed)
 
 
-def pixel_mask(size: int, ratio: float, shape: str, seed: int) -> torch.Tensor:
-    """A ``size`` x ``size`` mask of realistic shape (``blob`` or ``rect``) at pixel ratio ``ratio``."""
+def pixel_mask(size: int, ratio: float, shape: str, seed: int, width: int | None = None) -> torch.Tensor:
+    """A ``size`` x ``size`` (or ``size`` x ``width``) mask of realistic shape (``blob`` or ``rect``)
+    at pixel ratio ``ratio``."""
+    width = size if width is None else width
     if ratio >= 1.0:
-        return torch.ones(size, size, dtype=torch.bool)
-    return (blob_mask if shape == "blob" else rect_mask)(size, size, ratio, seed)
+        return torch.ones(size, width, dtype=torch.bool)
+    return (blob_mask if shape == "blob" else rect_mask)(size, width, ratio, seed)
 
 
 def job_masks(ctrl: MaskAwareUNet, ratio: float, jobs: int, latent: int, vae_factor: int,
@@ -59,15 +61,17 @@ def job_masks(ctrl: MaskAwareUNet, ratio: float, jobs: int, latent: int, vae_fac
                              (latent, latent)) for k in range(jobs)]
 
 
-def cfg_job(pixel: torch.Tensor, latent: int, steps: int, text: tuple[int, int], seed: int, *, guidance: float = 7.5,
-            mode: str = "full", cache_key: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def cfg_job(pixel: torch.Tensor, latent: int | tuple[int, int], steps: int, text: tuple[int, int], seed: int, *,
+            guidance: float = 7.5, mode: str = "full",
+            cache_key: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """What ``prepare`` ships for one SD CFG job: random latents and text embeddings of real shapes
-    (``text`` = tokens, width), the latent mask pooled from the pixel mask."""
+    (``text`` = tokens, width), the latent mask pooled from the pixel mask; ``latent``: a side or (h, w)."""
     g = torch.Generator().manual_seed(seed)
-    lat = torch.nn.functional.adaptive_max_pool2d(pixel.float()[None, None], (latent, latent))
-    tensors = {"latents": torch.randn(1, 4, latent, latent, generator=g),
-               "mask": lat.expand(2, 1, latent, latent).contiguous(),
-               "masked_image_latents": torch.randn(2, 4, latent, latent, generator=g),
+    lh, lw = (latent, latent) if isinstance(latent, int) else latent
+    lat = torch.nn.functional.adaptive_max_pool2d(pixel.float()[None, None], (lh, lw))
+    tensors = {"latents": torch.randn(1, 4, lh, lw, generator=g),
+               "mask": lat.expand(2, 1, lh, lw).contiguous(),
+               "masked_image_latents": torch.randn(2, 4, lh, lw, generator=g),
                "prompt_embeds": torch.randn(2, *text, generator=g),
                "generator_state": g.get_state(), "pixel_mask": pixel.to(torch.uint8)}
     meta = {"t_start": 0, "num_steps": steps, "do_cfg": True, "guidance": guidance, "cache_mode": mode}

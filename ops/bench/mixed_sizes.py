@@ -1,0 +1,620 @@
+"""Mixed image sizes in one batch, and SLO-aware scheduling: four systems on one mixed-size trace.
+
+Systems (the engine's settings that select them):
+
+- ``one``: one job at a time (``STENCIL_MAX_BATCH=1``);
+- ``bucketed``: batches of one image size only (``STENCIL_BATCHING=bucketed``: when a batch drains,
+  the next bucket is the first waiting job's size);
+- ``mixed``: Stencil's continuous batching, every size in one batch (exact: one denoiser call per
+  size in lockstep, transformer blocks packing all sizes' tokens), first come first served;
+- ``mixed-slo``: the same with SLO-aware admission (``STENCIL_SLO_ADMISSION=1``: slack order,
+  admission refused when it would make a running job miss its deadline, late jobs last) fed by the
+  resolution-aware batch step-time predictor (``app/steptime.py``, fitted by ``stencil profile --sizes``).
+
+Trace: Poisson arrivals; sizes drawn from ``--sizes`` (width x height : weight); mask ratios from a
+public trace (``ops/data/mask_ratios``, non-empty masks) with mask shapes from ``app.maskgen``; every
+job without a deadline gets the service's default, ``--slo-factor`` x its standalone time (alone on
+an idle worker, predicted), as the dispatcher assigns it. Loads are fractions of the mixed system's
+predicted capacity (full batches of jobs drawn from the trace).
+
+Real run (this machine): the service's engine in process (``Engine``, ``BatchScheduler``,
+``SDRunner`` with ``MaskAwareUNet``, the embedded trained SD model, a template cache warmed per size,
+inputs prepared as ``prepare`` does), one engine as one GPU worker. Time is virtual: the clock
+advances by each engine iteration's measured CPU time (``--clock cpu``, the process's CPU time with
+one torch thread; lockstep threads compute one at a time) or wall time (``--clock wall``), and jobs
+arrive on that clock, so other load on this shared machine does not change the result. Not in it:
+the CPU stages (decode, text and VAE encoding, which ``prepare`` runs before the engine) and the
+Redis/Celery hand-offs; the end-to-end path of the SLO fields is covered by the service tests.
+
+Simulation (``ops/sim/cluster.py``: the production router and ``BatchScheduler`` against simulated
+workers) of the same trace with two step-cost models: the CPU-fitted batch predictor, and a
+GPU-shaped one whose batch cost is sublinear: a step of work W (a job's work = its predicted
+standalone step time relative to a full-compute 128x128 job, i.e. one SD-1.5 512x512 inpainting
+image) takes ``gpu_step_seconds(W)``, the A100 curve of diffusers' benchmark (``GPU_CURVE``). A
+batch mixing sizes runs one UNet call per size (lockstep) whose transformer blocks pack every
+size's tokens, so its step costs ``TRANSFORMER_SHARE`` x g(all the work) + the rest x the sum over
+sizes of g(that size's work): each size's convolutions pay the GPU's small-batch floor again.
+
+    python -m ops.bench.mixed_sizes --out docs/bench/mixed_sizes.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from app.costmodel import CostModel, token_counts_from_mask
+from app.demo import demo_templates
+from app.jobs import JobParams
+from app.maskgen import SHAPES, make_mask
+from app.routing import make_policy
+from app.settings import Settings
+from app.steptime import BatchPredictor, JobShape
+from app.storage import LocalStore
+from ops.bench.harness import cli
+from ops.bench.harness.edits import load_pipeline
+from ops.bench.harness.engine import record
+from ops.bench.harness.report import finish_axes, pyplot, save_figure
+from ops.bench.harness.timing import loadavg
+from ops.sim.cluster import Cluster, ClusterConfig
+from ops.sim.workload import MixedArrival, SimJob, mixed_arrivals
+from workers.engine.engine import Engine
+from workers.engine.scheduler import BatchScheduler
+from workers.engine.sd_runner import SDRunner
+from workers.engine.template_cache import CacheRecorder, StepCacheProvider
+from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
+from workers.maskaware.unet import MaskAwareUNet
+from workers.sd_inputs import prepare_job_tensors
+
+log = logging.getLogger(__name__)
+
+SYSTEMS = ("one", "bucketed", "mixed", "mixed-slo")
+LABELS = {"one": "(a) one job at a time", "bucketed": "(b) bucketed (one size per batch)",
+          "mixed": "(c) Stencil mixed batches, FCFS", "mixed-slo": "(d) mixed batches, SLO-aware"}
+PROMPTS = ["a red scarf", "a hat", "flowers", "a cat", "sunglasses"]
+
+# The GPU-shaped batch cost: seconds of one denoising step of B SD-1.5 inpainting images at 512x512
+# (classifier-free guidance, 2 UNet rows each) on an A100, from diffusers' PyTorch 2.0 benchmark
+# (docs/source/en/optimization/torch2.0.mdx, "SD - inpaint", torch 2.0 without compile, fp16):
+# 22.24 it/s at batch 1, 11.67 it/s at batch 4, 3.04 it/s at batch 16 -> 1 / (it/s) per step.
+GPU_CURVE = ((1.0, 1 / 22.24), (4.0, 1 / 11.67), (16.0, 1 / 3.04))
+# Transformer blocks' share of an SD-architecture UNet step (BENCHMARKS.md, ops/bench/maskaware_unet.py:
+# f = 0.466 for block_out_channels (320, 640) at 4096 tokens, measured on this CPU): the part of a
+# mixed-size step that is one packed computation; the rest (convolutions, ResNets) runs per size.
+TRANSFORMER_SHARE = 0.466
+GPU_SOURCE = ("diffusers, `docs/source/en/optimization/torch2.0.mdx` (A100 tables, row \"SD - inpaint\", "
+              "torch 2.0 without compile: 22.24 / 11.67 / 3.04 it/s at batch 1 / 4 / 16)")
+
+
+def gpu_step_seconds(work: float) -> float:
+    """Step seconds for ``work`` (in 512x512 full-compute images): piecewise linear through
+    ``GPU_CURVE``, extended with its first and last slopes. A batch of 4 costs 1.9x one image, 16
+    cost 7.3x: the sublinear batch cost of a GPU that one image leaves underused."""
+    pts = GPU_CURVE
+    if work <= pts[1][0]:
+        (x0, y0), (x1, y1) = pts[0], pts[1]
+    elif work <= pts[-1][0]:
+        i = next(k for k in range(1, len(pts)) if work <= pts[k][0])
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+    else:
+        (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    return max(1e-4, y0 + (y1 - y0) * (work - x0) / (x1 - x0))
+
+
+def parse_sizes(text: str) -> tuple[list[tuple[int, int]], list[float]]:
+    """``"128x128:0.4,96x128:0.25"`` -> ([(width, height), ...], [weight, ...])."""
+    sizes, weights = [], []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        dims, _, weight = part.partition(":")
+        w, _, h = dims.lower().partition("x")
+        sizes.append((int(w), int(h)))
+        weights.append(float(weight or 1.0))
+    return sizes, weights
+
+
+# -- one job of the trace, as the predictor sees it ---------------------------------------------------
+
+
+def job_shape(arrival: MixedArrival, mask: np.ndarray | None, predictor: BatchPredictor, cost: CostModel) -> JobShape:
+    """Latent grid, masked tokens per level (from the mask, or estimated from the ratio) and rows."""
+    w, h = arrival.size
+    grid = predictor.latent_hw(h, w)
+    if arrival.ratio >= 0.999:
+        return JobShape(grid, None, 2)
+    if mask is not None:
+        tokens = token_counts_from_mask(mask, grid, predictor.spec.levels)
+    else:
+        import dataclasses
+
+        tokens = dataclasses.replace(cost.arch, latent_hw=grid).tokens_from_ratio(arrival.ratio)[:predictor.spec.levels]
+    return JobShape(grid, tuple(int(t) for t in tokens), 2)
+
+
+def capacity(step_seconds: Any, shapes: list[JobShape], max_batch: int, steps: int, seed: int,
+             samples: int = 400) -> float:
+    """Jobs/s of one worker kept full (batches of ``max_batch`` jobs drawn from ``shapes``)."""
+    rng = np.random.default_rng(seed + 99)
+    mean = float(np.mean([step_seconds([shapes[i] for i in rng.integers(0, len(shapes), max_batch)])
+                          for _ in range(samples)]))
+    return max_batch / (steps * mean)
+
+
+# -- real run: the engine in process on a virtual clock ------------------------------------------------
+
+
+@dataclass
+class RealJob:
+    arrival: MixedArrival
+    tensors: dict[str, Any]
+    meta: dict[str, Any]
+    shape: JobShape
+    deadline: float
+    alone: float
+
+
+@dataclass
+class Outcome:
+    """One job's result in one run."""
+
+    arrival: float
+    deadline: float
+    finish: float | None = None
+    size: tuple[int, int] = (0, 0)
+
+    @property
+    def met(self) -> bool:
+        return self.finish is not None and self.finish <= self.deadline
+
+
+@dataclass
+class RunStats:
+    outcomes: list[Outcome] = field(default_factory=list)
+    steps: int = 0
+    batch_jobs: int = 0
+    step_pred: list[float] = field(default_factory=list)  # predicted vs measured step seconds (mixed batches)
+    step_meas: list[float] = field(default_factory=list)
+    mixed_steps: int = 0
+    refused: int = 0
+    yielded: int = 0
+
+
+def summarize(stats: RunStats) -> dict[str, float]:
+    done = [o for o in stats.outcomes if o.finish is not None]
+    lat = np.array([o.finish - o.arrival for o in done]) if done else np.array([np.nan])  # type: ignore[operator]
+    span = max(o.finish for o in done) - min(o.arrival for o in stats.outcomes) if done else np.nan  # type: ignore[type-var]
+    return {"jobs": len(stats.outcomes), "done": len(done), "throughput": len(done) / span if done else 0.0,
+            "slo": float(np.mean([o.met for o in stats.outcomes])), "mean": float(lat.mean()),
+            "p95": float(np.percentile(lat, 95)), "batch": stats.batch_jobs / max(stats.steps, 1),
+            "steps": stats.steps, "mixed_steps": stats.mixed_steps, "refused": stats.refused, "yielded": stats.yielded}
+
+
+class RealBench:
+    """The embedded trained SD model behind the service's runner, a template cache per size."""
+
+    def __init__(self, args: argparse.Namespace, sizes: list[tuple[int, int]]) -> None:
+        self.args = args
+        self.pipe = load_pipeline("sd", args.model)
+        unet = self.pipe.unet.eval()
+        self.sched_cfg = {**dict(self.pipe.scheduler.config), "_class_name": type(self.pipe.scheduler).__name__}
+        store = ActivationStore(LocalStore(tempfile.mkdtemp(prefix="stencil-mixed-acts-")))
+        self.runner = SDRunner(unet, self.sched_cfg, maskaware=MaskAwareUNet(unet),
+                               caches=StepCacheProvider(store, 1 << 30), recorder=CacheRecorder(store),
+                               prefetch_steps=args.steps)
+        base = demo_templates(256)
+        self.templates = {}
+        self.keys = {}
+        params = JobParams(prompt="", seed=0, steps=args.steps, guidance=args.guidance)
+        for k, (w, h) in enumerate(sizes):
+            image = base[k % len(base)][1].resize((w, h))
+            tensors, meta = self.prepare(image, np.zeros((h, w), bool), params, (w, h))
+            key = TemplateCacheKey(model_id="bench-mixed", template_id=f"t{w}x{h}", height=h, width=w,
+                                   scheduler=self.sched_cfg["_class_name"], steps=args.steps, strength=1.0,
+                                   guidance="cfg2", layout=self.runner.maskaware.cache_layout)
+            record(self.runner, tensors, meta, key, resident_steps=args.steps)
+            self.templates[(w, h)], self.keys[(w, h)] = image, key
+        log.info("warmed a template cache per size: %s", sorted(self.keys))
+
+    def prepare(self, image: Image.Image, mask: np.ndarray, params: JobParams, size: tuple[int, int]
+                ) -> tuple[dict, dict]:
+        w, h = size
+        prep = prepare_job_tensors(self.pipe, self.sched_cfg, image, Image.fromarray(mask.astype(np.uint8) * 255),
+                                   params, h, w)
+        return dict(prep.tensors), dict(prep.meta)
+
+    def jobs(self, arrivals: list[MixedArrival], predictor: BatchPredictor, cost: CostModel) -> list[RealJob]:
+        """Each arrival prepared as ``prepare`` would (before the replay: not on its clock)."""
+        out = []
+        for a in arrivals:
+            w, h = a.size
+            mask = make_mask(a.ratio, (w, h), SHAPES[a.seed % len(SHAPES)], seed=a.seed)
+            params = JobParams(prompt=PROMPTS[a.seed % len(PROMPTS)], seed=a.seed % 100_000, steps=self.args.steps,
+                               guidance=self.args.guidance)
+            tensors, meta = self.prepare(self.templates[(w, h)], mask, params, (w, h))
+            if a.ratio < 0.999 and mask.any() and not mask.all():
+                meta = dict(meta, cache_mode="masked", cache_key=self.keys[(w, h)].to_dict())
+            shape = job_shape(a, mask, predictor, cost) if meta.get("cache_mode") == "masked" else \
+                JobShape(predictor.latent_hw(h, w), None, 2)
+            alone = predictor.alone_seconds(shape, self.args.steps)
+            out.append(RealJob(a, tensors, meta, shape, a.arrival + self.args.slo_factor * alone, alone))
+        return out
+
+    def replay(self, system: str, jobs: list[RealJob], predict: Any) -> RunStats:
+        """Jobs through one engine on a virtual clock advanced by each iteration's measured time."""
+        clock_fn = time.process_time if self.args.clock == "cpu" else time.perf_counter
+        now = [0.0]
+        slo = system == "mixed-slo"
+        sched = BatchScheduler(1 if system == "one" else self.args.max_batch,
+                               "bucketed" if system == "bucketed" else "continuous",
+                               step_time=predict if slo else None, clock=lambda: now[0])
+        engine = Engine(self.runner, sched)
+        inner, step_s = self.runner.step, [0.0]
+
+        def timed_step(batch: list[Any]) -> None:  # the runner's step alone (the predictor's target)
+            start = clock_fn()
+            try:
+                inner(batch)
+            finally:
+                step_s[0] = clock_fn() - start
+
+        self.runner.step = timed_step  # type: ignore[method-assign]
+        try:
+            return self._replay(engine, sched, jobs, predict, clock_fn, now, step_s)
+        finally:
+            del self.runner.step
+
+    def _replay(self, engine: Engine, sched: BatchScheduler, jobs: list[RealJob], predict: Any, clock_fn: Any,
+                now: list[float], step_s: list[float]) -> RunStats:
+        stats = RunStats([Outcome(j.arrival.arrival, j.deadline, size=j.arrival.size) for j in jobs])
+        pending = list(range(len(jobs)))
+        live: dict[int, Any] = {}
+        while pending or live:
+            arrived = []
+            while pending and jobs[pending[0]].arrival.arrival <= now[0]:
+                i = pending.pop(0)
+                arrived.append((i, copy.deepcopy(jobs[i].tensors)))  # the bench's copy: not on the clock
+            t0 = clock_fn()
+            for i, tensors in arrived:
+                j = jobs[i]
+                live[i] = engine.submit(f"j{i}", tensors, dict(j.meta), total_steps=self.args.steps,
+                                        deadline=j.deadline, hard_deadline=False, mask_ratio=j.arrival.ratio,
+                                        template_id=f"t{j.arrival.size}")
+            engine._drain_inbox(block=False)
+            batch_before = list(sched.running)
+            ran = engine.step_once()
+            elapsed = clock_fn() - t0  # the iteration (new jobs' runner state, scheduling, the step)
+            if not ran:
+                if pending:
+                    now[0] = max(now[0] + elapsed, jobs[pending[0]].arrival.arrival)
+                continue
+            now[0] += elapsed
+            rec = engine.stats.history[-1]
+            stats.steps += 1
+            stats.batch_jobs += len(rec.job_ids)
+            batch = [j for j in sched.running + batch_before if j.job_id in rec.job_ids]
+            batch = list({id(j): j for j in batch}.values())
+            if len({j.latent_hw for j in batch}) > 1:
+                stats.mixed_steps += 1
+            if predict is not None and batch:  # the predictor's error on this step alone
+                stats.step_pred.append(predict(batch))
+                stats.step_meas.append(step_s[0])
+            for i in [i for i, h in live.items() if h.future.done()]:
+                handle = live.pop(i)
+                if handle.future.exception() is None:
+                    stats.outcomes[i].finish = now[0]
+        stats.refused, stats.yielded = sched.refused, sched.yielded
+        return stats
+
+
+def run_real(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: list[float], cost: CostModel
+             ) -> dict[str, Any]:
+    from app.costmodel import step_time_predictor
+
+    predictor = cost.batch
+    assert predictor is not None
+    predict = step_time_predictor(cost)
+    bench = RealBench(args, sizes)
+    probe = mixed_arrivals(sizes, weights, args.trace, 1.0, 400, args.seed + 1000)
+    cap = capacity(predictor.step_seconds, [job_shape(a, None, predictor, cost) for a in probe], args.max_batch,
+                   args.steps, args.seed)
+    log.info("real run: predicted capacity of the mixed system %.2f jobs/s", cap)
+    results: dict[str, Any] = {"capacity": cap, "loads": {}}
+    for load in args.loads:
+        arrivals = mixed_arrivals(sizes, weights, args.trace, load * cap, args.jobs, args.seed)
+        jobs = bench.jobs(arrivals, predictor, cost)
+        per: dict[str, Any] = {}
+        for system in args.systems:  # the same prepared jobs for every system, one after the other
+            stats = bench.replay(system, jobs, predict)
+            per[system] = summarize(stats)
+            if stats.step_meas:
+                meas, pred = np.array(stats.step_meas), np.array(stats.step_pred)
+                per[system]["step_mape"] = float(np.mean(np.abs(pred - meas) / meas))
+                per[system]["step_points"] = len(meas)
+            log.info("real load %.2f %s: %s", load, system, {k: round(v, 3) for k, v in per[system].items()})
+        results["loads"][str(load)] = per
+    return results
+
+
+# -- simulation -----------------------------------------------------------------------------------
+
+
+def sim_costs(cost: CostModel) -> dict[str, tuple[Any, str]]:
+    """Step-cost functions of engine jobs: the CPU-fitted batch predictor, and the GPU-shaped curve."""
+    from app.costmodel import step_time_predictor
+
+    predictor = cost.batch
+    assert predictor is not None
+    cpu = step_time_predictor(cost)
+    ref = predictor.step_seconds([JobShape(predictor.latent_hw(128, 128), None, 2)])
+
+    def gpu(jobs: list[Any]) -> float:
+        work: dict[Any, float] = {}
+        for j in jobs:
+            hw = getattr(j, "latent_hw", None)
+            work[hw] = work.get(hw, 0.0) + cpu([j]) / ref
+        packed = gpu_step_seconds(sum(work.values()))
+        if len(work) == 1:
+            return packed
+        per_size = sum(gpu_step_seconds(w) for w in work.values())
+        return TRANSFORMER_SHARE * packed + (1.0 - TRANSFORMER_SHARE) * per_size
+
+    return {"cpu-fitted": (cpu, "batch step-time SVR fitted on this CPU (the real run's predictor)"),
+            "gpu-shaped": (gpu, "A100 SD-1.5 inpainting batch curve; each job's work = its CPU-fitted standalone "
+                                "step time over a full 128x128 job's (= one 512x512 image); a step mixing k sizes: "
+                                f"{TRANSFORMER_SHARE} x g(total work) + {1 - TRANSFORMER_SHARE:.3f} x sum of g(work of "
+                                "each size) (transformer blocks packed, convolutions per size)")}
+
+
+def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: list[float], cost: CostModel
+            ) -> dict[str, Any]:
+    predictor = cost.batch
+    assert predictor is not None
+    out: dict[str, Any] = {}
+    for name, (step_cost, text) in sim_costs(cost).items():
+        def shape_cost(shapes: list[JobShape], fn: Any = step_cost) -> float:
+            return fn([_ShapeJob(s) for s in shapes])
+
+        probe = mixed_arrivals(sizes, weights, args.trace, 1.0, 400, args.seed + 1000)
+        cap1 = capacity(shape_cost, [job_shape(a, None, predictor, cost) for a in probe], args.max_batch,
+                        args.steps, args.seed)
+        cap = cap1 * args.sim_workers
+        res: dict[str, Any] = {"capacity": cap, "text": text, "loads": {}}
+        for load in args.sim_loads:
+            per: dict[str, list[dict[str, float]]] = {s: [] for s in args.systems}
+            for seed in args.sim_seeds:
+                arrivals = mixed_arrivals(sizes, weights, args.trace, load * cap, args.sim_jobs, seed)
+                for system in args.systems:
+                    jobs = sim_jobs(arrivals, predictor, cost, args, step_cost)
+                    cfg = ClusterConfig(workers=args.sim_workers, max_batch=1 if system == "one" else args.max_batch,
+                                        slo_admission=system == "mixed-slo", noise=args.sim_noise, seed=seed,
+                                        batching="bucketed" if system == "bucketed" else "continuous",
+                                        step_cost=step_cost, step_time=step_cost, host_templates=64)
+                    cluster = Cluster(cost, cfg, make_policy("least_requests", cost))
+                    cluster.run(jobs)
+                    stats = RunStats([Outcome(j.arrival, j.deadline, j.finish, j.latent_hw or (0, 0)) for j in jobs],
+                                     steps=cluster.steps, batch_jobs=sum(j.steps for j in jobs if j.finish is not None))
+                    per[system].append(summarize(stats))
+            res["loads"][str(load)] = {s: {k: float(np.mean([r[k] for r in rs])) for k in rs[0]}
+                                       for s, rs in per.items()}
+            log.info("sim %s load %.2f: %s", name, load, {s: (round(v["throughput"], 2), round(v["slo"], 3))
+                                                         for s, v in res["loads"][str(load)].items()})
+        out[name] = res
+    return out
+
+
+@dataclass
+class _ShapeJob:
+    """A ``JobShape`` in the attributes ``engine_job_shape`` reads (capacity estimates)."""
+
+    shape: JobShape
+
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        return self.shape.latent_hw
+
+    @property
+    def masked_tokens(self) -> tuple[int, ...] | None:
+        return self.shape.tokens
+
+    @property
+    def cached(self) -> bool:
+        return self.shape.tokens is not None
+
+    @property
+    def rows(self) -> int:
+        return self.shape.rows
+
+
+def sim_jobs(arrivals: list[MixedArrival], predictor: BatchPredictor, cost: CostModel, args: argparse.Namespace,
+             step_cost: Any) -> list[SimJob]:
+    out = []
+    for a in arrivals:
+        shape = job_shape(a, None, predictor, cost)
+        alone = args.steps * step_cost([_ShapeJob(shape)])
+        out.append(SimJob(index=a.index, arrival=a.arrival, ratio=a.ratio, steps=args.steps,
+                          cached=shape.tokens is not None, template_id=f"t{a.size[0]}x{a.size[1]}",
+                          masked_tokens=shape.tokens or (), deadline=a.arrival + args.slo_factor * alone,
+                          alone_s=alone, latent_hw=shape.latent_hw, hard_deadline=False))
+    return out
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+
+def table(per_load: dict[str, Any], systems: list[str], with_mape: bool = False) -> list[str]:
+    lines = ["| load | system | throughput jobs/s | x (a) | x (b) | SLO satisfaction | mean s | P95 s | mean batch |"
+             + (" steps mixing sizes | predictor MAPE on its steps |" if with_mape else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if with_mape else "")]
+    for load, per in per_load.items():
+        base = {k: per.get(k, {}).get("throughput") for k in ("one", "bucketed")}
+        for s in systems:
+            r = per[s]
+            rel = [f"{r['throughput'] / base[k]:.2f}x" if base[k] else "-" for k in ("one", "bucketed")]
+            extra = (f" {int(r['mixed_steps'])} / {int(r['steps'])} | "
+                     + (f"{r['step_mape'] * 100:.1f}% |" if "step_mape" in r else "- |")) if with_mape else ""
+            lines.append(f"| {float(load):.2f} | {LABELS[s]} | {r['throughput']:.3f} | {rel[0]} | {rel[1]} | "
+                         f"{r['slo'] * 100:.1f}% | {r['mean']:.2f} | {r['p95']:.2f} | {r['batch']:.2f} |" + extra)
+    return lines
+
+
+def claims(per_load: dict[str, Any], throughput_target: float, versus_b: bool = True) -> list[str]:
+    """The issue's targets on one set of results: throughput at the highest load (against (a), and
+    against (b) where ``versus_b``), SLO at every load where (c) satisfies 80% or fewer."""
+    out = []
+    loads = sorted(per_load, key=float)
+    top = per_load[loads[-1]]
+    if {"one", "bucketed", "mixed"} <= set(top):
+        c, a, b = top["mixed"]["throughput"], top["one"]["throughput"], top["bucketed"]["throughput"]
+        ok = c >= throughput_target * a and (c >= b or not versus_b)
+        out.append(f"- Throughput at load {float(loads[-1]):.2f}: (c) {c:.3f} jobs/s = **{c / a:.2f}x (a)** "
+                   f"(target >= {throughput_target:.2f}x) and **{c / b:.2f}x (b)**"
+                   + (" (target >= 1.00x)" if versus_b else "") + ": " + ("**met**" if ok else "**not met**") + ".")
+    if {"one", "bucketed", "mixed"} <= set(top):
+        below = [ld for ld in loads if per_load[ld]["mixed"]["throughput"] >= per_load[ld]["bucketed"]["throughput"]]
+        out.append(f"- (c) >= (b) in throughput at loads {', '.join(f'{float(ld):.2f}' for ld in below) or 'none'} "
+                   f"of {', '.join(f'{float(ld):.2f}' for ld in loads)}; (c) > (a) at "
+                   + (", ".join(f"{float(ld):.2f}" for ld in loads
+                                if per_load[ld]["mixed"]["throughput"] > per_load[ld]["one"]["throughput"]) or "none")
+                   + ".")
+    hits = [ld for ld in loads if "mixed" in per_load[ld] and "mixed-slo" in per_load[ld]
+            and per_load[ld]["mixed"]["slo"] <= 0.8]
+    if not hits:
+        out.append("- SLO: no load where (c) satisfies 80% or fewer in this run.")
+    for k, ld in enumerate(hits):
+        c, d = per_load[ld]["mixed"]["slo"], per_load[ld]["mixed-slo"]["slo"]
+        gain = d / c - 1 if c > 0 else float("inf")
+        out.append(f"- SLO satisfaction at load {float(ld):.2f}"
+                   + (" (the first where (c) is at 80% or fewer)" if k == 0 else "")
+                   + f": (c) {c * 100:.1f}%, (d) {d * 100:.1f}%: **{gain * 100:+.0f}% relative** (target >= +30%): "
+                   + ("**met**" if gain >= 0.3 else "**not met**") + ".")
+    return out
+
+
+def plot(results: dict[str, Any], out: Path) -> str:
+    parts = [("real run (this CPU)", results["real"])] if results.get("real") else []
+    parts += [(f"simulated, {k}", v) for k, v in (results.get("sim") or {}).items()]
+    fig, axes = pyplot().subplots(2, len(parts), figsize=(4.2 * len(parts), 6.5), squeeze=False)
+    for col, (title, res) in enumerate(parts):
+        loads = sorted(res["loads"], key=float)
+        for s in res["loads"][loads[0]]:
+            xs = [float(ld) for ld in loads]
+            axes[0][col].plot(xs, [res["loads"][ld][s]["throughput"] for ld in loads], marker="o", label=LABELS[s])
+            axes[1][col].plot(xs, [res["loads"][ld][s]["slo"] * 100 for ld in loads], marker="o", label=LABELS[s])
+        axes[0][col].set_title(title, fontsize=9)
+        finish_axes(axes[0][col], "load (x predicted capacity of (c))", "throughput jobs/s")
+        finish_axes(axes[1][col], "load (x predicted capacity of (c))", "SLO satisfaction %",
+                    legend=6 if col == 0 else None)
+    return save_figure(fig, out)
+
+
+def render(results: dict[str, Any], args: argparse.Namespace, command: str, out: str) -> str:
+    sizes = ", ".join(f"{w}x{h} ({wt:.0%})" for (w, h), wt in zip(*_sizes(args)))
+    lines = ["# Mixed image sizes and SLO-aware scheduling", "",
+             f"Command (from the repository root): `{command}`", "",
+             f"Trace: {args.jobs if results.get('real') else args.sim_jobs} jobs per load, Poisson arrivals, sizes "
+             f"{sizes} (width x height), mask ratios of the `{args.trace}` trace (non-empty masks; shapes from "
+             f"`app.maskgen`), {args.steps} steps, guidance {args.guidance}, max batch {args.max_batch}; every job's "
+             f"deadline = arrival + {args.slo_factor:g} x its predicted standalone time (the service's default, "
+             "`STENCIL_SLO_FACTOR`); SLO satisfaction = share of all jobs done by their deadline. Load = arrival rate "
+             "over the mixed system's predicted capacity. Cost model: "
+             f"`{args.cost_model}` (`stencil profile --sizes`, report in `docs/bench/steptime.md`).", ""]
+    if results.get("real"):
+        r = results["real"]
+        lines += ["## Real run on this machine", "",
+                  f"The service's engine in process on the embedded `{args.model}` (one engine = one GPU worker), "
+                  f"{'CPU time of the process (1 torch thread)' if args.clock == 'cpu' else 'wall time'} as the clock "
+                  "(module docstring), all four systems on the same prepared jobs, one after the other; predicted "
+                  f"capacity of (c) {r['capacity']:.2f} jobs/s. Load average {results['loadavg_before']} before, "
+                  f"{results['loadavg_after']} after; {results['real_seconds']:.0f} s.", "",
+                  *table(r["loads"], args.systems, with_mape=True), "", *claims(r["loads"], 1.0), ""]
+    for name, res in (results.get("sim") or {}).items():
+        lines += [f"## Simulation, {name} step cost", "",
+                  f"`ops/sim/cluster.py`, {args.sim_workers} workers, least-requests routing, {args.sim_jobs} jobs per "
+                  f"run, mean of seeds {args.sim_seeds}, step noise {args.sim_noise}; step cost: {res['text']}; "
+                  f"predicted capacity of (c) {res['capacity']:.2f} jobs/s."
+                  + (f" GPU curve: {GPU_SOURCE}; a step of W images costs W=1: "
+                     f"{gpu_step_seconds(1) * 1e3:.1f} ms, W=4: {gpu_step_seconds(4) * 1e3:.1f} ms, W=8: "
+                     f"{gpu_step_seconds(8) * 1e3:.1f} ms." if name == "gpu-shaped" else ""), "",
+                  *table(res["loads"], args.systems), "",
+                  *claims(res["loads"], 1.3 if name == "gpu-shaped" else 1.0, versus_b=False), ""]
+    if results.get("plot"):
+        lines += [f"![throughput and SLO satisfaction by load]({results['plot']})", ""]
+    return "\n".join(lines)
+
+
+def _sizes(args: argparse.Namespace) -> tuple[list[tuple[int, int]], list[float]]:
+    sizes, weights = parse_sizes(args.sizes)
+    total = sum(weights)
+    return sizes, [w / total for w in weights]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = cli.parser(__doc__, out="docs/bench/mixed_sizes.md")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                   help="the real run's virtual clock: the process's CPU time (needs --threads 1) or wall time")
+    p.add_argument("--model", default="tiny-sd-inpaint-trained")
+    p.add_argument("--cost-model", default="ops/sim/costmodels/tiny-sd-inpaint-trained--cpu-1t-mixed.json",
+                   help="a cost model with the resolution-aware batch predictor (stencil profile --sizes)")
+    p.add_argument("--sizes", default="128x128:0.4,96x128:0.25,128x96:0.15,128x64:0.2",
+                   help="WxH:weight,... (the sizes the cost model was profiled on)")
+    p.add_argument("--trace", default="spring")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--guidance", type=float, default=7.5)
+    p.add_argument("--max-batch", type=int, default=Settings().max_batch)
+    p.add_argument("--slo-factor", type=float, default=Settings().slo_factor)
+    p.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.1, 1.4])
+    p.add_argument("--jobs", type=int, default=160, help="jobs per load (real run)")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--parts", default="real,sim", help="real, sim or both")
+    p.add_argument("--sim-loads", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.0, 1.1, 1.2, 1.4])
+    p.add_argument("--sim-jobs", type=int, default=1500)
+    p.add_argument("--sim-seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--sim-workers", type=int, default=4)
+    p.add_argument("--sim-noise", type=float, default=0.03)
+    p.add_argument("--json", default="", help="also write every number (JSON)")
+    run = cli.start(p, argv, __file__, quick=dict(
+        sizes="128x128:0.5,128x64:0.5", steps=2, loads=[1.2], jobs=10, sim_loads=[1.2], sim_jobs=60, sim_seeds=[0],
+        sim_workers=2))
+    args = run.args
+    if args.clock == "cpu" and args.threads != 1:
+        p.error("--clock cpu measures the process's CPU time: use --threads 1")
+    args.systems = [s for s in args.systems.split(",") if s]
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown:
+        p.error(f"unknown systems {sorted(unknown)}; known: {SYSTEMS}")
+    sizes, weights = _sizes(args)
+    cost = CostModel.load(args.cost_model)
+    if cost.batch is None:
+        p.error(f"{args.cost_model} has no batch step-time predictor: fit one with `stencil profile --sizes`")
+    torch.manual_seed(args.seed)
+    results: dict[str, Any] = {"loadavg_before": loadavg()}
+    parts = set(args.parts.split(","))
+    t0 = time.monotonic()
+    if "real" in parts:
+        with torch.no_grad():
+            results["real"] = run_real(args, sizes, weights, cost)
+    results["real_seconds"] = time.monotonic() - t0
+    if "sim" in parts:
+        results["sim"] = run_sim(args, sizes, weights, cost)
+    results["loadavg_after"] = loadavg()
+    if args.out:
+        results["plot"] = plot(results, Path(args.out).with_name(Path(args.out).stem + ".png"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=float))
+    run.write(render(results, args, run.command, args.out))
+    log.info("done in %.0f s", run.elapsed())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
