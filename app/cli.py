@@ -228,6 +228,16 @@ def cmd_stock_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_flower_db(db: str) -> None:
+    """Flower's state file must be a regular file: Flower moves an unreadable one aside and
+    replaces it atomically on save, which would destroy a device such as ``/dev/null``."""
+    for suffix in ("", ".db", ".dat", ".dir", ".bak"):
+        path = Path(db + suffix)
+        if path.exists() and not path.is_file():
+            raise SystemExit(f"--db {db}: {path} exists and is not a regular file (Flower would replace it); "
+                             "name a file path, e.g. flower.db")
+
+
 def cmd_flower(args: argparse.Namespace) -> int:
     """Flower with credentials, or (``--no-auth``, explicitly) without them on loopback only."""
     check_secrets(flower=True)
@@ -244,6 +254,7 @@ def cmd_flower(args: argparse.Namespace) -> int:
                                         "FLOWER_BASIC_AUTH (or --no-auth to serve it on 127.0.0.1 only)")
         check_basic_auth(args.basic_auth)
         address = args.address or "127.0.0.1"
+    _check_flower_db(args.db)
     argv = [sys.executable, "-m", "celery", "-A", "app.celery_app:app", "flower", f"--port={args.port}",
             f"--address={address}", "--persistent=True", f"--db={args.db}", "--max_tasks=10000"]
     if args.basic_auth:

@@ -81,10 +81,10 @@ def test_flower_refuses_to_start_insecurely(argv: list[str], says: str) -> None:
 
 
 @pytest.mark.integration
-def test_flower_without_auth_listens_on_loopback_only(redis_server) -> None:  # type: ignore[no-untyped-def]
+def test_flower_without_auth_listens_on_loopback_only(redis_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "flower", "--port", str(port), "--no-auth",
-                             "--db", "/dev/null"], env=_env(STENCIL_REDIS_URL=redis_server.url),
+                             "--db", str(tmp_path / "flower.db")], env=_env(STENCIL_REDIS_URL=redis_server.url),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
@@ -94,6 +94,14 @@ def test_flower_without_auth_listens_on_loopback_only(redis_server) -> None:  # 
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_flower_refuses_a_state_file_that_is_not_a_regular_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Flower moves an unreadable --db aside and replaces it on save: a device or folder must be refused."""
+    out = subprocess.run([sys.executable, "-m", "app.cli", "flower", "--port", str(_free_port()), "--no-auth",
+                          "--db", str(tmp_path)], capture_output=True, text=True, env=_env(), timeout=60)
+    assert out.returncode != 0 and "not a regular file" in out.stderr, out.stderr[-500:]
+    assert tmp_path.is_dir()
 
 
 def test_long_running_processes_refuse_placeholder_secrets() -> None:
