@@ -64,6 +64,10 @@ class Settings:
     # continuous (jobs of any size join free slots every step; mixed sizes are batched exactly) |
     # static (admit only when the batch drained) | bucketed (one image size per batch): baselines.
     batching: str = "continuous"
+    # Continuous batching under a queue: a free slot goes first to the earliest waiting job of a size
+    # already in the batch (each size in a step is a denoiser call of its own); a job passed over
+    # this many steps goes first regardless. 0 = strict FCFS. BENCHMARKS.md, mixed sizes.
+    size_affinity_steps: int = 50
     engine_idle_sleep: float = 0.005
 
     # Mask-aware inference and the template activation cache.

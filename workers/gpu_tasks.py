@@ -237,7 +237,8 @@ def get_engine() -> Engine:
                                      resident_adapters=bank.resident,
                                      resident_controlnets=getattr(getattr(runner, "controlnets", None), "resident",
                                                                   None))
-            _engine = Engine(runner, BatchScheduler(s.max_batch, s.batching, step_time=step_time, on_expire=expire),
+            _engine = Engine(runner, BatchScheduler(s.max_batch, s.batching, step_time=step_time, on_expire=expire,
+                                                     size_affinity_steps=s.size_affinity_steps),
                              hooks, idle_wait=s.engine_idle_sleep).start()
         return _engine
 

@@ -6,7 +6,9 @@ Systems (the engine's settings that select them):
 - ``bucketed``: batches of one image size only (``STENCIL_BATCHING=bucketed``: when a batch drains,
   the next bucket is the first waiting job's size);
 - ``mixed``: Stencil's continuous batching, every size in one batch (exact: one denoiser call per
-  size in lockstep, transformer blocks packing all sizes' tokens), first come first served;
+  size in lockstep, transformer blocks packing all sizes' tokens), first come first served with
+  size affinity (``STENCIL_SIZE_AFFINITY_STEPS``, ``--size-affinity-steps``: under a queue, free slots
+  go first to sizes already in the batch, a job passed over that many steps goes first; 0 = strict FCFS);
 - ``mixed-slo``: the same with SLO-aware admission (``STENCIL_SLO_ADMISSION=1``: slack order,
   admission refused when it would make a running job miss its deadline, late jobs last) fed by the
   resolution-aware batch step-time predictor (``app/steptime.py``, fitted by ``stencil profile --sizes``).
@@ -81,7 +83,7 @@ log = logging.getLogger(__name__)
 
 SYSTEMS = ("one", "bucketed", "mixed", "mixed-slo")
 LABELS = {"one": "(a) one job at a time", "bucketed": "(b) bucketed (one size per batch)",
-          "mixed": "(c) Stencil mixed batches, FCFS", "mixed-slo": "(d) mixed batches, SLO-aware"}
+          "mixed": "(c) Stencil mixed batches (continuous)", "mixed-slo": "(d) mixed batches, SLO-aware"}
 PROMPTS = ["a red scarf", "a hat", "flowers", "a cat", "sunglasses"]
 
 # The GPU-shaped batch cost: seconds of one denoising step of B SD-1.5 inpainting images at 512x512
@@ -256,7 +258,8 @@ class RealBench:
         slo = system == "mixed-slo"
         sched = BatchScheduler(1 if system == "one" else self.args.max_batch,
                                "bucketed" if system == "bucketed" else "continuous",
-                               step_time=predict if slo else None, clock=lambda: now[0])
+                               step_time=predict if slo else None, clock=lambda: now[0],
+                               size_affinity_steps=self.args.size_affinity_steps)
         engine = Engine(self.runner, sched)
         inner, step_s = self.runner.step, [0.0]
 
@@ -398,7 +401,8 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
                     cfg = ClusterConfig(workers=args.sim_workers, max_batch=1 if system == "one" else args.max_batch,
                                         slo_admission=system == "mixed-slo", noise=args.sim_noise, seed=seed,
                                         batching="bucketed" if system == "bucketed" else "continuous",
-                                        step_cost=step_cost, step_time=step_cost, host_templates=64)
+                                        step_cost=step_cost, step_time=step_cost, host_templates=64,
+                                        size_affinity_steps=args.size_affinity_steps)
                     cluster = Cluster(cost, cfg, make_policy("least_requests", cost))
                     cluster.run(jobs)
                     stats = RunStats([Outcome(j.arrival, j.deadline, j.finish, j.latent_hw or (0, 0)) for j in jobs],
@@ -572,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--guidance", type=float, default=7.5)
     p.add_argument("--max-batch", type=int, default=Settings().max_batch)
     p.add_argument("--slo-factor", type=float, default=Settings().slo_factor)
+    p.add_argument("--size-affinity-steps", type=int, default=Settings().size_affinity_steps,
+                   help="continuous batching's size affinity (STENCIL_SIZE_AFFINITY_STEPS; 0 = strict FCFS)")
     p.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.1, 1.4])
     p.add_argument("--jobs", type=int, default=160, help="jobs per load (real run)")
     p.add_argument("--systems", default=",".join(SYSTEMS))

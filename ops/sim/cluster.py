@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from app.settings import Settings
 from app.costmodel import CostModel, min_service_seconds, step_time_predictor
 from app.routing import JobDemand, JobLoad, RoutingPolicy, WorkerState, WorkerView
 from ops.sim.workload import SimJob
@@ -53,6 +54,7 @@ class ClusterConfig:
     view_refresh_s: float = 0.0
     seed: int = 0
     batching: str = "continuous"  # or "static": a batch is admitted only once the last one drained
+    size_affinity_steps: int = Settings().size_affinity_steps  # the engine's (workers/engine/scheduler.py)
     # Step cost of a batch of B jobs = intercept + (sum of their job seconds) * B ** (exponent - 1):
     # 1 is the linear cost fitted on this CPU, < 1 a sublinear (GPU-shaped) one.
     batch_exponent: float = 1.0
@@ -98,7 +100,8 @@ class Cluster:
 
     def _make_worker(self, wid: str, predictor: Any) -> SimWorker:
         sched = BatchScheduler(self.cfg.max_batch, self.cfg.batching, step_time=predictor,
-                               on_expire=self._on_expire, clock=lambda: self.now)
+                               on_expire=self._on_expire, clock=lambda: self.now,
+                               size_affinity_steps=self.cfg.size_affinity_steps)
         return SimWorker(wid, sched, WorkerState(wid, max_batch=self.cfg.max_batch))
 
     # -- event queue ------------------------------------------------------------------------

@@ -25,6 +25,13 @@ SLO-aware admission (PatchedServe-style), active only when a step-time predictor
   batch's remaining steps (jobs leave as they finish). A refused job stays waiting; smaller jobs
   behind it may still fit.
 
+Size affinity (continuous mode, plain admission): when more jobs wait than slots are free, a free
+slot goes to the earliest waiting job of the size most represented in the batch, before older
+jobs of other sizes (minority sizes drain out: the batch converges to one size under load). Every size in a step costs one denoiser call of its own (a fixed cost per call), so under
+overload FCFS mixing of sizes buys nothing and costs calls; with spare slots everybody is admitted
+anyway. A job passed over for ``size_affinity_steps`` steps goes first regardless (no starvation);
+0 = strict FCFS.
+
 Readiness (the runner's, injected): a waiting job is admitted only when ``ready(job)`` (e.g. its
 LoRA adapters are resident: loading never stalls a step; jobs behind it may go first), and a
 running job takes a step only when ``runnable(job)``. A ``ready`` that raises fails that job.
@@ -53,7 +60,8 @@ JobPredicate = Callable[[EngineJob], bool]
 class BatchScheduler:
     def __init__(self, max_batch: int, mode: str = "continuous", *, step_time: StepTimePredictor | None = None,
                  on_expire: ExpireCallback | None = None, clock: Callable[[], float] = time.time,
-                 ready: JobPredicate | None = None, runnable: JobPredicate | None = None) -> None:
+                 ready: JobPredicate | None = None, runnable: JobPredicate | None = None,
+                 size_affinity_steps: int = 0) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if mode not in MODES:
@@ -65,6 +73,10 @@ class BatchScheduler:
         self.clock = clock  # wall clock: deadlines are absolute epoch seconds
         self.ready = ready
         self.runnable = runnable
+        if size_affinity_steps < 0:
+            raise ValueError("size_affinity_steps must be >= 0")
+        self.size_affinity_steps = size_affinity_steps
+        self._passed_over: dict[str, int] = {}  # job id -> steps a later job of another size went first
         self.waiting: list[EngineJob] = []
         self.running: list[EngineJob] = []
         self.expired: list[EngineJob] = []  # since the last ``pop_expired`` (last 1000 at most)
@@ -112,7 +124,10 @@ class BatchScheduler:
         if self.step_time is not None:
             return self._schedule_slo(self.step_time)
         admitted: list[EngineJob] = []
-        if self.mode != "static" or not self.running:
+        if self.mode == "continuous" and self.size_affinity_steps > 0:
+            self.waiting.sort(key=EngineJob.sort_key)
+            admitted = self._admit_by_size()
+        elif self.mode != "static" or not self.running:
             self.waiting.sort(key=EngineJob.sort_key)
             bucket = self.running[0].latent_hw if self.running else None
             opening = not self.running  # a bucket being chosen takes every waiting job of its size
@@ -130,6 +145,45 @@ class BatchScheduler:
                 admitted.append(job)
                 bucket = job.latent_hw
         return self._batch(), admitted
+
+    def _affinity_rank(self, job: EngineJob, counts: dict) -> tuple[int, int]:
+        """Admission rank under size affinity (lower first, FCFS within a rank): jobs passed over
+        long enough and jobs with a user deadline (which plain admission orders by) keep their
+        place; then jobs of the size most represented in the batch (minority sizes drain out, so
+        the batch converges to fewer denoiser calls); then the rest."""
+        if self._passed_over.get(job.job_id, 0) >= self.size_affinity_steps or (
+                job.deadline is not None and job.hard_deadline):
+            return (0, 0)
+        if job.latent_hw in counts:
+            return (1, -counts[job.latent_hw])
+        return (2, 0)
+
+    def _admit_by_size(self) -> list[EngineJob]:
+        """Continuous admission with size affinity (module docstring); ``waiting`` is in FCFS order."""
+        order = {id(j): k for k, j in enumerate(self.waiting)}
+        counts: dict = {}
+        for job in self.running:
+            counts[job.latent_hw] = counts.get(job.latent_hw, 0) + 1
+        admitted: list[EngineJob] = []
+        while len(self.running) < self.max_batch and self.waiting:
+            prefs = list(self.waiting)
+            if counts and len(prefs) > self.max_batch - len(self.running):  # crowded: sizes in the batch first
+                prefs.sort(key=lambda j: (-j.priority, self._affinity_rank(j, counts)))
+            pick = next((j for j in prefs if self._is_ready(j)), None)
+            if pick is None:
+                break
+            self.waiting.remove(pick)
+            self.running.append(pick)
+            admitted.append(pick)
+            counts[pick.latent_hw] = counts.get(pick.latent_hw, 0) + 1
+        if admitted:
+            last = max(order[id(j)] for j in admitted)
+            for job in self.waiting:
+                if order.get(id(job), last) < last:
+                    self._passed_over[job.job_id] = self._passed_over.get(job.job_id, 0) + 1
+        waiting = {j.job_id for j in self.waiting}
+        self._passed_over = {k: v for k, v in self._passed_over.items() if k in waiting}
+        return admitted
 
     # -- SLO-aware admission ---------------------------------------------------------------------
     def alone_seconds(self, job: EngineJob) -> float:
