@@ -138,9 +138,9 @@ class Settings:
     # with the cost model's step-time predictor. auto (default) | on | off. auto = on wherever the
     # resolution-aware batch predictor is fitted (``stencil profile --sizes``), because that is where
     # it helps (BENCHMARKS.md, mixed sizes): at loads up to 0.7 it is within 3 points of FCFS and
-    # equal in throughput; from the load where FCFS meets 80% or fewer deadlines it meets 27-82%
-    # more (3.6-24x more under overload), for 0-1% less throughput below saturation and 5-11% less
-    # under sustained overload; a burst where every job is late (a catalog) batches like FCFS while
+    # equal in throughput; against continuous batching with size affinity it meets 10-24% more
+    # deadlines where the latter meets 80% or fewer and 37% to 18x more above that load, for 0-1%
+    # less throughput below saturation and 7-27% less under sustained overload; a burst where every job is late (a catalog) batches like FCFS while
     # new on-time jobs go first. Off without it: a single-size linear model mispredicts mixed-size
     # batches. on = with any fitted model; off = never (highest peak throughput under overload).
     slo_admission: str = "auto"
