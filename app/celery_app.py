@@ -2,7 +2,8 @@
 
 JSON only (no pickle), late acks with redelivery on worker loss, prefetch of one message per
 slot, and a broker visibility timeout longer than the longest job (DESIGN.md section 4).
-Queues: ``cpu`` for prepare/finalize, ``gpu.<id>`` for each GPU worker's denoise tasks.
+Queues: ``cpu`` for prepare/finalize (``stage.<id>`` instead with ``STENCIL_STAGE_PLACEMENT=gpu_host``:
+the stage pool on GPU host ``<id>``), ``gpu.<id>`` for each GPU worker's denoise tasks.
 """
 
 from __future__ import annotations
@@ -14,8 +15,19 @@ from app.settings import Settings
 CPU_QUEUE = "cpu"
 
 
+STAGE_PLACEMENTS = ("cpu", "gpu_host")
+
+
 def gpu_queue(worker_id: str) -> str:
     return f"gpu.{worker_id}"
+
+
+def stage_queue(worker_id: str, placement: str = "cpu") -> str:
+    """Where a job's prepare and finalize go: the shared CPU pool, or the stage pool co-located
+    with the GPU worker the job was routed to."""
+    if placement not in STAGE_PLACEMENTS:
+        raise ValueError(f"STENCIL_STAGE_PLACEMENT must be one of {STAGE_PLACEMENTS}, got {placement!r}")
+    return CPU_QUEUE if placement == "cpu" else f"stage.{worker_id}"
 
 
 def make_celery(settings: Settings | None = None) -> Celery:

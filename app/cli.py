@@ -189,6 +189,30 @@ def cmd_cpu_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stage_worker(args: argparse.Namespace) -> int:
+    """The stage pool co-located with GPU worker ``--worker-id``: prepare/finalize of the jobs routed
+    to that worker (queue ``stage.<id>``), their text encoders and VAE on STENCIL_STAGE_DEVICE."""
+    os.environ["STENCIL_WORKER_ID"] = args.worker_id
+    os.environ["STENCIL_ROLE"] = "stage"
+    settings = Settings.from_env()
+    from workers.models.loader import DeviceUnavailable, resolve_device
+
+    try:  # a host without the configured device: stop now, with the reason
+        resolve_device(settings.stage_device, "STENCIL_STAGE_DEVICE")
+    except DeviceUnavailable as exc:
+        log.error("%s", exc)
+        return 2
+    from app.celery_app import app, stage_queue
+    from app.metrics import start_metrics_server
+
+    check_secrets()
+    start_metrics_server(settings.metrics_port, settings.metrics_address)
+    # Threads, not prefork: CUDA does not survive fork, and the threads share one copy of the modules.
+    app.worker_main(_worker_argv(stage_queue(args.worker_id, "gpu_host"), "threads", args.concurrency,
+                                 f"stage{args.worker_id}", args.log_level))
+    return 0
+
+
 def cmd_dispatcher(args: argparse.Namespace) -> int:
     from app.celery_app import app
     from app.dispatcher import Dispatcher
@@ -407,6 +431,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pool", default=os.environ.get("STENCIL_CPU_POOL", "prefork"))
     s.add_argument("--name", default="cpu")
     s.set_defaults(func=cmd_cpu_worker)
+
+    s = sub.add_parser("stage-worker", help="start the stage pool of GPU host <id> (prepare/finalize on "
+                       "STENCIL_STAGE_DEVICE, queue stage.<id>; STENCIL_STAGE_PLACEMENT=gpu_host)")
+    s.add_argument("--worker-id", default=os.environ.get("STENCIL_WORKER_ID", "0"))
+    s.add_argument("--concurrency", type=int, default=int(os.environ.get("STENCIL_STAGE_CONCURRENCY", "2")))
+    s.set_defaults(func=cmd_stage_worker)
 
     s = sub.add_parser("dispatcher", help="start the dispatcher")
     s.set_defaults(func=cmd_dispatcher)

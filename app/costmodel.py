@@ -550,6 +550,37 @@ def find_model(home: Path, model_id: str, explicit: str = "") -> CostModel | Non
     return CostModel.load(files[-1]) if files else None
 
 
+# Cost models fitted on this repository's reference machine for its embedded models
+# (ops/bench/profile.py wrote them), used for routing when a deployment fitted none of its own.
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "ops" / "sim" / "costmodels"
+
+
+def device_type(device: str) -> str:
+    """``cuda:1`` -> ``cuda``: the part of a device name a cost model's ``device_kind`` starts with."""
+    return device.split(":", 1)[0].strip().lower()
+
+
+def shipped_model(model_id: str, device: str, blocks: tuple[BlockSpec, ...] | None = None,
+                  folder: Path = SHIPPED_DIR) -> tuple[CostModel, Path] | None:
+    """The shipped cost model that fits the configured model on ``device``: fitted on the same device
+    type, for the same model id or (``blocks``: the model's transformer blocks, from its UNet config)
+    the same architecture; by the id before the architecture, measured before projected. None if none."""
+    if not folder.is_dir():
+        return None
+    fits = []
+    for path in sorted(folder.glob("*--*.json")):
+        if path.name.endswith(".points.json"):
+            continue
+        model = CostModel.load(path)
+        same_id, same_arch = model.model_id == model_id, blocks is not None and model.arch.blocks == blocks
+        if (same_id or same_arch) and model.device_kind.split("-", 1)[0] == device_type(device):
+            fits.append((not same_id, "projected" in model.device_kind, path.name, model, path))
+    if not fits:
+        return None
+    *_, model, path = min(fits, key=lambda f: f[:3])
+    return model, path
+
+
 # -- integrating step times over a batch's future -----------------------------------------------
 
 
@@ -640,6 +671,7 @@ def queue_finish_time(running: Sequence[tuple[float, int]], queued: Sequence[tup
 
 __all__ = [
     "BlockSpec", "CostModel", "FitReport", "STEP_FEATURES", "TierFit", "UNetArch", "admission_profile",
-    "default_path", "find_model", "finish_after_admission", "finish_times", "level_hw", "min_service_seconds",
+    "SHIPPED_DIR", "default_path", "device_type", "find_model", "finish_after_admission", "finish_times", "level_hw",
+    "min_service_seconds", "shipped_model",
     "queue_finish_time", "slo_admission_on", "step_time_predictor", "token_counts_from_mask",
 ]

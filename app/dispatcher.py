@@ -38,9 +38,9 @@ from celery import Celery, chain
 
 from app.adapters import lora_meta_key
 from app.blobs import BlobStore
-from app.celery_app import CPU_QUEUE, gpu_queue
+from app.celery_app import gpu_queue, stage_queue
 from app.controls import controlnet_meta_key
-from app.costmodel import CostModel, UNetArch, find_model, min_service_seconds, token_counts_from_mask
+from app.costmodel import BlockSpec, CostModel, UNetArch, find_model, shipped_model, min_service_seconds, token_counts_from_mask
 from app.fidelity import policy_schedule
 from app.jobs import JobRecord, JobStatus, JobStore
 from app.routing import JobDemand, JobLoad, RoutingPolicy, WorkerState, WorkerView, make_router
@@ -208,13 +208,39 @@ def load_cost_model(settings: Settings) -> CostModel | None:
         return None
 
 
-def proxy_cost_model(settings: Settings) -> CostModel | None:
-    """A FLOPs proxy from the model folder's UNet config (no torch), at 512x512."""
-    folder = Path(settings.model_dir) if settings.model_dir else settings.home / "models" / settings.model_id
-    cfg_file = folder / "unet" / "config.json"
-    if not cfg_file.is_file():
-        return None
-    return CostModel.proxy(UNetArch.from_unet_config(json.loads(cfg_file.read_text()), (64, 64)))
+def model_blocks(settings: Settings) -> tuple[BlockSpec, ...] | None:
+    """The configured model's transformer blocks (from its UNet config; no torch), None without one."""
+    folders = [Path(settings.model_dir)] if settings.model_dir else [
+        Path(__file__).resolve().parents[1] / "workers" / "models" / "trained" / settings.model_id,
+        settings.home / "models" / settings.model_id]
+    for folder in folders:
+        cfg = folder / "unet" / "config.json"
+        if cfg.is_file():
+            try:
+                return UNetArch.from_unet_config(json.loads(cfg.read_text()), (64, 64)).blocks
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("UNet config %s unreadable for cost-model matching: %s", cfg, exc)
+                return None
+    return None
+
+
+def routing_model(settings: Settings, fitted: CostModel | None) -> tuple[str, CostModel | None]:
+    """The routing policy to run and its cost model. ``mask_aware`` (the default) uses the fitted
+    model (``STENCIL_COST_MODEL`` or ``<home>/costmodels``), else the one shipped for the configured
+    model on this device type (ops/sim/costmodels); with neither it falls back to
+    ``least_requests`` (mask-blind but load-aware) and says so."""
+    policy = settings.routing_policy
+    if policy != "mask_aware" or fitted is not None:
+        return policy, fitted
+    model_id = Path(settings.model_dir).name if settings.model_dir else settings.model_id
+    found = shipped_model(model_id, settings.device, model_blocks(settings))
+    if found is not None:
+        log.info("mask_aware routing with the shipped cost model %s (%s on %s)", found[1].name, model_id,
+                 found[0].device_kind)
+        return policy, found[0]
+    log.warning("mask_aware routing: no fitted or shipped cost model fits model %s on %s; routing with "
+                "least_requests instead (fit one: python -m ops.bench.profile)", model_id, settings.device)
+    return "least_requests", None
 
 
 class Dispatcher:
@@ -226,16 +252,9 @@ class Dispatcher:
         self.jobs = JobStore(self.r, ttl_seconds=settings.job_ttl_seconds, intake_stream=settings.intake_stream)
         self.blobs = BlobStore(self.r, settings.blob_ttl_seconds)
         self.cost_model = cost_model if cost_model is not None else load_cost_model(settings)
-        model = self.cost_model
-        policy = settings.routing_policy
-        if model is None and router is None and policy == "mask_aware":
-            model = proxy_cost_model(settings)
-            if model is None:  # e.g. a Flux model: no UNet config to derive features from
-                log.error("mask_aware routing needs a cost model and none can be derived for this model; "
-                          "routing with least_requests instead (run `python -m ops.bench.profile`)")
-                policy = "least_requests"
-            else:
-                log.warning("mask_aware routing without a fitted cost model: using a FLOPs proxy")
+        # The shipped model (if any) steers routing only; deadlines and expiry need a fitted one.
+        policy, model = (settings.routing_policy, self.cost_model) if router else \
+            routing_model(settings, self.cost_model)
         self.router = router or make_router(policy, settings.gpu_worker_ids, model)
         self.view = LiveWorkerView(
             self.r, settings.gpu_worker_ids, max_batch=settings.max_batch, jobs=self.jobs,
@@ -250,7 +269,9 @@ class Dispatcher:
         self.consumer = consumer or socket.gethostname()
         self.stream = settings.intake_stream
         self.group = settings.intake_group
+        stage_queue("0", settings.stage_placement)  # an unknown placement stops the dispatcher here
         self.sweeper = Sweeper(self.r, self.jobs, self.send_chain, worker_ids=settings.gpu_worker_ids,
+                               stage_placement=settings.stage_placement,
                                stall_timeout_s=settings.stall_timeout_s, max_redrives=settings.max_redrives,
                                worker_stale_s=settings.worker_stale_seconds)
 
@@ -401,12 +422,14 @@ class Dispatcher:
         return f"routed to {gpu_queue(worker)}"
 
     def send_chain(self, job_id: str, worker: str) -> None:
-        """prepare [cpu] -> denoise [gpu.<worker>] -> finalize [cpu]. Signatures by task name on
-        this dispatcher's app: no worker code (or torch) is imported."""
+        """prepare [stage] -> denoise [gpu.<worker>] -> finalize [stage], the stage queue being ``cpu``
+        or the worker's host's ``stage.<worker>`` (``STENCIL_STAGE_PLACEMENT``). Signatures by task
+        name on this dispatcher's app: no worker code (or torch) is imported."""
+        stages = stage_queue(worker, self.s.stage_placement)
         chain(
-            self.celery.signature("stencil.prepare", args=(job_id,), immutable=True, queue=CPU_QUEUE),
+            self.celery.signature("stencil.prepare", args=(job_id,), immutable=True, queue=stages),
             self.celery.signature("stencil.denoise", queue=gpu_queue(worker)),
-            self.celery.signature("stencil.finalize", queue=CPU_QUEUE),
+            self.celery.signature("stencil.finalize", queue=stages),
         ).apply_async()
 
     def _handle(self, entries: list) -> None:

@@ -125,6 +125,8 @@ class EmbeddedStack:
                 stack.start_cpu_worker(concurrency=cpu_concurrency)
                 for worker_id in settings.gpu_worker_ids:
                     stack.start_gpu_worker(worker_id, **(worker_env or {}))
+                    if settings.stage_placement == "gpu_host":  # the host's stage pool beside it
+                        stack.start_stage_worker(worker_id)
                 if dispatcher:
                     stack.start_dispatcher()
             stack.wait_ready()
@@ -171,6 +173,9 @@ class EmbeddedStack:
     def start_gpu_worker(self, worker_id: str, **extra_env: str) -> subprocess.Popen:
         return self._spawn(f"gpu{worker_id}", ["gpu-worker", "--worker-id", worker_id], **extra_env)
 
+    def start_stage_worker(self, worker_id: str, **extra_env: str) -> subprocess.Popen:
+        return self._spawn(f"stage{worker_id}", ["stage-worker", "--worker-id", worker_id], **extra_env)
+
     def start_dispatcher(self) -> subprocess.Popen:
         return self._spawn("dispatcher", ["dispatcher"])
 
@@ -207,10 +212,12 @@ class EmbeddedStack:
     def _cpu_ready(self) -> bool:
         from app.celery_app import make_celery
 
-        if not any(n.startswith("cpu") for n in self.procs):
+        pools = {n.rstrip("0123456789") for n in self.procs if n.startswith(("cpu", "stage"))}
+        if not pools:
             return True
         replies = make_celery(self.settings).control.ping(timeout=0.5) or []
-        return any(name.startswith("cpu") for reply in replies for name in reply)
+        answered = {name.split("@")[0].rstrip("0123456789") for reply in replies for name in reply}
+        return pools <= answered
 
     def stop(self) -> None:
         for name in list(self.procs):

@@ -224,10 +224,12 @@ class QueueLengthCollector(Collector):
 
 
 def default_queues(settings: Any) -> list[str]:
-    """The Celery queues of a deployment: ``cpu`` and ``gpu.<id>`` per routed GPU worker."""
-    from app.celery_app import CPU_QUEUE, gpu_queue
+    """The Celery queues of a deployment: ``cpu``, ``gpu.<id>`` per routed GPU worker and, with stages
+    placed on the GPU hosts, ``stage.<id>``."""
+    from app.celery_app import CPU_QUEUE, gpu_queue, stage_queue
 
-    return [CPU_QUEUE, *(gpu_queue(w) for w in settings.gpu_worker_ids)]
+    stages = [stage_queue(w, settings.stage_placement) for w in settings.gpu_worker_ids]
+    return list(dict.fromkeys([CPU_QUEUE, *(gpu_queue(w) for w in settings.gpu_worker_ids), *stages]))
 
 
 def register_queue_collector(redis_url: str, queues: Iterable[str] | Callable[[], Iterable[str]],

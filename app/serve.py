@@ -83,6 +83,8 @@ def serve(workdir: Path, *, gpu_workers: int, cpu_concurrency: int, flower_port:
             "dispatcher": stack.start_dispatcher}
         for worker_id in stack.settings.gpu_worker_ids:
             starters[f"gpu{worker_id}"] = lambda w=worker_id: stack.start_gpu_worker(w)
+            if stack.settings.stage_placement == "gpu_host":  # the host's stage pool, supervised too
+                starters[f"stage{worker_id}"] = lambda w=worker_id: stack.start_stage_worker(w)
         if flower_port:
             args = ["flower", "--port", str(flower_port), "--db", str(workdir / "flower.db")]
             args += ["--basic-auth", flower_auth] if flower_auth else ["--no-auth"]

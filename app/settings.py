@@ -58,6 +58,15 @@ class Settings:
     torch_threads: int = 0
     scheduler: str = "ddim"  # ddim | euler
 
+    # Stages outside the denoising loop (text encoders, VAE encode and decode: the prepare and
+    # finalize tasks). stage_placement: cpu = the shared ``cpu`` queue, served by the CPU worker pool |
+    # gpu_host = the queue ``stage.<id>`` of the GPU host the job was routed to, served by a
+    # ``stencil stage-worker --worker-id <id>`` on that host (docker-compose.yml's GPU profile).
+    # stage_device: the torch device the stage modules run on in the worker that serves them (cuda on a
+    # GPU host: docs/bench/placement.md; a device this host lacks stops the worker with the reason).
+    stage_placement: str = "cpu"
+    stage_device: str = "cpu"
+
     # Engine.
     worker_id: str = "0"
     max_batch: int = 8
@@ -69,6 +78,13 @@ class Settings:
     # this many steps goes first regardless. 0 = strict FCFS. BENCHMARKS.md, mixed sizes.
     size_affinity_steps: int = 50
     engine_idle_sleep: float = 0.005
+
+    # Compiled denoising steps (workers/compiled.py): torch.compile (dynamic shapes) of the full
+    # denoiser forward and of the mask-aware packed per-block computations, eager where compilation
+    # fails. off | default | reduce-overhead | max-autotune. Off by default: on this CPU the compiled
+    # steps of the (320, 640) UNet were 1.01x (full) and 1.02x (mask-aware) the eager ones, for 60-85 s
+    # of compilation per worker start (docs/bench/compiled.md); on a GPU host try default or max-autotune.
+    compile: str = "off"
 
     # Mask-aware inference and the template activation cache.
     mask_aware: bool = True
@@ -130,7 +146,10 @@ class Settings:
 
     # Dispatcher: comma-separated GPU worker ids it routes to.
     gpu_workers: str = "0"
-    routing_policy: str = "round_robin"  # round_robin | least_requests | least_masked_tokens | mask_aware
+    # mask_aware (default): with the fitted cost model, else the one shipped for the configured model
+    # (ops/sim/costmodels: same id or architecture, same device type), else least_requests (logged) |
+    # round_robin | least_requests | least_masked_tokens
+    routing_policy: str = "mask_aware"
     cost_model: str = ""  # fitted cost-model JSON (ops/bench/profile.py); empty = look up by model id
     # SLO-aware scheduling (workers/engine/scheduler.py): the engine orders waiting jobs by slack,
     # refuses admissions that would make a running job miss its deadline, lets jobs late for their

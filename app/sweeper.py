@@ -27,6 +27,7 @@ from typing import Any
 
 import redis
 
+from app.celery_app import CPU_QUEUE, gpu_queue, stage_queue
 from app.jobs import LIVE_KEY, JobStatus, JobStore
 from app.keys import LEASE_PREFIX
 
@@ -45,8 +46,9 @@ class Sweeper:
 
     def __init__(self, client: redis.Redis, jobs: JobStore, send_chain: Callable[[str, str], None], *,
                  worker_ids: list[str], stall_timeout_s: float, max_redrives: int, worker_stale_s: float,
-                 batch: int = 500, clock: Callable[[], float] = time.time) -> None:
+                 batch: int = 500, clock: Callable[[], float] = time.time, stage_placement: str = "cpu") -> None:
         self.r = client
+        self.stage_placement = stage_placement
         self.jobs = jobs
         self.send_chain = send_chain
         self.worker_ids = worker_ids
@@ -88,9 +90,9 @@ class Sweeper:
         if now - last < self.stall_timeout_s or self.r.exists(LEASE_PREFIX + job_id):
             return "moving"
         worker = fields.get("worker", "").removeprefix("gpu.")
-        queue = "cpu" if status == JobStatus.ROUTED.value else f"gpu.{worker}"
+        queue = stage_queue(worker, self.stage_placement) if status == JobStatus.ROUTED.value else gpu_queue(worker)
         if status in (JobStatus.ROUTED.value, JobStatus.WAITING.value) and self._queued(queue, job_id) \
-                and (queue == "cpu" or self._alive(worker) or not any(map(self._alive, self.worker_ids))):
+                and (queue == CPU_QUEUE or self._alive(worker) or not any(map(self._alive, self.worker_ids))):
             return "backlog"  # waits for a live consumer (or for any GPU worker to come back)
         redrives = int(fields.get("redrives") or 0)
         if redrives >= self.max_redrives:

@@ -136,10 +136,12 @@ def test_every_stencil_service_runs_a_documented_cli_command(services: dict[str,
             worker_id = args.worker_id
             assert worker_id in svc["environment"]["STENCIL_GPU_WORKERS"].split(",") or name == "gpu-worker-1"
             assert svc["healthcheck"]["test"][-1] == worker_id, f"{name} checks another worker's health"
+        if argv[1] == "stage-worker":  # the stage pool beside a GPU worker: same id, its own health name
+            assert svc["healthcheck"]["test"][-1] == f"stage{args.worker_id}", f"{name} checks another pool"
         if argv[1] == "flower":
             assert args.basic_auth and ":" in args.basic_auth, "Flower must run with --basic-auth"
             assert args.port == 5555
-    assert seen >= {"dispatcher", "gpu-worker", "cpu-worker", "flower"}
+    assert seen >= {"dispatcher", "gpu-worker", "cpu-worker", "stage-worker", "flower"}
 
 
 def test_healthcheck_commands_parse(services: dict[str, dict[str, Any]]) -> None:
@@ -169,7 +171,8 @@ def test_deployment_wiring(services: dict[str, dict[str, Any]]) -> None:
             continue
         assert svc["restart"] == "unless-stopped", name
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy", name
-    for name in ("gpu-worker-0", "gpu-worker-1", "gpu-worker-cpu", "cpu-worker"):
+    for name in ("gpu-worker-0", "gpu-worker-1", "gpu-worker-cpu", "cpu-worker", "stage-worker-0", "stage-worker-1",
+                 "stage-worker-cpu"):
         cond = services[name]["depends_on"]["minio-init"]["condition"]
         assert cond == "service_completed_successfully", name
 
@@ -181,6 +184,16 @@ def test_deployment_wiring(services: dict[str, dict[str, Any]]) -> None:
     assert "deploy" not in cpu_variant and cpu_variant["profiles"] == ["cpu"]
     assert cpu_variant["environment"]["STENCIL_DEVICE"] == "cpu"
     assert command(cpu_variant) == command(gpu)
+    # Stage placement: by default every GPU host's stage pool runs prepare/finalize, on the GPU in
+    # profile gpu (on the same device as its engine), on the CPU in profile cpu.
+    assert {svc["environment"]["STENCIL_STAGE_PLACEMENT"] for svc in stencil_services(services).values()} == \
+        {"gpu_host"}
+    for engine, pool in (("gpu-worker-0", "stage-worker-0"), ("gpu-worker-1", "stage-worker-1"),
+                         ("gpu-worker-cpu", "stage-worker-cpu")):
+        e, p = services[engine], services[pool]
+        assert p["profiles"] == e["profiles"] and command(p)[-1] == command(e)[-1], pool
+        assert p["environment"]["STENCIL_STAGE_DEVICE"] == e["environment"]["STENCIL_DEVICE"], pool
+        assert p.get("deploy") == e.get("deploy"), pool
     # Scalable: no fixed container name or host port on the CPU workers.
     assert "container_name" not in services["cpu-worker"] and "ports" not in services["cpu-worker"]
     assert all("container_name" not in s for s in services.values())

@@ -73,7 +73,7 @@ def test_dispatcher_routes_round_robin_and_skips_cancelled(redis_server, store: 
     from app.dispatcher import Dispatcher
     from app.settings import Settings
 
-    settings = Settings.from_env(redis_url=redis_server.url, gpu_workers="0,1")
+    settings = Settings.from_env(redis_url=redis_server.url, gpu_workers="0,1", routing_policy="round_robin")
     dispatcher = Dispatcher(settings, make_celery(settings), consumer="t")
     ids = [store.create(JobParams(steps=5))[0] for _ in range(3)]
     cancelled, _ = store.create(JobParams(steps=5))

@@ -4,6 +4,8 @@ XAUTOCLAIM takeover of a dead dispatcher's entries; decision latency with 64 wor
 from __future__ import annotations
 
 import json
+import logging
+from pathlib import Path
 import time
 
 import pytest
@@ -327,8 +329,8 @@ def test_decision_latency_with_64_workers(redis_client) -> None:  # type: ignore
 
 
 def test_dispatcher_finds_the_fitted_model_or_falls_back(redis_server, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """mask_aware loads ``<home>/costmodels/<model id>--*.json``; with no model and no UNet
-    config to derive a proxy from, it routes with least_requests instead of refusing to start."""
+    """mask_aware loads ``<home>/costmodels/<model id>--*.json``; with no fitted model and none
+    shipped for the model, it routes with least_requests instead of refusing to start."""
     from app.celery_app import make_celery
     from app.costmodel import default_path
     from app.dispatcher import Dispatcher
@@ -336,7 +338,8 @@ def test_dispatcher_finds_the_fitted_model_or_falls_back(redis_server, tmp_path,
     from app.settings import Settings
 
     monkeypatch.delenv("STENCIL_COST_MODEL", raising=False)
-    empty = Settings.from_env(redis_url=redis_server.url, home=tmp_path / "empty", routing_policy="mask_aware")
+    empty = Settings.from_env(redis_url=redis_server.url, home=tmp_path / "empty", routing_policy="mask_aware",
+                              model_id="no-such-model")
     assert isinstance(Dispatcher(empty, make_celery(empty), consumer="t").router, LeastRequestsRouter)
     home = tmp_path / "home"
     small_model().save(default_path(home, "tiny-sd-inpaint", "cpu-test"))
@@ -345,6 +348,71 @@ def test_dispatcher_finds_the_fitted_model_or_falls_back(redis_server, tmp_path,
     d = Dispatcher(s, make_celery(s), consumer="t")
     assert isinstance(d.router, MaskAwareRouter) and d.cost_model is not None
     assert d.cost_model.device_kind == "test"
+
+
+def test_default_policy_is_mask_aware_with_the_shipped_model(redis_server, tmp_path, monkeypatch,  # type: ignore[no-untyped-def]
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """By default (no routing setting, nothing fitted in the home) the dispatcher routes mask-aware
+    with the cost model shipped for the configured model, on its device type."""
+    from app.celery_app import make_celery
+    from app.costmodel import SHIPPED_DIR, CostModel
+    from app.dispatcher import Dispatcher
+    from app.settings import Settings
+
+    monkeypatch.delenv("STENCIL_COST_MODEL", raising=False)
+    monkeypatch.delenv("STENCIL_ROUTING_POLICY", raising=False)
+    assert Settings().routing_policy == "mask_aware"
+    for model_id, shipped in (("tiny-sd-inpaint", "tiny-sd-inpaint--cpu-1t.json"),
+                              ("tiny-sd-inpaint-trained", "tiny-sd-inpaint-trained--cpu-1t-mixed.json")):
+        s = Settings.from_env(redis_url=redis_server.url, home=tmp_path / "empty", model_id=model_id, device="cpu")
+        with caplog.at_level(logging.INFO, logger="app.dispatcher"):
+            d = Dispatcher(s, make_celery(s), consumer="t")
+        assert isinstance(d.router, MaskAwareRouter)
+        expected = CostModel.load(SHIPPED_DIR / shipped)
+        assert d.router.model.model_id == model_id and d.router.model.coef == expected.coef
+        assert d.cost_model is None  # routing only: deadlines wait for a model fitted on this host
+        assert shipped in caplog.text
+
+
+def test_a_model_folder_of_a_shipped_architecture_routes_with_its_cost_model(  # type: ignore[no-untyped-def]
+        redis_server, tmp_path, monkeypatch) -> None:
+    """A checkpoint folder under another name whose UNet is a shipped model's architecture: that model."""
+    import shutil
+
+    from app.celery_app import make_celery
+    from app.dispatcher import Dispatcher
+    from app.settings import Settings
+
+    monkeypatch.delenv("STENCIL_COST_MODEL", raising=False)
+    monkeypatch.delenv("STENCIL_ROUTING_POLICY", raising=False)
+    folder = tmp_path / "my-checkpoint"
+    (folder / "unet").mkdir(parents=True)
+    trained = Path(__file__).resolve().parents[1] / "workers" / "models" / "trained" / "tiny-sd-inpaint-trained"
+    shutil.copy(trained / "unet" / "config.json", folder / "unet" / "config.json")
+    s = Settings.from_env(redis_url=redis_server.url, home=tmp_path / "empty", model_dir=str(folder))
+    d = Dispatcher(s, make_celery(s), consumer="t")
+    assert isinstance(d.router, MaskAwareRouter) and d.router.model.model_id.startswith("tiny-sd-inpaint")
+
+
+def test_default_policy_falls_back_to_least_requests_when_no_shipped_model_fits(  # type: ignore[no-untyped-def]
+        redis_server, tmp_path, monkeypatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A model with no shipped cost model (a custom folder), or a shipped CPU model on a GPU
+    device: least_requests, with a log line naming why."""
+    from app.celery_app import make_celery
+    from app.dispatcher import Dispatcher
+    from app.routing import LeastRequestsRouter
+    from app.settings import Settings
+
+    monkeypatch.delenv("STENCIL_COST_MODEL", raising=False)
+    monkeypatch.delenv("STENCIL_ROUTING_POLICY", raising=False)
+    folder = tmp_path / "my-checkpoint"
+    for overrides in ({"model_dir": str(folder)}, {"model_id": "tiny-sd-inpaint", "device": "cuda"}):
+        s = Settings.from_env(redis_url=redis_server.url, home=tmp_path / "empty", **overrides)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="app.dispatcher"):
+            d = Dispatcher(s, make_celery(s), consumer="t")
+        assert isinstance(d.router, LeastRequestsRouter), overrides
+        assert "routing with least_requests instead" in caplog.text
 
 
 def test_refresh_steps_are_costed_at_full_compute() -> None:

@@ -103,3 +103,19 @@ def test_a_backlog_in_a_dead_workers_queue_moves_to_a_live_worker(store: JobStor
     clock.now += 120  # worker 0's state goes stale (it died), worker 1 is alive
     _alive(store, "1", clock)
     assert sweeper.sweep("d1")["redriven"] == 1 and sent == [(job, "1")]
+
+
+def test_a_routed_job_waiting_in_its_hosts_stage_queue_is_backlog(store: JobStore) -> None:
+    """STENCIL_STAGE_PLACEMENT=gpu_host: prepare waits in ``stage.<worker>``; while that host is alive
+    the job is backlog, not stalled; its host dead (and another alive), the chain is re-sent."""
+    clock, sent = Clock(), []
+    sweeper = Sweeper(store.r, store, lambda job, worker: sent.append((job, worker)), worker_ids=["0", "1"],
+                      stall_timeout_s=30, max_redrives=2, worker_stale_s=60, clock=clock, stage_placement="gpu_host")
+    job = _job_in(store, JobStatus.ROUTED, worker="gpu.0")
+    store.r.rpush("stage.0", json.dumps({"args": [job]}))
+    clock.now += 31
+    _alive(store, "0", clock)
+    assert sweeper.sweep("d1")["redriven"] == 0 and sent == []
+    store.r.delete("stencil:worker:0")
+    _alive(store, "1", clock)
+    assert sweeper.sweep("d1")["redriven"] == 1 and sent == [(job, "1")]

@@ -85,15 +85,16 @@ def activations():  # type: ignore[no-untyped-def]
     return ActivationStore(open_activation_store(settings()))
 
 
-_cpu_pipeline = None
+_stage_pipeline = None
 
 
-def cpu_pipeline():  # type: ignore[no-untyped-def]
-    """VAE + text encoder + tokenizer (no UNet) for prepare/finalize."""
-    global _cpu_pipeline
+def stage_pipeline():  # type: ignore[no-untyped-def]
+    """Text encoders + VAE + tokenizers (no denoiser) for prepare/finalize, on STENCIL_STAGE_DEVICE."""
+    global _stage_pipeline
     with _lock:
-        if _cpu_pipeline is None:
+        if _stage_pipeline is None:
             from workers.models.loader import load_cpu_pipeline
 
-            _cpu_pipeline = load_cpu_pipeline(model_dir())
-        return _cpu_pipeline
+            _stage_pipeline = load_cpu_pipeline(model_dir(), settings().stage_device)
+            log.info("stage modules (text encoders, VAE) on %s", settings().stage_device)
+        return _stage_pipeline

@@ -1,4 +1,7 @@
-"""CPU Celery tasks: everything outside the denoising loop (disaggregated from the GPU engine).
+"""Stage Celery tasks: everything outside the denoising loop (disaggregated from the GPU engine).
+
+They run in the CPU worker pool (queue ``cpu``) or, with ``STENCIL_STAGE_PLACEMENT=gpu_host``, in the
+stage pool on the job's GPU host (queue ``stage.<id>``); their modules sit on STENCIL_STAGE_DEVICE.
 
 ``prepare``: fetch and decode the template and mask (Pillow, with limits), resize, text and VAE
 encode, write the job's tensors (safetensors bytes) to Redis. ``finalize``: VAE decode, PNG
@@ -21,7 +24,7 @@ from typing import Any
 
 import redis
 from celery.exceptions import Ignore
-from celery.signals import worker_process_init
+from celery.signals import worker_process_init, worker_ready
 from PIL import Image
 
 from app.adapters import AdapterSet, adapter_digest
@@ -71,6 +74,15 @@ def _limit_torch_threads(**_: Any) -> None:
         import torch
 
         torch.set_num_threads(threads)
+
+
+@worker_ready.connect
+def _load_stage_modules(**_: Any) -> None:
+    """A GPU host's stage pool loads its modules onto the device before its first job."""
+    import os
+
+    if os.environ.get("STENCIL_ROLE") == "stage":
+        ctx.stage_pipeline()
 
 
 def _load_template(job_id: str, template_id: str) -> bytes:
@@ -154,6 +166,7 @@ def _decode_controls(job_id: str, count: int, size: tuple[int, int]) -> tuple[li
 
 @app.task(name="stencil.prepare", bind=True, autoretry_for=TRANSIENT, retry_backoff=True, max_retries=5)
 def prepare(self: Any, job_id: str) -> dict[str, Any]:
+    from workers.models.loader import stage_device
     from workers.sd_inputs import prepare_job_tensors
 
     jobs = ctx.jobs()
@@ -176,7 +189,7 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
         if problem:
             raise InvalidInput(problem)
         controls, control_digests = _decode_controls(job_id, len(params.controls), image.size)
-        pipe = ctx.cpu_pipeline()
+        pipe = ctx.stage_pipeline()
         width, height = job_size(image.size, params, pipe.vae_scale_factor * (2 if ctx.model_family() == "flux" else 1))
         with text_encoder_adapters(pipe, params.loras):
             if ctx.model_family() == "flux":
@@ -199,7 +212,8 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
         tensors["processed_image"] = prepared.processed_image
     ctx.blobs().put(job_id, "inputs", pack(tensors, meta))
     jobs.transition(job_id, JobStatus.WAITING, mask_ratio=f"{prepared.mask_ratio:.6f}",
-                    width=width, height=height, progress_total=meta["num_steps"], **cache_fields)
+                    width=width, height=height, progress_total=meta["num_steps"],
+                    prepare_device=str(stage_device(pipe)), **cache_fields)
     return {"job_id": job_id, "empty": empty, "num_steps": meta["num_steps"],
             "mask_ratio": prepared.mask_ratio}
 
@@ -365,6 +379,7 @@ def _overlay_template(pipe: Any, job_id: str, image: Any) -> Any:
 
 @app.task(name="stencil.finalize", bind=True, autoretry_for=TRANSIENT, retry_backoff=True, max_retries=5)
 def finalize(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
+    from workers.models.loader import stage_device
     from workers.sd_inputs import decode_latents, image_from_processed
 
     job_id = prep["job_id"]
@@ -375,7 +390,7 @@ def finalize(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
         return {"job_id": job_id, "status": rec.status.value if rec else "gone"}
     jobs.transition(job_id, JobStatus.FINALIZING, finalize_worker=self.request.hostname or "")
     with failing_job(job_id, "finalize"):
-        pipe = ctx.cpu_pipeline()
+        pipe = ctx.stage_pipeline()
         if prep.get("empty"):
             tensors, _ = unpack(ctx.blobs().get(job_id, "inputs") or b"")
             image = image_from_processed(pipe, tensors["processed_image"])
@@ -395,6 +410,7 @@ def finalize(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
                 image = _overlay_template(pipe, job_id, image)
         key = result_key(job_id)
         ctx.object_store().put(key, encode_png(image))
-    if jobs.transition(job_id, JobStatus.DONE, result_key=key, ts_end=repr(time.time())):
+    if jobs.transition(job_id, JobStatus.DONE, result_key=key, ts_end=repr(time.time()),
+                       finalize_device=str(stage_device(pipe))):
         ctx.blobs().delete_job(job_id)
     return {"job_id": job_id, "status": "done", "result_key": key}

@@ -15,7 +15,7 @@ from diffusers.pipelines.flux.pipeline_flux_fill import calculate_shift
 from PIL import Image
 
 from app.jobs import JobParams
-from workers.models.loader import make_scheduler
+from workers.models.loader import make_scheduler, stage_device
 from workers.sd_inputs import PreparedJob
 
 
@@ -40,7 +40,7 @@ def flux_schedule(scheduler_config: dict, steps: int, height: int, width: int, v
 @torch.no_grad()
 def prepare_flux_job_tensors(pipe: FluxFillPipeline, scheduler_config: dict, image: Image.Image,
                              mask: Image.Image, params: JobParams, height: int, width: int) -> PreparedJob:
-    device = torch.device("cpu")
+    device = stage_device(pipe)  # STENCIL_STAGE_DEVICE; the seeded generator stays on the CPU
     generator = torch.Generator("cpu").manual_seed(params.seed)
     init_image = pipe.image_processor.preprocess(image, height=height, width=width).to(torch.float32)
     prompt_embeds, pooled, text_ids = pipe.encode_prompt(prompt=params.prompt, prompt_2=None, device=device,
@@ -75,7 +75,8 @@ def prepare_flux_job_tensors(pipe: FluxFillPipeline, scheduler_config: dict, ima
 
 @torch.no_grad()
 def decode_flux_latents(pipe: FluxFillPipeline, latents: torch.Tensor, height: int, width: int) -> Image.Image:
-    latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+    latents = pipe._unpack_latents(latents.to(stage_device(pipe), pipe.vae.dtype), height, width,
+                                   pipe.vae_scale_factor)
     latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
     image = pipe.vae.decode(latents, return_dict=False)[0]
     return pipe.image_processor.postprocess(image, output_type="pil")[0]

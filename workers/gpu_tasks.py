@@ -198,7 +198,8 @@ def get_engine() -> Engine:
                 model = loader.load_flux_transformer(ctx.model_dir(), s.device)
                 lora = LoraPatcher(model, "transformer", bank.get, merge_buffers=s.lora_merge_buffers)
                 runner: Any = FluxRunner(model, ctx.scheduler_config(), loader.vae_scale_factor(ctx.model_dir()),
-                                         s.device, maskaware=MaskAwareFlux(model) if s.mask_aware else None,
+                                         s.device, compile=s.compile,
+                                         maskaware=MaskAwareFlux(model, compile=s.compile) if s.mask_aware else None,
                                          lora=lora, **cache_options)
             else:
                 from workers.controlnets.bank import ControlNetBank, store_loader
@@ -207,10 +208,11 @@ def get_engine() -> Engine:
 
                 unet = loader.load_unet(ctx.model_dir(), s.device)
                 lora = LoraPatcher(unet, "unet", bank.get, merge_buffers=s.lora_merge_buffers)
-                maskaware = MaskAwareUNet(unet, kv_source=s.maskaware_kv_source) if s.mask_aware else None  # type: ignore[arg-type]
+                maskaware = MaskAwareUNet(unet, kv_source=s.maskaware_kv_source,  # type: ignore[arg-type]
+                                          compile=s.compile) if s.mask_aware else None
                 controlnets = ControlNetBank(store_loader(ctx.object_store().get, s.device, unet.dtype),
                                              s.controlnet_cache_bytes)
-                runner = SDRunner(unet, ctx.scheduler_config(), s.device, maskaware=maskaware, lora=lora,
+                runner = SDRunner(unet, ctx.scheduler_config(), s.device, maskaware=maskaware, lora=lora, compile=s.compile,
                                   controlnets=controlnets, controlnet_parallel=s.controlnet_parallel == "thread",
                                   **cache_options)
             step_time = None

@@ -16,7 +16,7 @@ from diffusers import StableDiffusionInpaintPipeline
 from PIL import Image
 
 from app.jobs import JobParams
-from workers.models.loader import make_scheduler
+from workers.models.loader import make_scheduler, stage_device
 
 
 @dataclass
@@ -31,7 +31,9 @@ class PreparedJob:
 def prepare_job_tensors(pipe: StableDiffusionInpaintPipeline, scheduler_config: dict,
                         image: Image.Image, mask: Image.Image, params: JobParams,
                         height: int, width: int) -> PreparedJob:
-    device = torch.device("cpu")
+    # The stage modules' device (STENCIL_STAGE_DEVICE); the seeded generator stays on the CPU (the
+    # pipeline draws there and moves the noise), so the random stream is the stock pipeline's.
+    device = stage_device(pipe)
     generator = torch.Generator("cpu").manual_seed(params.seed)
     do_cfg = params.guidance > 1.0
 
@@ -41,7 +43,7 @@ def prepare_job_tensors(pipe: StableDiffusionInpaintPipeline, scheduler_config: 
         prompt_embeds = torch.cat([negative_embeds, prompt_embeds])
 
     scheduler = make_scheduler(scheduler_config)
-    scheduler.set_timesteps(params.steps, device=device)
+    scheduler.set_timesteps(params.steps, device="cpu")
     init_timestep = min(int(params.steps * params.strength), params.steps)
     t_start = max(params.steps - init_timestep, 0)
     timesteps = scheduler.timesteps[t_start * scheduler.order:]
@@ -88,6 +90,7 @@ def prepare_job_tensors(pipe: StableDiffusionInpaintPipeline, scheduler_config: 
 @torch.no_grad()
 def decode_latents(pipe: StableDiffusionInpaintPipeline, latents: torch.Tensor) -> Image.Image:
     """VAE decode + postprocess, as the stock pipeline's tail (no safety checker)."""
+    latents = latents.to(stage_device(pipe), pipe.vae.dtype)
     image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
     return pipe.image_processor.postprocess(image, output_type="pil", do_denormalize=[True])[0]
 

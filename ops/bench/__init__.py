@@ -15,4 +15,7 @@ with the exact command line that produced it. ``--quick`` is a smoke run in seco
 - add-ons: ``lora`` (adapters vs the stock per-request path), ``controlnet`` (ControlNets vs the stock
   pipeline, overlapped with the UNet, the resident LRU), ``addon_fidelity`` (late patching, add-ons
   with mask-aware caches).
+- true-size deployment: ``placement`` (text encoders and VAE on the host CPU or the GPU: measured CPU
+  costs at true sizes, published GPU costs, latency per placement), ``compiled`` (``torch.compile``
+  vs eager denoising steps, full and mask-aware).
 """

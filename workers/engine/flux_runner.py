@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
 
+from workers.adapters import layout
+from workers.compiled import Compiled
 from workers.engine.job import EngineJob
 from workers.engine.runner_base import BaseRunner, JobState
 from workers.flux_inputs import flux_schedule
@@ -39,9 +41,12 @@ class FluxJobState(JobState):
 
 class FluxRunner(BaseRunner):
     def __init__(self, transformer: FluxTransformer2DModel, scheduler_config: dict[str, Any], vae_scale_factor: int,
-                 device: str = "cpu", *, maskaware: MaskAwareFlux | None = None, **cache_options: Any) -> None:
+                 device: str = "cpu", *, maskaware: MaskAwareFlux | None = None, compile: str = "off",
+                 **cache_options: Any) -> None:
         super().__init__(maskaware, **cache_options)
         self.transformer = transformer
+        # STENCIL_COMPILE: the full forward compiled (steps without mask-aware work; workers/compiled.py)
+        self.forward = Compiled(transformer, "Flux transformer forward", compile)
         self.scheduler_config = scheduler_config
         self.vae_scale_factor = vae_scale_factor
         self.device = torch.device(device)
@@ -123,7 +128,11 @@ class FluxRunner(BaseRunner):
                       encoder_hidden_states=torch.cat([s.prompt_embeds for s in states]),
                       txt_ids=states[0].text_ids, img_ids=img_ids, return_dict=False)
         if groups is None:
-            return self.transformer(**kwargs)[0], []
+            return self.forward(**kwargs)[0], []
+        if self.forward.active and not layout.wanted() and all(g.mode == "full" and g.positions is None
+                                                               for g in groups):
+            # every job computes fully over its own grid: the hooks would only pass through
+            return self.forward(**kwargs)[0], [None] * len(groups)
         with self.maskaware.batch(groups) as ctx:
             out = self.transformer(**kwargs)[0]
         return out, list(ctx.recorded)

@@ -22,6 +22,7 @@ from workers.adapters import layout
 from workers.controlnets.step import Concurrent, JobControl, Use, residuals
 from workers.engine.job import EngineJob
 from workers.engine.runner_base import BaseRunner, JobState
+from workers.compiled import Compiled
 from workers.maskaware.lockstep import Lockstep
 from workers.maskaware.unet import MaskAwareUNet, RowGroup
 from workers.models.loader import make_scheduler
@@ -48,11 +49,13 @@ class SDRunner(BaseRunner):
 
     def __init__(self, unet: UNet2DConditionModel, scheduler_config: dict[str, Any], device: str = "cpu",
                  *, maskaware: MaskAwareUNet | None = None, controlnets: Any = None,
-                 controlnet_parallel: bool = False, **cache_options: Any) -> None:
+                 controlnet_parallel: bool = False, compile: str = "off", **cache_options: Any) -> None:
         if unet.config.in_channels != 9:
             raise ValueError(f"an inpainting UNet has 9 input channels, this one has {unet.config.in_channels}")
         super().__init__(maskaware, **cache_options)
         self.unet = unet
+        # STENCIL_COMPILE: the full forward compiled (steps without mask-aware work; workers/compiled.py)
+        self.forward = Compiled(unet, "UNet forward", compile)
         self.scheduler_config = scheduler_config
         self.device = torch.device(device)
         self.controlnets = controlnets  # workers.controlnets.bank.ControlNetBank
@@ -208,8 +211,14 @@ class SDRunner(BaseRunner):
                   **self._control_kwargs(batch, sample, t_rows, text)}
         args = (torch.cat([sample, torch.cat(masks)], dim=1), t_rows)
         try:
+            # ControlNets computed concurrently with the down path hook the UNet's forward: eager
+            forward = self.forward if self.concurrent is None else self.unet
             if groups is None:
-                return self.unet(*args, **kwargs)[0], []
+                return forward(*args, **kwargs)[0], []
+            if self.forward.active and self.concurrent is None and not lockstep and not layout.wanted() \
+                    and all(g.mode == "full" for g in groups):
+                # every job computes fully: the hooks would only pass through; the compiled forward
+                return self.forward(*args, **kwargs)[0], [None] * len(groups)
             with self.maskaware.batch(groups) as ctx:
                 out = self.unet(*args, **kwargs)[0]
         except Exception:

@@ -93,6 +93,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
 from workers.adapters import layout
+from workers.compiled import Compiled
 from workers.maskaware.flux_tokens import pixel_to_token_mask
 
 log = logging.getLogger(__name__)
@@ -456,9 +457,25 @@ def _attend(plan: _Plan, attn: Any, name: str, rope: tuple[torch.Tensor, torch.T
         img_out[seg].unflatten(-1, (heads, hd)).copy_(out[T:])
 
 
+def _call_module(module: Any, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+class FluxKernels:
+    """The packed blocks' feed-forwards (the bulk of their token-wise work) compiled under
+    ``STENCIL_COMPILE`` (workers/compiled.py); eager while per-row adapter layouts are in use."""
+
+    def __init__(self, mode: str = "off") -> None:
+        self.ff = Compiled(_call_module, "packed Flux feed-forward", mode)
+
+    def pick(self) -> "FluxKernels":
+        return _EAGER_FLUX if layout.wanted() else self
+
+
 def double_block_forward(block: FluxTransformerBlock, name: str, plan: _Plan, temb: torch.Tensor,
-                         rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+                         rope: tuple[torch.Tensor, torch.Tensor], kernels: FluxKernels | None = None) -> None:
     """``FluxTransformerBlock.forward`` on the packed state (updates ``plan.img`` / ``plan.txt``)."""
+    kern = (kernels or _EAGER_FLUX).pick()
     x, c = plan.img, plan.txt
     temb = plan.rows_modulation(temb)
     with plan.lay("rows"):
@@ -486,20 +503,20 @@ def double_block_forward(block: FluxTransformerBlock, name: str, plan: _Plan, te
         attn_out = attn.to_out[1](attn.to_out[0](img_attn))
         plan.gated_add_(x, gate_msa, attn_out)                  # x is this call's own pack: in place is safe
         xn = plan.modulate_(block.norm2(x), scale_mlp, shift_mlp)
-        plan.gated_add_(x, gate_mlp, block.ff(xn))
+        plan.gated_add_(x, gate_mlp, kern.ff(block.ff, xn))
 
     with plan.lay("rows"):
         ctx_out = attn.to_add_out(txt_attn)
         c = c + c_gate_msa.unsqueeze(1) * ctx_out
         cn = block.norm2_context(c) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
-        c = c + c_gate_mlp.unsqueeze(1) * block.ff_context(cn)
+        c = c + c_gate_mlp.unsqueeze(1) * kern.ff(block.ff_context, cn)
     if c.dtype == torch.float16:
         c = c.clip(-65504, 65504)
     plan.img, plan.txt = x, c
 
 
 def single_block_forward(block: FluxSingleTransformerBlock, name: str, plan: _Plan, temb: torch.Tensor,
-                         rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+                         rope: tuple[torch.Tensor, torch.Tensor], kernels: FluxKernels | None = None) -> None:
     """``FluxSingleTransformerBlock.forward`` on the packed state: text and image tokens share weights,
     so they run as one token pack ``plan.tok`` (text rows first, then the ragged image tokens), built
     once at the first single block and updated in place."""
@@ -541,7 +558,7 @@ def single_block_forward(block: FluxSingleTransformerBlock, name: str, plan: _Pl
             cat[nt:, :width], cat[:nt, :width].unflatten(0, (ba, T)))
 
     with plan.lay("tok"):
-        y = block.proj_out(cat)
+        y = (kernels or _EAGER_FLUX).pick().ff(block.proj_out, cat)
     if T:
         tok[:nt].view(ba, T, D).addcmul_(y[:nt].view(ba, T, D), gate_msa[:, None])
     plan.gated_add_(tok, gate_msa, y, base=nt)
@@ -554,6 +571,9 @@ def single_block_forward(block: FluxSingleTransformerBlock, name: str, plan: _Pl
 # ---------------------------------------------------------------------------------------------
 # Hooks
 # ---------------------------------------------------------------------------------------------
+
+
+_EAGER_FLUX = FluxKernels("off")
 
 
 class _Hook(ModelHook):
@@ -632,7 +652,7 @@ class _BlockHook(_Hook):
                                                 image_rotary_emb, joint_attention_kwargs)
         if plan.active:
             fn = double_block_forward if self.double else single_block_forward
-            fn(module, self.name, plan, temb, image_rotary_emb)
+            fn(module, self.name, plan, temb, image_rotary_emb, self.ctrl.kernels)
         return encoder_hidden_states, hidden_states
 
 
@@ -685,10 +705,11 @@ class _ProjOutHook(_Hook):
 class MaskAwareFlux:
     """Installs the mask-aware hooks on a ``FluxTransformer2DModel``; see the module docstring."""
 
-    def __init__(self, transformer: FluxTransformer2DModel, kv_format: KVFormat = "raw") -> None:
+    def __init__(self, transformer: FluxTransformer2DModel, kv_format: KVFormat = "raw", compile: str = "off") -> None:
         if kv_format not in K_SUFFIX:
             raise ValueError(f"kv_format must be one of {sorted(K_SUFFIX)}")
         self.model = transformer
+        self.kernels = FluxKernels(compile)  # STENCIL_COMPILE
         self.kv_format = kv_format
         self.names = block_names(transformer)
         self._ctx: BatchContext | None = None

@@ -85,6 +85,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor, AttnP
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
 from workers.adapters import layout
+from workers.compiled import BlockKernels
 from workers.maskaware.lockstep import Lockstep
 from workers.maskaware.tokens import TokenMasks, build_token_masks
 
@@ -328,11 +329,14 @@ def _scatter_copy(base: torch.Tensor, fresh: torch.Tensor, idx: torch.Tensor) ->
 class MaskAwareUNet:
     """Installs mask-aware hooks on a ``UNet2DConditionModel``; see the module docstring."""
 
-    def __init__(self, unet: torch.nn.Module, kv_source: KVSource = "cache") -> None:
+    def __init__(self, unet: torch.nn.Module, kv_source: KVSource = "cache", compile: str = "off") -> None:
         if kv_source not in ("cache", "recompute"):
             raise ValueError(f"kv_source must be 'cache' or 'recompute', got {kv_source!r}")
         self.unet = unet
         self.kv_source: KVSource = kv_source
+        # STENCIL_COMPILE: the packed path's token-wise layers compiled (workers/compiled.py); eager
+        # while per-row adapter layouts are in use (their Python bookkeeping is not graph material).
+        self.kernels = BlockKernels(compile)
         self._tls = threading.local()  # one batch context per thread: calls in lockstep run on threads
         cfg = unet.config
         self.num_levels = len(cfg.down_block_types)
@@ -641,12 +645,12 @@ class MaskAwareUNet:
         c = segs[0].h.shape[2]
         ci = a1.to_k.out_features
         want = layout.wanted()
+        kern = self.kernels if not want else _EAGER
         x = torch.cat([sg.tokens() for sg in segs])
         with layout.use(layout.flat((sg.gid, sg.rows * sg.m) for sg in segs) if want else None):
             # 1. self-attention: Q from computed tokens; K/V fresh there (recompute: everywhere)
             if self.kv_source == "cache":
-                n1 = blk.norm1(x)
-                q, k, v = a1.to_q(n1), a1.to_k(n1), a1.to_v(n1)
+                q, k, v = kern.self_qkv(blk, x)
             else:
                 hm = torch.cat([sg.h[sg.start:sg.start + sg.rows].reshape(-1, c) for sg in segs])
                 with layout.use(layout.flat((sg.gid, sg.rows * sg.n) for sg in segs) if want else None):
@@ -678,28 +682,26 @@ class MaskAwareUNet:
                                        v[off:off + cnt].view(sg.rows, sg.m, ci), sg.idx)
                 outs.append(_sdpa(q[off:off + cnt], kf, vf, sg.rows, a1.heads))
                 off += cnt
-            a = a1.to_out[1](a1.to_out[0](torch.cat(outs))) / a1.rescale_output_factor
-            x = a + x
+            x = kern.attn_out(a1, torch.cat(outs), x)
             # 2. cross-attention: queries from computed tokens, K/V from each row's text
             if a2 is not None:
                 if any(sg.ehs is None for sg in segs):  # attn2 without text is self-attention over the input
                     raise NotImplementedError("attn2 without encoder_hidden_states is not supported")
-                q2 = a2.to_q(blk.norm2(x))
+                q2 = kern.cross_q(blk, x)
                 texts = [sg.ehs[sg.start:sg.start + sg.rows] for sg in segs]  # type: ignore[index]
                 if len({t.shape[1:] for t in texts}) != 1:
                     raise NotImplementedError("text of different lengths in one packed block")
                 with layout.use(layout.rows((sg.gid, sg.rows) for sg in segs) if want else None):
-                    src = torch.cat(texts)
-                    k2, v2 = a2.to_k(src), a2.to_v(src)
+                    k2, v2 = kern.text_kv(a2, torch.cat(texts))
                 outs, off, row0 = [], 0, 0
                 for sg in segs:
                     cnt = sg.rows * sg.m
                     outs.append(_sdpa(q2[off:off + cnt], k2[row0:row0 + sg.rows], v2[row0:row0 + sg.rows],
                                       sg.rows, a2.heads))
                     off, row0 = off + cnt, row0 + sg.rows
-                x = a2.to_out[1](a2.to_out[0](torch.cat(outs))) / a2.rescale_output_factor + x
+                x = kern.attn_out(a2, torch.cat(outs), x)
             # 3. feed-forward
-            x = blk.ff(blk.norm3(x)) + x
+            x = kern.ff(blk, x)
         # 4. results into each segment's output buffer
         off = 0
         for sg in segs:
@@ -716,6 +718,9 @@ class MaskAwareUNet:
                     dst.copy_(sg.h[sg.start:sg.start + sg.rows])
                 dst.index_copy_(1, sg.idx, x[off:off + cnt].view(sg.rows, sg.m, c))
             off += cnt
+
+
+_EAGER = BlockKernels("off")
 
 
 @dataclass

@@ -141,20 +141,50 @@ def model_identity(model_dir: Path) -> str:
     return f"{Path(model_dir).name}-{h.hexdigest()[:16]}"
 
 
-def load_cpu_pipeline(model_dir: Path):  # type: ignore[no-untyped-def]
-    """The pipeline without its denoiser: CPU tasks encode text and images and decode latents."""
+class DeviceUnavailable(RuntimeError):
+    """A configured device this host does not have (e.g. ``cuda`` on a CPU-only host)."""
+
+
+def resolve_device(name: str, setting: str = "STENCIL_DEVICE") -> torch.device:
+    """The torch device named by a setting, checked to exist here: a process configured for a GPU it
+    does not see stops with the reason instead of failing every job later."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise DeviceUnavailable(f"{setting}={name!r} is not a torch device name ({exc})") from exc
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceUnavailable(f"{setting}={name!r} but CUDA is not available on this host (torch "
+                                    f"{torch.__version__}, {torch.cuda.device_count()} GPUs visible)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DeviceUnavailable(f"{setting}={name!r} but only {torch.cuda.device_count()} GPUs are visible")
+    elif device.type not in ("cpu", "mps", "xpu"):
+        raise DeviceUnavailable(f"{setting}={name!r}: stages run on cpu, cuda[:N], mps or xpu")
+    elif device.type != "cpu" and not getattr(torch, device.type).is_available():
+        raise DeviceUnavailable(f"{setting}={name!r} but {device.type} is not available on this host")
+    return device
+
+
+def load_cpu_pipeline(model_dir: Path, device: str = "cpu"):  # type: ignore[no-untyped-def]
+    """The pipeline without its denoiser (text encoders, VAE, tokenizers, processors) for the stage
+    tasks, its modules on ``device`` (``STENCIL_STAGE_DEVICE``: the host CPU or the GPU host's device)."""
+    target = resolve_device(device, "STENCIL_STAGE_DEVICE")
     if model_family(model_dir) == "flux":
         from diffusers import FluxFillPipeline
 
         pipe = FluxFillPipeline.from_pretrained(model_dir, transformer=None, torch_dtype=torch.float32)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
-    pipe = StableDiffusionInpaintPipeline.from_pretrained(
-        model_dir, unet=None, safety_checker=None, feature_extractor=None,
-        requires_safety_checker=False, torch_dtype=torch.float32,
-    )
+    else:
+        pipe = StableDiffusionInpaintPipeline.from_pretrained(
+            model_dir, unet=None, safety_checker=None, feature_extractor=None,
+            requires_safety_checker=False, torch_dtype=torch.float32,
+        )
     pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return pipe.to(target)
+
+
+def stage_device(pipe: Any) -> torch.device:
+    """The device a stage pipeline's modules are on (its VAE's): inputs are moved there."""
+    return pipe.vae.device
 
 
 def load_unet(model_dir: Path, device: str) -> UNet2DConditionModel:

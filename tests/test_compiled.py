@@ -1,0 +1,109 @@
+"""STENCIL_COMPILE: the compiled mask-aware packed computations (UNet and Flux) give the eager
+outputs within float tolerance, new token counts reuse the compiled graphs (dynamic shapes), and a
+compilation failure falls back to eager with a log line. The whole-forward compile is exercised by
+ops/bench/compiled.py (minutes of inductor work on a cold cache: not for CI)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ops.bench.harness.models import build_flux, build_sd_unet, job_masks
+from workers.compiled import BlockKernels, Compiled, check_mode
+from workers.maskaware.flux import MaskAwareFlux
+from workers.maskaware.flux import RowGroup as FluxRowGroup
+from workers.maskaware.unet import MaskAwareUNet, RowGroup
+
+
+def test_compiled_packed_unet_step_equals_eager() -> None:
+    from torch._dynamo.utils import counters
+
+    unet = build_sd_unet((32, 32), 8, 1, 1, 32, 0)
+    g = torch.Generator().manual_seed(0)
+    x, t, e = torch.randn(2, 9, 8, 8, generator=g), torch.tensor([500, 500]), torch.randn(2, 7, 32, generator=g)
+    ctrl = MaskAwareUNet(unet, compile="default")
+    compiled = ctrl.kernels
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        with ctrl.batch([RowGroup(2, "record")]) as ctx:
+            unet(x, t, e)
+        cache = ctx.recorded[0]
+        for ratio in (0.2, 0.45):  # two token counts: the second must not build new graphs
+            mask = job_masks(ctrl, ratio, 1, 8, 8, 3)[0]
+            outs = []
+            for kernels in (BlockKernels("off"), compiled):
+                ctrl.kernels = kernels
+                with ctrl.batch([RowGroup(2, "masked", token_mask=mask, cache=cache)]):
+                    outs.append(unet(x, t, e, return_dict=False)[0])
+            if ratio == 0.2:
+                graphs = counters["stats"]["unique_graphs"]
+            torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+    assert compiled.ff.active and compiled.self_qkv.active, "compilation fell back to eager"
+    assert graphs > before, "the compiled kernels never ran"
+    assert counters["stats"]["unique_graphs"] == graphs, "a new token count recompiled"
+    ctrl.remove()
+
+
+def test_compiled_packed_flux_step_equals_eager() -> None:
+    from torch._dynamo.utils import counters
+
+    model = build_flux(0, double=1, single=1, heads=2, head_dim=16)
+    ctrl = MaskAwareFlux(model, compile="default")
+    compiled = ctrl.kernels
+    before = counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(1)
+    side = 8
+    hidden = torch.randn(1, side * side, model.config.in_channels, generator=g)
+    kwargs = dict(hidden_states=hidden, timestep=torch.tensor([0.5]),
+                  pooled_projections=torch.randn(1, model.config.pooled_projection_dim, generator=g),
+                  encoder_hidden_states=torch.randn(1, 4, model.config.joint_attention_dim, generator=g),
+                  txt_ids=torch.zeros(4, 3), img_ids=_image_ids(side), return_dict=False)
+    if model.config.guidance_embeds:
+        kwargs["guidance"] = torch.tensor([3.5])
+    with torch.no_grad():
+        with ctrl.batch([FluxRowGroup(1, "record")]) as ctx:
+            model(**kwargs)
+        cache = ctx.recorded[0]
+        mask = torch.zeros(side * side, dtype=torch.bool)
+        mask[10:30] = True
+        outs = []
+        for kernels in (type(compiled)("off"), compiled):
+            ctrl.kernels = kernels
+            with ctrl.batch([FluxRowGroup(1, "masked", token_mask=mask, cache=cache)]):
+                outs.append(model(**kwargs)[0])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+    assert compiled.ff.active, "compilation fell back to eager"
+    assert counters["stats"]["unique_graphs"] > before, "the compiled kernels never ran"
+    ctrl.remove()
+
+
+def _image_ids(side: int) -> torch.Tensor:
+    from ops.bench.harness.models import flux_image_ids
+
+    return flux_image_ids(side)
+
+
+def test_a_failed_compilation_runs_eagerly_with_a_log_line(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    def broken_compile(fn, **_):  # type: ignore[no-untyped-def]
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise RuntimeError("C++ compiler not found")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    layer = torch.nn.Linear(4, 3)
+    fn = Compiled(layer, "test layer", "max-autotune")
+    x = torch.randn(5, 4)
+    with caplog.at_level(logging.WARNING, logger="workers.compiled"):
+        y = fn(x)
+    assert torch.equal(y, layer(x)) and fn.failed and not fn.active
+    assert "torch.compile of test layer failed (RuntimeError: C++ compiler not found); running it eagerly" \
+        in caplog.text
+    caplog.clear()
+    fn(x)
+    assert caplog.text == ""  # logged once
+    assert not Compiled(layer, "off", "off").active
+    with pytest.raises(ValueError, match="STENCIL_COMPILE"):
+        check_mode("fast")
