@@ -146,7 +146,7 @@ def cmd_model_save(args: argparse.Namespace) -> int:
     from app.settings import Settings
     from workers.models.loader import save_embedded
 
-    save_embedded(args.model or Settings.from_env().model_id, args.dir, seed=args.seed)
+    save_embedded(args.model or Settings.from_env().model_id, args.dir, seed=args.seed, dtype=args.dtype or None)
     return 0
 
 
@@ -415,8 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = m.add_parser("save", help="write an embedded model (default: STENCIL_MODEL_ID) as a diffusers pipeline folder")
     s.add_argument("dir")
     s.add_argument("--model", default="", help="tiny-sd-inpaint-trained | tiny-sd-inpaint (random init) | "
-                   "tiny-flux-fill (random init); default: the configured model id")
+                   "tiny-flux-fill (random init) | true-size random init: sd15-inpaint | sdxl-inpaint | flux-fill | "
+                   "flux-fill-subset (workers/models/true_size.py); default: the configured model id")
     s.add_argument("--seed", type=int, default=0, help="random-init models only")
+    s.add_argument("--dtype", default="", choices=["", "float32", "float16", "bfloat16"],
+                   help="weights' dtype (true-size models; default bfloat16: half the bytes, written "
+                        "shard by shard in about 2 GB of RAM); the tiny models are float32")
     s.set_defaults(func=cmd_model_save)
 
     s = sub.add_parser("gpu-worker", help="start a GPU worker (one engine) for queue gpu.<id>")

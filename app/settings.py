@@ -49,8 +49,14 @@ class Settings:
     # Model: a diffusers StableDiffusionInpaintPipeline folder; empty = the embedded model
     # ``model_id``: "tiny-sd-inpaint-trained" (default; trained on scikit-image's images, ships in
     # workers/models/trained/), or the random-init "tiny-sd-inpaint" / "tiny-flux-fill" (noise
-    # outputs; for unit tests and speed benchmarks).
+    # outputs; for unit tests and speed benchmarks), or a random-init true-size architecture
+    # (workers/models/true_size.py: sd15-inpaint, sdxl-inpaint, flux-fill, flux-fill-subset).
     model_dir: str = ""
+    # A single-file ``.safetensors`` checkpoint (original SD/SDXL layout, or a Flux transformer file),
+    # loaded with diffusers' from_single_file and converted once to a folder under the home; its
+    # configs come from ``model_dir`` (a folder) or from ``model_id``. Pickle-based files are refused.
+    # ``model_dir`` naming a .safetensors file means the same.
+    model_file: str = ""
     model_id: str = "tiny-sd-inpaint-trained"
     device: str = "cpu"
     # torch intra-op threads per worker process (0 = torch's default). On a small machine that

@@ -5,7 +5,8 @@ each writes its Markdown report (and plots) where ``--out`` says, under ``docs/b
 with the exact command line that produced it. ``--quick`` is a smoke run in seconds.
 
 - per denoising step: ``maskaware_unet``, ``maskaware_flux``, ``policy_speed``, ``overheads``,
-  ``batch_curve``, ``bubble`` (cache loading and prefetch);
+  ``batch_curve``, ``bubble`` (cache loading and prefetch), ``true_size`` (SD 1.5, SDXL and Flux Fill
+  at their public sizes, mask-aware vs full per step);
 - fidelity: ``fidelity``, ``fidelity_causes``, ``fidelity_baselines``;
 - whole service: ``e2e`` (against a stock diffusers server), ``recovery`` (process faults),
   ``replay`` (a trace against a real 2-worker stack);

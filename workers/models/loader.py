@@ -8,6 +8,7 @@ denoiser and the scheduler config.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
@@ -28,8 +29,16 @@ log = logging.getLogger(__name__)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle"}
+
+
 def ensure_model_dir(settings: Settings) -> Path:
-    """The model folder to load: the configured one, or the embedded default (saved once)."""
+    """The model folder to load: the configured one, a single-file checkpoint converted once, or the
+    embedded default (saved once)."""
+    named_file = Path(settings.model_dir).suffix.lower() in PICKLE_SUFFIXES | {".safetensors"}
+    single = settings.model_file or (settings.model_dir if named_file else "")
+    if single and not Path(single).is_dir():
+        return single_file_model_dir(settings, Path(single))
     if settings.model_dir:
         path = Path(settings.model_dir)
         if not (path / "model_index.json").is_file():
@@ -41,7 +50,9 @@ def ensure_model_dir(settings: Settings) -> Path:
     path = settings.home / "models" / settings.model_id
     if (path / "model_index.json").is_file():
         return path
-    if settings.model_id not in EMBEDDED_MODELS:
+    from workers.models.true_size import TRUE_SIZE_MODELS
+
+    if settings.model_id not in EMBEDDED_MODELS and settings.model_id not in TRUE_SIZE_MODELS:
         raise FileNotFoundError(f"no model folder configured and no embedded model named "
                                 f"{settings.model_id!r} (known: {sorted(EMBEDDED_MODELS)})")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -58,6 +69,84 @@ def ensure_model_dir(settings: Settings) -> Path:
                 shutil.rmtree(tmp, ignore_errors=True)
             log.info("embedded model %s written to %s", settings.model_id, path)
     return path
+
+
+def single_file_model_dir(settings: Settings, checkpoint: Path) -> Path:
+    """A ``.safetensors`` single-file checkpoint as a diffusers folder, converted once per file.
+
+    Loaded with diffusers' ``from_single_file`` (offline: the configs come from ``config=``, the
+    folder of ``STENCIL_MODEL_DIR`` when that names a folder, else of the configured model id: an
+    embedded model or a true-size id's config-only folder). SD / SDXL checkpoints hold the whole
+    pipeline; a Flux checkpoint holds the transformer, the other components come from the config
+    folder. The result is saved with ``save_pretrained`` under the home, keyed by the file's
+    header (its tensor names, shapes, offsets) and size, so every process of a stack loads the same
+    folder with ``from_pretrained`` as usual. Pickle-based checkpoints are refused: loading them
+    can run arbitrary code.
+    """
+    import hashlib
+
+    if checkpoint.suffix.lower() in PICKLE_SUFFIXES or checkpoint.suffix.lower() != ".safetensors":
+        raise ValueError(f"refusing model file {checkpoint}: only .safetensors single-file checkpoints are "
+                         f"loaded (pickle-based .ckpt/.pt/.pth/.bin files can run code when loaded); convert it "
+                         f"to safetensors first")
+    if not checkpoint.is_file():
+        raise FileNotFoundError(f"model file {checkpoint} does not exist")
+    config = _single_file_config_dir(settings)
+    with open(checkpoint, "rb") as fh:
+        header_len = int.from_bytes(fh.read(8), "little")
+        h = hashlib.sha256(fh.read(min(header_len, 1 << 26)))
+    h.update(f"{checkpoint.stat().st_size}:{config.resolve()}".encode())
+    path = settings.home / "models" / f"{checkpoint.stem}-{h.hexdigest()[:16]}"
+    if (path / "model_index.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "model_index.json").is_file():
+            tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-model-"))
+            try:
+                _convert_single_file(checkpoint, config, tmp)
+                if path.exists():
+                    shutil.rmtree(path)
+                os.replace(tmp, path)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            log.info("single-file checkpoint %s converted to %s (configs from %s)", checkpoint, path, config)
+    return path
+
+
+def _single_file_config_dir(settings: Settings) -> Path:
+    if settings.model_dir and Path(settings.model_dir).is_dir():
+        return Path(settings.model_dir)
+    from workers.models.true_size import TRUE_SIZE_MODELS, save_config_folder
+
+    if settings.model_id in TRUE_SIZE_MODELS:   # configs only: the weights come from the file
+        path = settings.home / "models" / f"{settings.model_id}-config"
+        if not (path / "model_index.json").is_file():
+            save_config_folder(settings.model_id, path)
+        return path
+    return ensure_model_dir(dataclasses.replace(settings, model_file="", model_dir=""))
+
+
+def _convert_single_file(checkpoint: Path, config: Path, out: Path) -> None:
+    import json
+
+    name = json.loads((config / "model_index.json").read_text())["_class_name"]
+    if name not in FAMILIES:
+        raise ValueError(f"unsupported pipeline {name} in {config} (supported: {sorted(FAMILIES)})")
+    if FAMILIES[name] == "flux":   # Flux single files hold the transformer only
+        from diffusers import FluxTransformer2DModel
+
+        model = FluxTransformer2DModel.from_single_file(str(checkpoint), config=str(config), subfolder="transformer",
+                                                        torch_dtype=torch.float32, local_files_only=True)
+        shutil.copytree(config, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("transformer"))
+        model.save_pretrained(out / "transformer", safe_serialization=True)
+        return
+    sd15 = name == "StableDiffusionInpaintPipeline"
+    extra = {"safety_checker": None, "requires_safety_checker": False} if sd15 else {}
+    pipe = getattr(diffusers, name).from_single_file(str(checkpoint), config=str(config), torch_dtype=torch.float32,
+                                                     local_files_only=True, **extra)
+    pipe.save_pretrained(out, safe_serialization=True)
 
 
 def _save_tiny_sd(out: Path, seed: int = 0) -> None:
@@ -97,11 +186,21 @@ EMBEDDED_MODELS: dict[str, Callable[[Path, int], None]] = {
 }
 
 
-def save_embedded(model_id: str, out: str | Path, seed: int = 0) -> Path:
-    """Write embedded model ``model_id`` as a diffusers folder (``seed``: random-init models only)."""
-    if model_id not in EMBEDDED_MODELS:
-        raise ValueError(f"no embedded model named {model_id!r} (known: {sorted(EMBEDDED_MODELS)})")
+def save_embedded(model_id: str, out: str | Path, seed: int = 0, dtype: str | None = None) -> Path:
+    """Write embedded model ``model_id`` as a diffusers folder (``seed``: random-init models only;
+    ``dtype``: true-size models' weights, default bfloat16; the tiny models are float32 only)."""
+    from workers.models.true_size import TRUE_SIZE_MODELS, save_true_size
+
     out = Path(out)
+    if model_id in TRUE_SIZE_MODELS:
+        save_true_size(model_id, out, seed=seed, dtype=dtype or "bfloat16")
+        log.info("true-size model %s written to %s", model_id, out)
+        return out
+    if model_id not in EMBEDDED_MODELS:
+        raise ValueError(f"no embedded model named {model_id!r} "
+                         f"(known: {sorted(EMBEDDED_MODELS) + sorted(TRUE_SIZE_MODELS)})")
+    if dtype not in (None, "float32"):
+        raise ValueError(f"{model_id} is saved in float32 only (got dtype {dtype})")
     out.mkdir(parents=True, exist_ok=True)
     EMBEDDED_MODELS[model_id](out, seed)
     log.info("embedded model %s written to %s", model_id, out)
