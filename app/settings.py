@@ -96,7 +96,22 @@ class Settings:
     mask_aware: bool = True
     maskaware_kv_source: str = "cache"  # cache (K/V + block outputs) | recompute (outputs only)
     mask_dilation: int = 0  # dilate token masks by this many tokens (fewer seams, more compute)
-    host_cache_bytes: int = 2 * 1024**3  # host-RAM tier budget per GPU worker
+    # Host-RAM tier budget per GPU worker; 0 = auto (workers/engine/host_budget.py): fraction
+    # host_cache_fraction of physical memory per GPU worker of the host minus the model's weights,
+    # capped by available memory minus 1 GiB; logged at start.
+    host_cache_bytes: int = 0
+    host_cache_fraction: float = 0.5
+    # Storage codec of template caches (workers/engine/cache_codec.py), independent of the compute
+    # dtype: float32 | float16 | bfloat16 | int8 (K/V 8-bit with per-channel scales, block outputs
+    # 16-bit). Exact-region warm-ups are always stored losslessly (float32). Default: the most
+    # compact codec whose SSIM loss vs float32 caches is <= 0.005 (docs/bench/cache_bytes.md).
+    cache_dtype: str = "int8"
+    # Bandwidth (GB/s, 1e9 bytes/s) from the cache store to the device that warm-ups plan for:
+    # a warm-up stores only the plan units whose load at this speed the load/compute plan
+    # (workers/engine/plan.py) would take over recomputing them; edits compute the rest fully.
+    # 0 = store every unit. Default 0.5: the object store's single-GET bandwidth measured here
+    # (DESIGN.md section 6, SeaweedFS ~480 MiB/s), the link a non-resident cache crosses.
+    cache_link_gbps: float = 0.5
     prefetch_steps: int = 8  # steps of a job's template cache fetched ahead (from routing on)
     # Concurrent background fetches per GPU worker: S3 reads are latency-bound, so several
     # requests in flight (boto3's pool allows 10) are what keeps prefetch ahead of the queue.

@@ -284,7 +284,10 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: 
         region = region_digest(pixel_mask, params, meta.get("addons", "")) if ratio > 0 else ""
         key = template_cache_key(params, meta, region=region)
         meta.update(cache_mode="record", cache_key=key.to_dict())
-        return {"cache_mode": "record", "cache_digest": key.digest(), "region": region}
+        # Storage codec of the recording (the GPU worker's CacheRecorder.codec_for: exact-region
+        # caches are lossless whatever STENCIL_CACHE_DTYPE says).
+        codec = "float32" if region else s.cache_dtype
+        return {"cache_mode": "record", "cache_digest": key.digest(), "region": region, "cache_codec": codec}
     if ratio >= 1.0:
         meta["cache_mode"] = "full"
         return {**full, "cache_note": "full mask"}
@@ -327,6 +330,10 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: 
 def _use_cache(job_id: str, meta: dict[str, Any], key: Any, refresh: list[int],
                fields: dict[str, str]) -> dict[str, str]:
     meta.update(cache_mode="masked", cache_key=key.to_dict(), refresh_steps=refresh)
+    manifest = ctx.activations().cached_manifest(key)
+    fields = {**fields, "cache_codec": str(manifest.get("codec", "float32"))}  # as the cache was stored
+    if manifest.get("units") is not None:
+        fields["cache_units_stored"] = str(len(manifest["units"]))  # type: ignore[arg-type]
     _send_prefetch(job_id, key.to_dict(), min(int(meta["num_steps"]), ctx.settings().prefetch_steps))
     return {"cache_mode": "masked", "cache_digest": key.digest(), **fields}
 

@@ -179,11 +179,14 @@ def get_engine() -> Engine:
             s = ctx.settings()
             cache_options: dict[str, Any] = {}
             if s.mask_aware:
+                # Budget set below once the model's weights are known (auto = from memory).
                 cache_options = {"caches": StepCacheProvider(
-                    ctx.activations(), s.host_cache_bytes, fetch_threads=s.prefetch_threads),
-                                 "recorder": CacheRecorder(ctx.activations()),
+                    ctx.activations(), max(s.host_cache_bytes, 0), fetch_threads=s.prefetch_threads,
+                    device=s.device),
+                                 "recorder": CacheRecorder(ctx.activations(), codec=s.cache_dtype),
                                  "dilation": s.mask_dilation, "prefetch_steps": s.prefetch_steps,
-                                 "cache_plan": s.cache_plan, "max_wait_s": s.cache_plan_max_wait_s}
+                                 "cache_plan": s.cache_plan, "max_wait_s": s.cache_plan_max_wait_s,
+                                 "link_gbps": s.cache_link_gbps}
             # Adapters: the patcher goes in before the mask-aware hooks (see workers/adapters/patcher.py).
             from workers.adapter_tasks import read_weights
             from workers.adapters.bank import AdapterBank
@@ -215,6 +218,17 @@ def get_engine() -> Engine:
                 runner = SDRunner(unet, ctx.scheduler_config(), s.device, maskaware=maskaware, lora=lora, compile=s.compile,
                                   controlnets=controlnets, controlnet_parallel=s.controlnet_parallel == "thread",
                                   **cache_options)
+            caches = cache_options.get("caches")
+            if caches is not None:
+                from workers.engine.host_budget import host_cache_budget
+
+                denoiser = getattr(runner, "unet", None) or getattr(runner, "model", None) or getattr(runner, "transformer", None)
+                caches.host.budget_bytes = host_cache_budget(
+                    s.host_cache_bytes, s.host_cache_fraction, [denoiser] if denoiser is not None else [], s.device)
+                if denoiser is not None:
+                    caches.dtype = next(denoiser.parameters()).dtype
+                log.info("template caches stored as %s (exact-region caches: float32), link %.2f GB/s",
+                         s.cache_dtype, s.cache_link_gbps)
             step_time = None
             if s.slo_admission.strip().lower() not in ("off", "0", "false", "no"):
                 from app.costmodel import find_model, slo_admission_on, step_time_predictor

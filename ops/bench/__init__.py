@@ -6,7 +6,8 @@ with the exact command line that produced it. ``--quick`` is a smoke run in seco
 
 - per denoising step: ``maskaware_unet``, ``maskaware_flux``, ``policy_speed``, ``overheads``,
   ``batch_curve``, ``bubble`` (cache loading and prefetch), ``true_size`` (SD 1.5, SDXL and Flux Fill
-  at their public sizes, mask-aware vs full per step);
+  at their public sizes, mask-aware vs full per step), ``cache_bytes`` (cache bytes per template per
+  storage codec at true sizes, codec fidelity, host-tier capacity, link-speed unit selection);
 - fidelity: ``fidelity``, ``fidelity_causes``, ``fidelity_baselines``;
 - whole service: ``e2e`` (against a stock diffusers server), ``recovery`` (process faults),
   ``replay`` (a trace against a real 2-worker stack);

@@ -76,6 +76,21 @@ class PlanJob:
     token_mask: Any = None  # None: computes every token of every unit
     slot: tuple[str, int] | None = None  # (cache digest, step) it loads from, if pending
     resident: set[str] | None = None  # pending jobs: units already resident; None: all resident
+    full_units: frozenset[str] = frozenset()  # units its cache does not store: always computed fully
+    codec: str = ""  # storage codec of its cache (bytes to load); "" = the model's dtype
+
+
+REFERENCE_RATIO = 0.2  # the edit a warm-up's stored units are planned for (FlashPS's headline ratio)
+
+
+@dataclass(frozen=True)
+class RatioMask:
+    """A token mask that only knows its size: ``count(n)`` = round(ratio * n) (planning only)."""
+
+    ratio: float
+
+    def count(self, n: int) -> int:
+        return int(round(self.ratio * n))
 
 
 GAP = "gap:"  # plan blocks for the compute between units (ResNets, convs): always computed
@@ -102,6 +117,9 @@ def unit_costs(ctrl: Any, cost: UnitCostModel, jobs: list[PlanJob], latent_hw: t
             if j.token_mask is None:
                 base += j.rows * n
                 continue
+            if u in j.full_units:
+                base += j.rows * n
+                continue
             m = j.rows * j.token_mask.count(n)
             if j.resident is None or u in j.resident:
                 base += m
@@ -110,7 +128,8 @@ def unit_costs(ctrl: Any, cost: UnitCostModel, jobs: list[PlanJob], latent_hw: t
             extra_full += j.rows * n
             if j.slot not in slots:
                 slots.add(j.slot)  # type: ignore[arg-type]
-                nbytes += ctrl.unit_nbytes(u, latent_hw, j.rows)
+                nbytes += (ctrl.unit_nbytes(u, latent_hw, j.rows, codec=j.codec) if j.codec
+                           else ctrl.unit_nbytes(u, latent_hw, j.rows))
         cached = cost.predict(u, base + extra_cached)
         full = cost.predict(u, base + extra_full)
         if cached is None or full is None:
@@ -166,7 +185,7 @@ class BaseRunner(ABC):
     def __init__(self, maskaware: Any = None, caches: StepCacheProvider | None = None,
                  recorder: CacheRecorder | None = None, dilation: int = 0, prefetch_steps: int = 4,
                  cache_plan: str = "plan", max_wait_s: float = 5.0, lora: Any = None, adapters: Any = None,
-                 lora_late_max_fraction: float = 0.3) -> None:
+                 lora_late_max_fraction: float = 0.3, link_gbps: float = 0.0) -> None:
         if cache_plan not in CACHE_PLANS:
             raise ValueError(f"cache_plan must be one of {CACHE_PLANS}, got {cache_plan!r}")
         self.lora = lora  # workers.adapters.patcher.LoraPatcher (installed before the mask-aware hooks)
@@ -179,6 +198,7 @@ class BaseRunner(ABC):
         self.prefetch_steps = prefetch_steps
         self.cache_plan = cache_plan
         self.max_wait_s = max_wait_s
+        self.link_gbps = link_gbps  # warm-ups store only the units worth loading at this speed (0: all)
         self.unit_cost = UnitCostModel()
         self.last_plan: StepPlan | None = None
         self.last_ahead: tuple[float, StepPlan] | None = None  # (lead_s, plan) of the last step ahead
@@ -296,10 +316,53 @@ class BaseRunner(ABC):
         if key.steps not in (len(st.timesteps) + int(meta["t_start"]), len(st.timesteps)):
             raise ValueError("cache key steps do not match the job")
         st.mode, st.cache_key = mode, key
+        if mode == "record":
+            self._select_units(st, key)
         if mode == "masked":
+            absent = self._absent_units(key)
+            if absent:
+                st.extra["absent_units"] = absent
             st.refresh = frozenset(int(s) for s in meta.get("refresh_steps", ()))
             st.token_masks = self._token_masks(st, tensors)
             self.caches.prefetch(key, range(self.prefetch_steps))  # type: ignore[union-attr]
+
+    def _absent_units(self, key: TemplateCacheKey) -> frozenset[str]:
+        """Plan units the cache's warm-up did not store (edits compute them fully)."""
+        units = getattr(self.maskaware, "units", None)
+        stored = getattr(self.caches, "stored_units", None)
+        if not units or stored is None:
+            return frozenset()
+        kept = stored(key)
+        return frozenset() if kept is None else frozenset(u for u in units if u not in kept)
+
+    def _select_units(self, st: JobState, key: TemplateCacheKey) -> None:
+        """A template warm-up at link speed ``link_gbps`` stores only the units whose load over that
+        link is cheaper than recomputing them (``store_units``): with the plan's cost model (the
+        online ``UnitCostModel`` and ``Tier.load_time``, as ``unit_costs`` builds the plan's input)
+        for one step of an edit of this size at mask ratio ``REFERENCE_RATIO`` whose cache is not
+        resident, a unit is kept iff ``load_s < full_s - cached_s``. Such a unit is what the plan
+        loads on a busy link; a unit whose load costs more than the compute it saves would only
+        ever be loaded on an idle link, so storing it buys little and costs host-tier room. Without
+        measured unit costs yet, or for exact-region warm-ups (one edit's own recording, kept
+        complete like their codec), every unit is stored."""
+        units = getattr(self.maskaware, "units", None)
+        if not units or self.link_gbps <= 0 or "/exact-" in key.layout or st.latents.dim() != 4:
+            return
+        codec = getattr(self.recorder, "codec_for", lambda _k: "")(key)
+        latent_hw = (int(st.latents.shape[-2]), int(st.latents.shape[-1]))
+        job = PlanJob(st.rows, RatioMask(REFERENCE_RATIO), ("warm-up", 0), set(), codec=codec)
+        blocks = unit_costs(self.maskaware, self.unit_cost, [job], latent_hw, Tier("link", self.link_gbps * 1e9))
+        if blocks is None:
+            log.info("warm-up %s: unit costs not measured yet, storing every unit", key.digest())
+            return
+        chosen = [b.name for b in blocks
+                  if not b.name.startswith(GAP) and b.load_s < b.full_s - b.cached_s]
+        st.extra["store_names"] = {n for u in chosen for n in self.maskaware.unit_tensor_names(u)}
+        set_units = getattr(self.recorder, "set_units", None)
+        if set_units is not None:
+            set_units(key, chosen)
+        log.info("warm-up %s at %.3g GB/s: storing %d of %d units", key.digest(), self.link_gbps,
+                 len(chosen), len(units))
 
     def prefetch(self, job: EngineJob) -> None:
         """Start loading the next steps' caches of a (waiting or running) masked job. On a link
@@ -349,12 +412,13 @@ class BaseRunner(ABC):
         for i, job in enumerate(batch):
             st = job.state
             if getattr(groups[i], "mode", "full") == "masked":
-                plan_jobs.append(PlanJob(st.rows, st.token_masks))
+                plan_jobs.append(PlanJob(st.rows, st.token_masks, full_units=st.extra.get("absent_units", frozenset())))
             elif i not in pending_idx:
                 plan_jobs.append(PlanJob(st.rows))
         for i, resident in pending:
             st = batch[i].state
-            plan_jobs.append(PlanJob(st.rows, st.token_masks, (st.cache_key.digest(), batch[i].steps_done), resident))
+            plan_jobs.append(PlanJob(st.rows, st.token_masks, (st.cache_key.digest(), batch[i].steps_done), resident,
+                                     st.extra.get("absent_units", frozenset()), self._codec(st)))
         units = self.maskaware.units
         latent_hw = (int(batch[0].state.latents.shape[-2]), int(batch[0].state.latents.shape[-1]))
         chosen: set[str]
@@ -388,7 +452,9 @@ class BaseRunner(ABC):
             ahead = self._ahead.get(slot)
             # Planned a step ahead: keep that choice (loads were queued for it, and adding units
             # now would queue them ahead of the next step's); only drop what the plan now skips.
-            want = [u for u in units if u in chosen and u not in resident and (ahead is None or u in ahead)]
+            absent = st.extra.get("absent_units", frozenset())
+            want = [u for u in units if u in chosen and u not in resident and u not in absent
+                    and (ahead is None or u in ahead)]
             if want and slot not in seen:
                 seen.add(slot)
                 requested.append((st.cache_key, job.steps_done, want))
@@ -424,11 +490,13 @@ class BaseRunner(ABC):
                 plan_jobs.append(PlanJob(st.rows))
                 continue
             resident, failed = self.caches.unit_status(st.cache_key, nxt)
-            if failed or len(resident) == len(self.maskaware.units):
-                plan_jobs.append(PlanJob(st.rows, st.token_masks))
+            absent = st.extra.get("absent_units", frozenset())
+            if failed or len(resident | absent) == len(self.maskaware.units):
+                plan_jobs.append(PlanJob(st.rows, st.token_masks, full_units=absent))
                 continue
-            ahead.append((i, resident))
-            plan_jobs.append(PlanJob(st.rows, st.token_masks, (st.cache_key.digest(), nxt), resident))
+            ahead.append((i, resident | absent))
+            plan_jobs.append(PlanJob(st.rows, st.token_masks, (st.cache_key.digest(), nxt), resident, absent,
+                                     self._codec(st)))
         if not ahead:
             self.link_bound = False  # the next steps are already resident: the link keeps up
             return
@@ -462,6 +530,10 @@ class BaseRunner(ABC):
                     seen.add((slot, u))  # type: ignore[arg-type]
                     self.caches.load_units(st.cache_key, job.steps_done + 1, [u], complete=False)  # type: ignore[arg-type]
 
+    def _codec(self, st: JobState) -> str:
+        codec_of = getattr(self.caches, "codec_of", None)
+        return codec_of(st.cache_key) if codec_of is not None and st.cache_key is not None else ""
+
     def _link_busy(self) -> float:
         busy = getattr(self.caches, "link_busy_s", None)
         return float(busy()) if busy is not None else 0.0
@@ -490,6 +562,11 @@ class BaseRunner(ABC):
         if groups is not None and self._units_on:
             groups = self._plan_groups(batch, groups)
             self._plan_ahead(batch, started)
+        if groups is not None:
+            for job, group in zip(batch, groups):
+                absent = job.state.extra.get("absent_units")
+                if absent and getattr(group, "mode", "") == "masked":
+                    group.full_units = frozenset(group.full_units) | absent
         self.last_ctx = None
         rows = layout.rows((g, job.state.rows) for g, job in enumerate(batch)) if layout.wanted() else None
         with layout.use(rows):
@@ -542,7 +619,8 @@ class BaseRunner(ABC):
                     st.extra["wait_s"] = st.extra.get("wait_s", 0.0) + units.waited_s
                     st.extra["missed_units"] = st.extra.get("missed_units", 0) + len(units.missed)
                 elif not pending:  # the whole step was resident: its fetch was hidden
-                    st.extra["cached_units"] = st.extra.get("cached_units", 0) + n_units
+                    n_stored = n_units - len(st.extra.get("absent_units", ()))
+                    st.extra["cached_units"] = st.extra.get("cached_units", 0) + n_stored
                     st.extra["resident_steps"] = st.extra.get("resident_steps", 0) + 1
                 st.extra["total_units"] = st.extra.get("total_units", 0) + n_units
                 if pending:
@@ -553,7 +631,9 @@ class BaseRunner(ABC):
             elif st.mode == "record" and recorded and recorded[i] is not None:
                 assert self.recorder is not None and st.cache_key is not None
                 step_index = int(job.steps_done)
-                self.recorder.put(st.cache_key, step_index, recorded[i])
+                keep = st.extra.get("store_names")
+                tensors = recorded[i] if keep is None else {n: t for n, t in recorded[i].items() if n in keep}
+                self.recorder.put(st.cache_key, step_index, tensors)
                 if step_index + 1 == len(st.timesteps):
                     st.commit = self.recorder.commit(st.cache_key)
 

@@ -38,6 +38,13 @@ times (``store_tier``).
 
 ``CacheRecorder`` writes a warm-up's per-step activations in order on a background thread and
 commits the manifest last, so a partly written cache is never visible.
+
+Storage codec (``workers/engine/cache_codec.py``). The recorder encodes steps with the configured
+codec (exact-region caches: lossless); host RAM keeps the stored bytes, so the byte budget holds
+as many more templates as the codec compresses; ``ready`` and ``acquire`` hand the model a view
+that decodes each tensor on first access into ``dtype`` on ``device`` (float32 storage of a
+float32 model: the stored tensors themselves). Units a warm-up did not store (manifest ``units``)
+are never fetched or waited for; the runner computes them fully.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ import torch
 from app import metrics
 from app.storage.hostcache import HostCache
 from app.storage.tensorfile import TensorHeader
+from workers.engine import cache_codec
 from workers.engine.plan import Tier
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
 
@@ -84,10 +92,15 @@ class _Fill:
 
 class StepCacheProvider:
     def __init__(self, activations: ActivationStore, budget_bytes: int, fetch_threads: int = 2,
-                 retry_after_s: float = 30.0, default_step_s: float = 0.25) -> None:
+                 retry_after_s: float = 30.0, default_step_s: float = 0.25,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         if fetch_threads < 1 or default_step_s <= 0:
             raise ValueError("fetch_threads must be >= 1 and default_step_s > 0")
         self.activations = activations
+        # Host RAM holds the stored (possibly compressed) bytes; tensors are decoded into the
+        # compute ``dtype`` on ``device`` only when handed to the model (``cache_codec``).
+        self.dtype = dtype
+        self.device = device
         self.host: HostCache[StepTensors] = HostCache(budget_bytes)
         self._inflight: set[Slot] = set()  # queued or running background fetches
         # Background fetch queue, earliest expected need first (module doc).
@@ -140,6 +153,28 @@ class StepCacheProvider:
     @property
     def unit_names(self) -> list[str]:
         return list(self._units or {})
+
+    def stored_units(self, key: TemplateCacheKey) -> set[str] | None:
+        """Plan units a cache stores, if its warm-up stored only some (manifest ``units``; a
+        warm-up at a given link speed, ``runner_base``); None = all of them."""
+        try:
+            units = self.activations.cached_manifest(key).get("units")
+        except Exception:  # no manifest (deleted, store down): the step's own reads will say so
+            return None
+        return None if units is None else set(units)  # type: ignore[arg-type]
+
+    def codec_of(self, key: TemplateCacheKey) -> str:
+        """The storage codec a committed cache was recorded with (manifest; ``float32`` before codecs)."""
+        try:
+            return str(self.activations.cached_manifest(key).get("codec", "float32"))
+        except Exception:
+            return "float32"
+
+    def _present(self, key: TemplateCacheKey) -> list[str]:
+        """This cache's stored units, in execution order."""
+        assert self._units is not None
+        stored = self.stored_units(key)
+        return [u for u in self._units if stored is None or u in stored]
 
     # -- measurement ---------------------------------------------------------------------------
     def _observe(self, nbytes: int, seconds: float, request: bool = True) -> None:
@@ -324,9 +359,10 @@ class StepCacheProvider:
     def _load_unit(self, fill: _Fill, slot: Slot, unit: str) -> bool:
         """Fetch one unit unless present or being fetched; True if this call fetched it."""
         assert self._units is not None
+        absent = unit not in self._present(fill.key)  # not stored by its warm-up: computed fully
         with self._lock:
             fill.claimed.discard(unit)
-            if unit in fill.units or unit in fill.loading or fill.error is not None:
+            if absent or unit in fill.units or unit in fill.loading or fill.error is not None:
                 self._cond.notify_all()
                 return False
             fill.loading.add(unit)
@@ -383,7 +419,7 @@ class StepCacheProvider:
         with self._lock:
             if fill.error is not None:
                 return
-            todo = [u for u in self._units
+            todo = [u for u in self._present(fill.key)
                     if u not in fill.units and u not in fill.loading and u not in fill.claimed]
             fill.loading.update(todo)
         if todo:
@@ -397,7 +433,7 @@ class StepCacheProvider:
         with self._lock:
             if fill.header is not None or fill.units or fill.loading or fill.claimed or fill.error is not None:
                 return False
-            units = list(self._units)
+            units = self._present(fill.key)
             fill.loading.update(units)
 
         def read() -> tuple[StepTensors, float, float, int]:
@@ -426,7 +462,7 @@ class StepCacheProvider:
                 self._cond.wait(0.5)
             if fill.error is not None:
                 raise fill.error
-            tensors = {n: t for unit in self._units for n, t in fill.units[unit].items()}
+            tensors = {n: t for unit in self._present(key) for n, t in fill.units[unit].items()}
         self.host.put(slot, tensors)
         with self._cond:
             self._fills.pop(slot, None)
@@ -506,17 +542,22 @@ class StepCacheProvider:
             self._failed.pop(slot, None)
 
     def acquire(self, key: TemplateCacheKey, step: int, unit: str, deadline: float) -> StepTensors | None:
-        """One unit's tensors, waiting until ``deadline`` (``time.monotonic``); None = not in time."""
+        """One unit's tensors, waiting until ``deadline`` (``time.monotonic``); None = not in time
+        (or not stored by the cache's warm-up: never waited for)."""
         slot = (key.digest(), step)
+        if self._units is not None and unit in self._units and unit not in self._present(key):
+            return None
         with self._cond:
             while True:
                 whole = self.host.peek(slot)
                 if whole is not None:
                     assert self._units is not None
-                    return {n: whole[n] for n in self._units[unit]}
+                    if any(n not in whole for n in self._units[unit]):
+                        return None  # a unit its warm-up did not store
+                    return self._decoded({n: whole[n] for n in self._units[unit]})
                 fill = self._fills.get(slot)
                 if fill is not None and unit in fill.units:
-                    return fill.units[unit]
+                    return self._decoded(fill.units[unit])
                 if fill is None or fill.error is not None:
                     return None  # not being fetched (or failed): never wait for nothing
                 left = deadline - time.monotonic()
@@ -565,7 +606,11 @@ class StepCacheProvider:
         metrics.observe_cache("host", value is not None, 0)
         if value is None and fetch:
             self.prefetch(key, [step])
-        return value
+        return None if value is None else self._decoded(value)  # type: ignore[return-value]
+
+    def _decoded(self, stored: StepTensors) -> Mapping[str, torch.Tensor]:
+        """Stored tensors as the model reads them (decoded lazily; as they are when lossless)."""
+        return cache_codec.decoded(stored, self.dtype, self.device)
 
     def wait(self, key: TemplateCacheKey, step: int, timeout: float) -> StepTensors | None:
         """Blocking variant for tools and tests (not used inside the loop)."""
@@ -648,20 +693,44 @@ class UnitCache(Mapping[str, torch.Tensor]):
 
 
 class CacheRecorder:
-    """Ordered background writer of warm-up activations."""
+    """Ordered background writer of warm-up activations, encoded with the storage codec.
 
-    def __init__(self, activations: ActivationStore) -> None:
+    ``codec`` (``STENCIL_CACHE_DTYPE``, ``workers/engine/cache_codec.py``) applies to template
+    warm-ups; exact-region warm-ups (key layout ``.../exact-<region>``: recorded for one edit, which
+    must then equal the stock pipeline) are always stored losslessly (``float32``), whatever the
+    codec, so the exact path stays bit-exact. ``units`` (per key, set by the runner): store only
+    these plan units' tensors (the rest is computed fully by edits); recorded in the manifest."""
+
+    def __init__(self, activations: ActivationStore, codec: str = "float32") -> None:
         self.activations = activations
+        self.codec = cache_codec.check_codec(codec)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stencil-record")
+        self._units: dict[str, list[str]] = {}
+
+    def codec_for(self, key: TemplateCacheKey) -> str:
+        """The codec a cache under ``key`` is stored with (exact-region caches: lossless)."""
+        return "float32" if "/exact-" in key.layout else self.codec
+
+    def set_units(self, key: TemplateCacheKey, units: Sequence[str]) -> None:
+        """Record that this warm-up stores only ``units`` (goes into the manifest at commit)."""
+        self._units[key.digest()] = list(units)
 
     def put(self, key: TemplateCacheKey, step: int, tensors: StepTensors) -> Future:
         # Copy out of the batch's buffers now: the loop reuses nothing, but be explicit.
         owned = {k: v.detach().to("cpu").clone() for k, v in tensors.items()}
-        return self._pool.submit(self.activations.put_step, key, step, owned)
+        codec = self.codec_for(key)
+        return self._pool.submit(self._put, key, step, owned, codec)
+
+    def _put(self, key: TemplateCacheKey, step: int, tensors: StepTensors, codec: str) -> int:
+        return self.activations.put_step(key, step, cache_codec.encode(tensors, codec), codec=codec)
 
     def commit(self, key: TemplateCacheKey) -> Future:
         """Runs after every ``put`` submitted before it (single ordered worker)."""
-        return self._pool.submit(self.activations.commit, key)
+        extra: dict[str, object] = {"codec": self.codec_for(key)}
+        units = self._units.pop(key.digest(), None)
+        if units is not None:
+            extra["units"] = units
+        return self._pool.submit(self.activations.commit, key, extra)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

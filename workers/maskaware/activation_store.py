@@ -104,17 +104,24 @@ class ActivationStore:
     def manifest_object(self, key: TemplateCacheKey) -> str:
         return self._dir(key) + MANIFEST
 
-    def put_step(self, key: TemplateCacheKey, step: int, tensors: dict[str, torch.Tensor]) -> int:
-        """Store one step's tensors (invisible to readers until ``commit``); returns bytes."""
+    def put_step(self, key: TemplateCacheKey, step: int, tensors: dict[str, torch.Tensor],
+                 codec: str = "") -> int:
+        """Store one step's tensors (invisible to readers until ``commit``); returns bytes.
+        ``codec``: the storage codec the tensors were encoded with (``workers/engine/cache_codec.py``),
+        recorded in the object's metadata."""
         if not 0 <= step < key.steps:
             raise ValueError(f"step {step} outside 0..{key.steps - 1}")
         meta = {"key": key.canonical(), "step": str(step), "format": str(FORMAT_VERSION)}
+        if codec:
+            meta["codec"] = codec
         data = tensorfile.encode({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, meta)
         self.store.put(self.step_object(key, step), data)
         return len(data)
 
-    def commit(self, key: TemplateCacheKey) -> dict[str, object]:
-        """Publish the cache: write the manifest over the step objects present."""
+    def commit(self, key: TemplateCacheKey, extra: dict[str, object] | None = None) -> dict[str, object]:
+        """Publish the cache: write the manifest over the step objects present. ``extra``: more
+        manifest fields (``codec``: the storage codec; ``units``: the plan units stored, when the
+        warm-up stored only those its link speed makes worth loading)."""
         steps: dict[str, dict[str, object]] = {}
         d = self._dir(key)
         for obj in self.store.list(d):
@@ -130,6 +137,7 @@ class ActivationStore:
             "steps": steps,
             "nbytes": sum(int(s["bytes"]) for s in steps.values()),
             "created": time.time(),
+            **(extra or {}),
         }
         self.store.put(self.manifest_object(key), json.dumps(manifest, sort_keys=True).encode())
         self._forget_manifest(key)

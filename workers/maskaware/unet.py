@@ -47,7 +47,10 @@ Cache size per template (bytes), ``dtype`` bytes ``s``, ``rows`` = 2 with CFG:
     steps * rows * s * sum_over_blocks( n_tensors(block) * N_level(block) * C(block) )
 with ``n_tensors`` = 2 + [block is last in its transformer] for ``"kv+y"`` and 1 for ``"y"``;
 ``N_level`` = tokens at the block's level (latent halved with ceil per down level), ``C`` = width.
-Tensor names: ``"<block path>.k"``, ``"<block path>.v"``, ``"<block path>.y"``.
+Tensor names: ``"<block path>.k"``, ``"<block path>.v"``, ``"<block path>.y"``. Stored with a cache
+codec (``STENCIL_CACHE_DTYPE``, ``workers/engine/cache_codec.py``): ``s`` = 4 (float32), 2 (float16,
+bfloat16); int8: K/V take ``N + 4`` bytes per channel per row (values + a float32 scale), Y 2 bytes
+per value (``cache_nbytes(..., codec=...)``).
 
 Units (the granularity of the load/compute plan, ``workers/engine/plan.py``): one unit per
 ``Transformer2DModel`` (module path, e.g. ``"down_blocks.1.attentions.0"``), holding the tensors of
@@ -415,8 +418,11 @@ class MaskAwareUNet:
         return self._units[unit][0].level
 
     def unit_nbytes(self, unit: str, latent_hw: tuple[int, int], rows: int,
-                    dtype: torch.dtype | None = None) -> int:
-        """Bytes of one unit's cached tensors for one step of ``rows`` rows."""
+                    dtype: torch.dtype | None = None, codec: str = "") -> int:
+        """Bytes of one unit's cached tensors for one step of ``rows`` rows (``codec``: as stored
+        with that cache codec, ``workers/engine/cache_codec.py``)."""
+        if codec:
+            return self._codec_nbytes(self._units[unit], latent_hw, rows, codec)
         if dtype is None:
             dtype = next(self.unet.parameters()).dtype
         elem = torch.empty((), dtype=dtype).element_size()
@@ -452,9 +458,26 @@ class MaskAwareUNet:
         """Per-level token masks for this UNet's depth (pixel or latent-size input mask)."""
         return build_token_masks(mask, latent_hw, self.num_levels, dilation)
 
+    def _codec_nbytes(self, blocks: list[_BlockInfo], latent_hw: tuple[int, int], rows: int, codec: str) -> int:
+        from workers.engine.cache_codec import stored_nbytes
+
+        total = 0
+        for b in blocks:
+            h, w = _level_hw(latent_hw, b.level)
+            c_kv = b.module.attn1.to_k.out_features
+            c_y = b.module.norm1.normalized_shape[0]
+            if self.kv_source == "cache":
+                total += 2 * stored_nbytes((rows, h * w, c_kv), "x.k", codec)
+            if b.needs_y:
+                total += stored_nbytes((rows, h * w, c_y), "x.y", codec)
+        return total
+
     def cache_nbytes(self, latent_height: int, latent_width: int, rows: int, steps: int = 1,
-                     dtype: torch.dtype | None = None) -> int:
-        """Bytes of a template cache: ``steps`` steps of ``rows`` rows (formula in module doc)."""
+                     dtype: torch.dtype | None = None, codec: str = "") -> int:
+        """Bytes of a template cache: ``steps`` steps of ``rows`` rows (formula in module doc;
+        ``codec``: as stored with that cache codec)."""
+        if codec:
+            return steps * self._codec_nbytes(self._blocks, (latent_height, latent_width), rows, codec)
         if dtype is None:
             dtype = next(self.unet.parameters()).dtype
         elem = torch.empty((), dtype=dtype).element_size()

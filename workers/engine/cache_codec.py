@@ -1,0 +1,162 @@
+"""Storage codec of template activation caches, independent of the compute dtype.
+
+Why: a float32 SD-class cache is ~2 GiB per template (BENCHMARKS.md), so a 2 GiB host tier holds
+one template and every load moves 4 bytes per value. The codec decides what a step object holds;
+the host-RAM tier keeps those (compressed) bytes, so it holds more templates, and tensors are
+decoded only when a step or unit is handed to the model (``decode``: the compressed bytes are
+moved to the compute device first, then dequantized there, i.e. where staging is cheapest).
+
+Codecs (``STENCIL_CACHE_DTYPE``):
+- ``float32``: lossless for float32/float16/bfloat16 compute (exact-region warm-ups always use it).
+- ``float16`` / ``bfloat16``: every tensor cast to 16 bits.
+- ``int8``: attention K/V (names ending ``.k``, ``.k_roped``, ``.v``) quantized symmetrically to
+  8 bits with one float32 scale per channel (last dim) per row, computed over the tokens (the axis
+  before the last): K/V have per-channel outliers (KIVI, Liu et al. 2024, section 3), which
+  per-channel scales absorb. Other tensors (UNet block outputs ``.y``, Flux ``output``) are kept
+  in 16 bits: float16 (more mantissa), bfloat16 for a tensor whose values exceed float16's range.
+  The scales travel in the same tensor: ``[..., N, C]`` int8 values followed by ``[..., 4, C]``
+  bytes of the float32 scales (``[..., N + 4, C]`` int8), so every cached name is still one tensor
+  and ranged unit reads, host-tier byte accounting and the plan's units need no change.
+
+Decoding is selected by the stored dtype (int8 = packed quantized tensor), so a cache is
+self-describing; the manifest also records the codec (``"codec"``) for the job record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+
+CODECS = ("float32", "float16", "bfloat16", "int8")
+SCALE_ROWS = 4  # bytes of one float32 scale: rows appended along the token axis
+_KV_SUFFIXES = (".k", ".k_roped", ".v")
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def check_codec(codec: str) -> str:
+    if codec not in CODECS:
+        raise ValueError(f"cache codec must be one of {CODECS}, got {codec!r}")
+    return codec
+
+
+def is_kv(name: str) -> bool:
+    return name.endswith(_KV_SUFFIXES)
+
+
+def _sixteen(t: torch.Tensor) -> torch.Tensor:
+    """16-bit storage: float16 unless a value would overflow it (then bfloat16's range)."""
+    if t.numel() and float(t.detach().abs().amax()) >= _FP16_MAX:
+        return t.to(torch.bfloat16)
+    return t.to(torch.float16)
+
+
+def quantize(t: torch.Tensor) -> torch.Tensor:
+    """Symmetric int8 with per-channel (last dim) scales over the token axis, scales packed after
+    the values: ``[..., N, C]`` -> ``[..., N + 4, C]`` int8."""
+    if t.dim() < 2:
+        raise ValueError("int8 cache tensors need a token and a channel axis")
+    x = t.detach().to(torch.float32)
+    absmax = x.abs().amax(dim=-2, keepdim=True)  # [..., 1, C]
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
+    c = x.shape[-1]
+    packed_scale = scale.contiguous().view(torch.int8).reshape(*x.shape[:-2], SCALE_ROWS, c)
+    return torch.cat([q, packed_scale], dim=-2).contiguous()
+
+
+def dequantize(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of ``quantize`` (values within half a quantization step per channel)."""
+    c = t.shape[-1]
+    q = t[..., :-SCALE_ROWS, :]
+    scale = t[..., -SCALE_ROWS:, :].contiguous().reshape(*t.shape[:-2], 1, SCALE_ROWS * c).view(torch.float32)
+    return (q.to(torch.float32) * scale).to(dtype)
+
+
+def encode_tensor(name: str, t: torch.Tensor, codec: str) -> torch.Tensor:
+    """What the store holds for one cached tensor under ``codec``."""
+    if codec == "float32":
+        return t.to(torch.float32) if t.is_floating_point() else t
+    if codec == "float16":
+        return t.to(torch.float16)
+    if codec == "bfloat16":
+        return t.to(torch.bfloat16)
+    if codec == "int8":
+        return quantize(t) if is_kv(name) and t.dim() >= 2 else _sixteen(t)
+    raise ValueError(f"unknown cache codec {codec!r}")
+
+
+def encode(tensors: Mapping[str, torch.Tensor], codec: str) -> dict[str, torch.Tensor]:
+    check_codec(codec)
+    return {n: encode_tensor(n, t, codec) for n, t in tensors.items()}
+
+
+def decode_tensor(t: torch.Tensor, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """A stored tensor in the compute dtype on ``device`` (moved compressed, decoded there)."""
+    if device is not None:
+        t = t.to(device, non_blocking=True)
+    if t.dtype == torch.int8:
+        return dequantize(t, dtype)
+    return t.to(dtype)
+
+
+def needs_decode(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> bool:
+    """False when every tensor is already in the compute dtype (float32 storage of float32
+    compute): then the stored tensors are handed over as they are (bit for bit, no copy)."""
+    return any(t.dtype != dtype for t in tensors.values())
+
+
+class DecodedStep(Mapping[str, torch.Tensor]):
+    """A read-only view of stored step tensors that decodes each name on first access."""
+
+    def __init__(self, stored: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        self.stored = stored
+        self.dtype = dtype
+        self.device = device
+        self._decoded: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._decoded.get(name)
+        if t is None:
+            t = self._decoded[name] = decode_tensor(self.stored[name], self.dtype, self.device)
+        return t
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.stored
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.stored)
+
+    def __len__(self) -> int:
+        return len(self.stored)
+
+
+def decoded(stored: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+            device: torch.device | str | None = None) -> Mapping[str, torch.Tensor]:
+    """``stored`` itself if nothing needs decoding, else a lazily decoding view."""
+    if not needs_decode(stored, dtype):
+        return stored
+    return DecodedStep(stored, dtype, device)
+
+
+def stored_nbytes(shape: tuple[int, ...], name: str, codec: str) -> int:
+    """Bytes one cached tensor of ``shape`` takes under ``codec`` (int8: + 4 scale bytes per
+    channel per row; 16-bit tensors beside it)."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    if codec == "float32":
+        return 4 * numel
+    if codec in ("float16", "bfloat16"):
+        return 2 * numel
+    if codec == "int8":
+        if is_kv(name) and len(shape) >= 2:
+            return numel + SCALE_ROWS * (numel // shape[-2])
+        return 2 * numel
+    raise ValueError(f"unknown cache codec {codec!r}")
+
+
+__all__ = ["CODECS", "DecodedStep", "check_codec", "decode_tensor", "decoded", "dequantize", "encode",
+           "encode_tensor", "is_kv", "needs_decode", "quantize", "stored_nbytes"]
