@@ -415,8 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = m.add_parser("save", help="write an embedded model (default: STENCIL_MODEL_ID) as a diffusers pipeline folder")
     s.add_argument("dir")
     s.add_argument("--model", default="", help="tiny-sd-inpaint-trained | tiny-sd-inpaint (random init) | "
-                   "tiny-flux-fill (random init) | true-size random init: sd15-inpaint | sdxl-inpaint | flux-fill | "
-                   "flux-fill-subset (workers/models/true_size.py); default: the configured model id")
+                   "tiny-flux-fill | tiny-sdxl-inpaint (random init) | true-size random init: sd15-inpaint | "
+                   "sdxl-inpaint | flux-fill | flux-fill-subset (workers/models/true_size.py); default: the configured model id")
     s.add_argument("--seed", type=int, default=0, help="random-init models only")
     s.add_argument("--dtype", default="", choices=["", "float32", "float16", "bfloat16"],
                    help="weights' dtype (true-size models; default bfloat16: half the bytes, written "

@@ -21,6 +21,10 @@ def default_home() -> Path:
     return Path(_env("HOME", str(Path.cwd() / ".stencil")))
 
 
+# Precisions STENCIL_DTYPE accepts (names of torch dtypes; ``workers.models.loader.torch_dtype``).
+DTYPES = ("float32", "float16", "bfloat16")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Process configuration. Every field maps to ``STENCIL_<FIELD_NAME_UPPER>``."""
@@ -63,6 +67,12 @@ class Settings:
     # runs several workers, 1 avoids oversubscription (10-20x slowdowns measured on 2 cores).
     torch_threads: int = 0
     scheduler: str = "ddim"  # ddim | euler
+    # Precision of weights and compute in every process (CPU tasks and GPU engine): float32 |
+    # float16 | bfloat16. Each dtype reproduces the stock diffusers pipeline loaded with the same
+    # ``torch_dtype`` (tests: 1/255 in float32, 2/255 in bfloat16). float32 on CPU (the exactness
+    # reference; half precision on CPU is for memory, bfloat16 is the one CPUs run natively); on
+    # CUDA set float16 or bfloat16 (the recommended setting: half the weight and cache bytes, tensor cores).
+    dtype: str = "float32"
 
     # Stages outside the denoising loop (text encoders, VAE encode and decode: the prepare and
     # finalize tasks). stage_placement: cpu = the shared ``cpu`` queue, served by the CPU worker pool |
@@ -216,6 +226,8 @@ class Settings:
     lease_seconds: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"STENCIL_DTYPE must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.store_dir == Path():
             object.__setattr__(self, "store_dir", self.home / "store")
         if self.activations_dir == Path():
@@ -264,4 +276,4 @@ class Settings:
         return env
 
 
-__all__ = ["Settings", "default_home"]
+__all__ = ["DTYPES", "Settings", "default_home"]

@@ -93,8 +93,8 @@ def stage_pipeline():  # type: ignore[no-untyped-def]
     global _stage_pipeline
     with _lock:
         if _stage_pipeline is None:
-            from workers.models.loader import load_cpu_pipeline
+            from workers.models.loader import load_cpu_pipeline, torch_dtype
 
-            _stage_pipeline = load_cpu_pipeline(model_dir(), settings().stage_device)
-            log.info("stage modules (text encoders, VAE) on %s", settings().stage_device)
+            _stage_pipeline = load_cpu_pipeline(model_dir(), settings().stage_device, torch_dtype(settings().dtype))
+            log.info("stage modules (text encoders, VAE) on %s in %s", settings().stage_device, settings().dtype)
         return _stage_pipeline

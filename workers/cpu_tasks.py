@@ -257,10 +257,15 @@ def region_digest(pixel_mask: Any, params: JobParams, addons: str = "") -> str:
 
 
 def _cache_layout() -> str:
-    """What a cache holds; caches of different layouts are never interchangeable."""
+    """What a cache holds; caches of different layouts are never interchangeable. A cache recorded
+    in half precision (``STENCIL_DTYPE``) is keyed by that compute dtype: an exact cache is exact
+    only for edits computed in the dtype it was recorded in (float32 keys are unchanged)."""
     if ctx.model_family() == "flux":
-        return "flux-kv-raw"
-    return "kv+y" if ctx.settings().maskaware_kv_source == "cache" else "y"
+        layout = "flux-kv-raw"
+    else:
+        layout = "kv+y" if ctx.settings().maskaware_kv_source == "cache" else "y"
+    dtype = ctx.settings().dtype
+    return layout if dtype == "float32" else f"{layout}@{dtype}"
 
 
 def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: Any) -> dict[str, str]:

@@ -198,7 +198,7 @@ def get_engine() -> Engine:
                 from workers.engine.flux_runner import FluxRunner
                 from workers.maskaware.flux import MaskAwareFlux
 
-                model = loader.load_flux_transformer(ctx.model_dir(), s.device)
+                model = loader.load_flux_transformer(ctx.model_dir(), s.device, loader.torch_dtype(s.dtype))
                 lora = LoraPatcher(model, "transformer", bank.get, merge_buffers=s.lora_merge_buffers)
                 runner: Any = FluxRunner(model, ctx.scheduler_config(), loader.vae_scale_factor(ctx.model_dir()),
                                          s.device, compile=s.compile,
@@ -209,7 +209,7 @@ def get_engine() -> Engine:
                 from workers.engine.sd_runner import SDRunner
                 from workers.maskaware.unet import MaskAwareUNet
 
-                unet = loader.load_unet(ctx.model_dir(), s.device)
+                unet = loader.load_unet(ctx.model_dir(), s.device, loader.torch_dtype(s.dtype))
                 lora = LoraPatcher(unet, "unet", bank.get, merge_buffers=s.lora_merge_buffers)
                 maskaware = MaskAwareUNet(unet, kv_source=s.maskaware_kv_source,  # type: ignore[arg-type]
                                           compile=s.compile) if s.mask_aware else None

@@ -19,5 +19,7 @@ with the exact command line that produced it. ``--quick`` is a smoke run in seco
   with mask-aware caches).
 - true-size deployment: ``placement`` (text encoders and VAE on the host CPU or the GPU: measured CPU
   costs at true sizes, published GPU costs, latency per placement), ``compiled`` (``torch.compile``
-  vs eager denoising steps, full and mask-aware).
+  vs eager denoising steps, full and mask-aware);
+- precision: ``precision`` (float32 vs bfloat16 vs float16: exactness against the stock pipeline in
+  each dtype, drift from float32, step time and cache bytes).
 """

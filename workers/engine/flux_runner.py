@@ -45,6 +45,7 @@ class FluxRunner(BaseRunner):
                  **cache_options: Any) -> None:
         super().__init__(maskaware, **cache_options)
         self.transformer = transformer
+        self.dtype = transformer.dtype
         # STENCIL_COMPILE: the full forward compiled (steps without mask-aware work; workers/compiled.py)
         self.forward = Compiled(transformer, "Flux transformer forward", compile)
         self.scheduler_config = scheduler_config
@@ -54,8 +55,9 @@ class FluxRunner(BaseRunner):
     def init_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> FluxJobState:
         if meta.get("family") != "flux":
             raise ValueError("this worker serves Flux Fill models; the job was prepared for another family")
-        latents = tensors["latents"].to(self.device, torch.float32)
-        cond = tensors["masked_image_latents"].to(self.device, torch.float32)
+        dtype = self.dtype  # STENCIL_DTYPE: job tensors in the model's dtype, as the stock pipeline
+        latents = tensors["latents"].to(self.device, dtype)
+        cond = tensors["masked_image_latents"].to(self.device, dtype)
         if latents.shape[-1] + cond.shape[-1] != self.transformer.config.in_channels:
             raise ValueError("job tensors do not fit the transformer's input channels")
         steps = int(meta["t_start"]) + int(meta["num_steps"])
@@ -68,8 +70,8 @@ class FluxRunner(BaseRunner):
         generator.set_state(tensors["generator_state"])
         state = FluxJobState(
             latents=latents, scheduler=scheduler, timesteps=scheduler.timesteps[t_start:], generator=generator,
-            masked_image_latents=cond, prompt_embeds=tensors["prompt_embeds"].to(self.device, torch.float32),
-            pooled=tensors["pooled_prompt_embeds"].to(self.device, torch.float32),
+            masked_image_latents=cond, prompt_embeds=tensors["prompt_embeds"].to(self.device, dtype),
+            pooled=tensors["pooled_prompt_embeds"].to(self.device, dtype),
             text_ids=tensors["text_ids"].to(self.device), image_ids=tensors["image_ids"].to(self.device),
             guidance=float(meta["guidance"]))
         self._init_cache_mode(state, tensors, meta)

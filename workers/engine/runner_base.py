@@ -310,9 +310,14 @@ class BaseRunner(ABC):
             return
         key = TemplateCacheKey.from_dict(dict(meta["cache_key"]))  # type: ignore[arg-type]
         base = key.layout.split("/")[0]  # "/noise-<seed>": the warm-up's noise (cpu_tasks)
+        base, _, recorded_in = base.partition("@")  # "@bfloat16": recorded in that compute dtype
         layout = getattr(self.maskaware, "cache_layout", base)
         if base != layout:
             raise ValueError(f"cache layout {key.layout} does not match the worker's {layout}")
+        dtype = getattr(self, "dtype", None)
+        if dtype is not None and (recorded_in or "float32") != str(dtype).removeprefix("torch."):
+            raise ValueError(f"cache {key.layout} was recorded in {recorded_in or 'float32'}, "
+                             f"this worker computes in {dtype} (STENCIL_DTYPE differs between processes)")
         if key.steps not in (len(st.timesteps) + int(meta["t_start"]), len(st.timesteps)):
             raise ValueError("cache key steps do not match the job")
         st.mode, st.cache_key = mode, key

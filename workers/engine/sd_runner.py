@@ -1,4 +1,4 @@
-"""Runner for SD-family inpainting UNets (SD 1.x/2.x, SDXL-style 9-channel UNets).
+"""Runner for SD-family inpainting UNets (SD 1.x/2.x and SDXL 9-channel UNets).
 
 Each job keeps its own scheduler instance, timesteps, generator, mask and prompt embeddings; one
 UNet call serves every job of the batch with a per-row timestep tensor. With classifier-free
@@ -6,6 +6,14 @@ guidance a job contributes two adjacent rows (uncond, cond), as the stock pipeli
 Jobs with ControlNets get their residuals in the same call (``workers/controlnets/step.py``),
 computed before the UNet or concurrently with its down path. Cache modes and the transactional
 step are in ``runner_base``.
+
+SDXL (a UNet with ``addition_embed_type="text_time"``): every job also brings its pooled text
+embeddings and its time ids (original size, crop, target size or aesthetic score, computed by the
+CPU task as ``StableDiffusionXLInpaintPipeline`` does), one per row, passed as
+``added_cond_kwargs`` in the same row order as the latents.
+
+Precision: every job tensor is computed in the UNet's dtype (``STENCIL_DTYPE``), as the stock
+pipeline loaded with that ``torch_dtype`` does; the scheduler step and the guidance run in it too.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ class SDJobState(JobState):
     mask: torch.Tensor | None = None
     masked_image_latents: torch.Tensor | None = None
     prompt_embeds: torch.Tensor | None = None
+    add_text_embeds: torch.Tensor | None = None  # SDXL: pooled text embeddings, one row per UNet row
+    add_time_ids: torch.Tensor | None = None  # SDXL: micro-conditioning ids, one row per UNet row
     do_cfg: bool = True
     guidance: float = 7.5
     controls: tuple[JobControl, ...] = ()
@@ -58,13 +68,17 @@ class SDRunner(BaseRunner):
         self.forward = Compiled(unet, "UNet forward", compile)
         self.scheduler_config = scheduler_config
         self.device = torch.device(device)
+        self.dtype = unet.dtype
+        self.text_time = unet.config.addition_embed_type == "text_time"  # SDXL's added conditioning
+        if unet.config.addition_embed_type not in (None, "text_time"):
+            raise ValueError(f"unsupported UNet addition_embed_type {unet.config.addition_embed_type!r}")
         self.controlnets = controlnets  # workers.controlnets.bank.ControlNetBank
         self.concurrent = Concurrent(unet) if controlnets is not None and controlnet_parallel else None
         self._pool: ThreadPoolExecutor | None = None  # threads of lockstep calls (mixed sizes)
 
     def init_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> SDJobState:
         """Build a job's state from its prepared tensors (validated against the model)."""
-        latents = tensors["latents"].to(self.device, torch.float32)
+        latents = tensors["latents"].to(self.device, self.dtype)
         if self.unet.config.in_channels != 2 * latents.shape[1] + 1:
             raise ValueError(f"latent channels {latents.shape[1]} do not fit the UNet's "
                              f"{self.unet.config.in_channels} inputs")
@@ -76,27 +90,49 @@ class SDRunner(BaseRunner):
         generator = torch.Generator("cpu")
         generator.set_state(tensors["generator_state"])
         do_cfg = bool(meta["do_cfg"])
-        embeds = tensors["prompt_embeds"].to(self.device, torch.float32)
-        if embeds.shape[0] != (2 if do_cfg else 1):
+        rows = 2 if do_cfg else 1
+        embeds = tensors["prompt_embeds"].to(self.device, self.dtype)
+        if embeds.shape[0] != rows:
             raise ValueError("prompt embeddings do not match the guidance layout")
+        added = self._added_cond(tensors, rows)
         state = SDJobState(
             latents=latents, scheduler=scheduler, timesteps=scheduler.timesteps[t_start:], generator=generator,
-            mask=tensors["mask"].to(self.device, torch.float32),
-            masked_image_latents=tensors["masked_image_latents"].to(self.device, torch.float32),
-            prompt_embeds=embeds, do_cfg=do_cfg, guidance=float(meta["guidance"]),
+            mask=tensors["mask"].to(self.device, self.dtype),
+            masked_image_latents=tensors["masked_image_latents"].to(self.device, self.dtype),
+            prompt_embeds=embeds, add_text_embeds=added[0], add_time_ids=added[1], do_cfg=do_cfg, guidance=float(meta["guidance"]),
             controls=self._controls(tensors, meta, 2 if do_cfg else 1),
         )
         self._init_cache_mode(state, tensors, meta)
         self._init_adapters(state, meta)
         return state
 
+    def _added_cond(self, tensors: dict[str, torch.Tensor], rows: int) -> tuple[torch.Tensor | None, ...]:
+        """SDXL's (pooled text embeddings, time ids) of a job, validated against the UNet; (None, None)
+        for UNets without added conditioning."""
+        has = "add_text_embeds" in tensors and "add_time_ids" in tensors
+        if not self.text_time:
+            if has:
+                raise ValueError("the job was prepared for an SDXL UNet; this worker serves another model")
+            return None, None
+        if not has:
+            raise ValueError("this worker serves an SDXL UNet: the job lacks its pooled text embeddings and time ids")
+        text, ids = tensors["add_text_embeds"].to(self.device, self.dtype), tensors["add_time_ids"].to(self.device, self.dtype)
+        want = self.unet.add_embedding.linear_1.in_features
+        got = self.unet.config.addition_time_embed_dim * ids.shape[-1] + text.shape[-1]
+        if text.shape[0] != rows or ids.shape[0] != rows or got != want:
+            raise ValueError(f"SDXL added conditioning does not fit the UNet: rows {text.shape[0]}/{ids.shape[0]} "
+                             f"(want {rows}), embedding width {got} (want {want})")
+        return text, ids
+
     def _controls(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], rows: int) -> tuple[JobControl, ...]:
         specs = meta.get("controls") or ()
         if specs and self.controlnets is None:
             raise ValueError("this worker serves no ControlNets")
+        if specs and self.text_time:
+            raise ValueError("ControlNets are served for SD 1.x/2.x UNets only, not SDXL")
         out = []
         for i, (controlnet_id, scale, start, end) in enumerate(specs):
-            image = tensors[f"control{i}"].to(self.device, torch.float32)
+            image = tensors[f"control{i}"].to(self.device, self.dtype)
             if image.shape[0] != rows:
                 raise ValueError(f"control image {i} has {image.shape[0]} rows, the job {rows}")
             out.append(JobControl(str(controlnet_id), image, float(scale), float(start), float(end)))
@@ -195,7 +231,7 @@ class SDRunner(BaseRunner):
     def _call(self, batch: list[EngineJob], groups: list[Any] | None,
               lockstep: bool = False) -> tuple[torch.Tensor, list[Any]]:
         """One UNet call over jobs of one latent size."""
-        latents, masks, times, embeds = [], [], [], []
+        latents, masks, times, embeds, add_text, add_ids = [], [], [], [], [], []
         for job in batch:
             st: SDJobState = job.state
             t = st.timesteps[job.steps_done]
@@ -204,11 +240,16 @@ class SDRunner(BaseRunner):
             masks.append(torch.cat([st.mask, st.masked_image_latents], dim=1))
             times.append(t.reshape(1).expand(st.rows))
             embeds.append(st.prompt_embeds)
+            if self.text_time:
+                add_text.append(st.add_text_embeds)
+                add_ids.append(st.add_time_ids)
         if len({e.shape[1] for e in embeds}) != 1:
             raise ValueError("prompt embeddings of different lengths in one batch")
         sample, t_rows, text = torch.cat(latents), torch.cat(times), torch.cat(embeds)
-        kwargs = {"encoder_hidden_states": text, "return_dict": False,
-                  **self._control_kwargs(batch, sample, t_rows, text)}
+        kwargs: dict[str, Any] = {"encoder_hidden_states": text, "return_dict": False}
+        if self.text_time:
+            kwargs["added_cond_kwargs"] = {"text_embeds": torch.cat(add_text), "time_ids": torch.cat(add_ids)}
+        kwargs.update(self._control_kwargs(batch, sample, t_rows, text))
         args = (torch.cat([sample, torch.cat(masks)], dim=1), t_rows)
         try:
             # ControlNets computed concurrently with the down path hook the UNet's forward: eager

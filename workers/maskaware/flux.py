@@ -167,6 +167,7 @@ class _Row:
     unsel: torch.Tensor | None = None   # sorted positions taken from the cache (sel is not None)
     unsel_cache: torch.Tensor | None = None  # the same tokens' indices in the cache (its own order)
     own: int = 0                  # tokens of this job (N unless placed on a larger grid)
+    key_order: torch.Tensor | None = None  # half precision: [computed, cached] keys -> the job's token order
 
 
 @dataclass
@@ -183,8 +184,11 @@ class _Plan:
     """Indices and state for one batched forward; built by the model hook, consumed by the others."""
 
     def __init__(self, ctx: BatchContext, batch: int, n_tokens: int, device: torch.device,
-                 names: list[str], kv_format: KVFormat) -> None:
+                 names: list[str], kv_format: KVFormat, dtype: torch.dtype = torch.float32) -> None:
         self.ctx, self.B, self.N, self.device, self.names = ctx, batch, n_tokens, device, names
+        # Half precision: attention sees each job's keys in its own token order, as the stock forward
+        # does (float32 sums in another order round differently in bf16 and drift over the steps).
+        self.half = dtype != torch.float32
         self.kv_format = kv_format
         self.k_key = K_SUFFIX[kv_format]
         self.rows: list[_Row] = []
@@ -222,10 +226,14 @@ class _Plan:
             if sel is None and pos is not None and own != self.N:  # all its tokens, on a larger grid
                 sel = pos
                 unsel = unsel_cache = pos[:0]
+            key_order = None
+            if g.mode == "masked" and sel is not None and unsel_cache is not None and unsel_cache.numel() \
+                    and self.half:
+                key_order = torch.argsort(torch.cat([sel_own, unsel_cache]))
             for crow in range(g.rows):
                 m = self.N if sel is None else int(sel.numel())
                 self.rows.append(_Row(r, gi, sel, m, cache, g.mode == "record", crow, unsel=unsel,
-                                      unsel_cache=unsel_cache, own=own))
+                                      unsel_cache=unsel_cache, own=own, key_order=key_order))
                 r += 1
         off, a = 0, 0
         for row in self.rows:
@@ -317,13 +325,13 @@ class _Plan:
         s1 = 1 + scale
         for a, lo, hi in self.img_segs:
             seg = y[base + lo:base + hi]
-            torch.addcmul(shift[a], seg, s1[a], out=seg)
+            _muladd_into(seg, seg, s1[a], shift[a])
         return y
 
     def gated_add_(self, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, base: int = 0) -> torch.Tensor:
         """In place: ``x + gate * y`` per packed image segment (starting at ``base``)."""
         for a, lo, hi in self.img_segs:
-            x[base + lo:base + hi].addcmul_(y[base + lo:base + hi], gate[a])
+            _muladd_into(x[base + lo:base + hi], y[base + lo:base + hi], gate[a], x[base + lo:base + hi])
         return x
 
     def record(self, name: str, suffix: str, t: torch.Tensor) -> None:
@@ -370,6 +378,20 @@ class _Plan:
 # ---------------------------------------------------------------------------------------------
 # Block math on the packed state (same submodules and op order as the stock forwards).
 # ---------------------------------------------------------------------------------------------
+
+
+def _muladd_into(out: torch.Tensor, t: torch.Tensor, s: torch.Tensor, add: torch.Tensor) -> None:
+    """``out = t * s + add`` (``out`` may alias ``t`` or ``add``). float32: one fused pass (addcmul,
+    within float32 rounding of the stock forward). Half precision: the stock forward's two ops, each
+    rounded to the dtype, so that the mask-aware path reproduces the stock pipeline in bf16/fp16
+    (a fused multiply-add rounds once and drifts by several 1/255 over a denoising loop)."""
+    if out.dtype == torch.float32:
+        if out.data_ptr() == add.data_ptr() and out.shape == add.shape:
+            out.addcmul_(t, s)
+        else:
+            torch.addcmul(add, t, s, out=out)
+        return
+    out.copy_(t * s + add)
 
 
 def _qkv(attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -451,6 +473,9 @@ def _attend(plan: _Plan, attn: Any, name: str, rope: tuple[torch.Tensor, torch.T
             plan.record_row(row, name, K_SUFFIX["roped"], kb[T:end])
         elif row.record and plan.kv_format == "roped":
             plan.record_row(row, name, K_SUFFIX["roped"], kb[T:T + m])
+        if row.key_order is not None:
+            kb[T:end] = kb[T:end].index_select(0, row.key_order)
+            vb[T:end] = vb[T:end].index_select(0, row.key_order)
         out = dispatch_attention_fn(query[None], kb[None, :end], vb[None, :end], backend=backend)[0]  # [T+m, H, hd]
         if T:
             txt_out[a].unflatten(-1, (heads, hd)).copy_(out[:T])
@@ -532,7 +557,7 @@ def single_block_forward(block: FluxSingleTransformerBlock, name: str, plan: _Pl
     h = block.norm.norm(tok)
     if T:
         ht = h[:nt].view(ba, T, D)
-        torch.addcmul(shift_msa[:, None], ht, (1 + scale_msa)[:, None], out=ht)
+        _muladd_into(ht, ht, (1 + scale_msa)[:, None], shift_msa[:, None])
     plan.modulate_(h, scale_msa, shift_msa, base=nt)
 
     attn = block.attn
@@ -560,7 +585,8 @@ def single_block_forward(block: FluxSingleTransformerBlock, name: str, plan: _Pl
     with plan.lay("tok"):
         y = (kernels or _EAGER_FLUX).pick().ff(block.proj_out, cat)
     if T:
-        tok[:nt].view(ba, T, D).addcmul_(y[:nt].view(ba, T, D), gate_msa[:, None])
+        tt = tok[:nt].view(ba, T, D)
+        _muladd_into(tt, y[:nt].view(ba, T, D), gate_msa[:, None], tt)
     plan.gated_add_(tok, gate_msa, y, base=nt)
     if tok.dtype == torch.float16:
         tok.clamp_(-65504, 65504)
@@ -604,7 +630,8 @@ class _ModelHook(_Hook):
         if hs.shape[0] != rows:
             raise ValueError(f"batch has {hs.shape[0]} rows, the row groups declare {rows}")
         ctx.calls += 1
-        self.ctrl._plan = _Plan(ctx, hs.shape[0], hs.shape[1], hs.device, self.ctrl.names, self.ctrl.kv_format)
+        self.ctrl._plan = _Plan(ctx, hs.shape[0], hs.shape[1], hs.device, self.ctrl.names, self.ctrl.kv_format,
+                                hs.dtype)
         try:
             out = self.fn_ref.original_forward(*args, **kwargs)
             ctx.recorded = self.ctrl._plan.recorded()

@@ -161,6 +161,12 @@ def _save_tiny_flux(out: Path, seed: int = 0) -> None:
     save_flux_fill_pipeline(out, seed=seed)
 
 
+def _save_tiny_sdxl(out: Path, seed: int = 0) -> None:
+    from workers.models.tiny_sdxl import save_sdxl_pipeline
+
+    save_sdxl_pipeline(out, seed=seed)
+
+
 # The trained default ships in the repository (ops/train/sd.py wrote it): a few MB of
 # safetensors in save_pretrained layout, copied into the home like the built ones are saved.
 TRAINED_DIR = Path(__file__).resolve().parent / "trained"
@@ -183,6 +189,7 @@ EMBEDDED_MODELS: dict[str, Callable[[Path, int], None]] = {
     "tiny-flux-fill-trained": _copy_trained("tiny-flux-fill-trained", "ops.train.flux"),
     "tiny-sd-inpaint": _save_tiny_sd,
     "tiny-flux-fill": _save_tiny_flux,
+    "tiny-sdxl-inpaint": _save_tiny_sdxl,
 }
 
 
@@ -213,9 +220,7 @@ FAMILIES = {"StableDiffusionInpaintPipeline": "sd", "StableDiffusionXLInpaintPip
 
 def model_family(model_dir: Path) -> str:
     """``sd`` or ``flux``, from the folder's ``model_index.json``."""
-    import json
-
-    name = json.loads((Path(model_dir) / "model_index.json").read_text())["_class_name"]
+    name = pipeline_class_name(model_dir)
     if name not in FAMILIES:
         raise ValueError(f"unsupported pipeline {name} (supported: {sorted(FAMILIES)})")
     return FAMILIES[name]
@@ -238,6 +243,21 @@ def model_identity(model_dir: Path) -> str:
         with open(weights, "rb") as fh:
             h.update(fh.read(1 << 20))
     return f"{Path(model_dir).name}-{h.hexdigest()[:16]}"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``STENCIL_DTYPE`` name (float32 | float16 | bfloat16)."""
+    from app.settings import DTYPES
+
+    if name not in DTYPES:
+        raise ValueError(f"STENCIL_DTYPE must be one of {', '.join(DTYPES)}, got {name!r}")
+    return getattr(torch, name)
+
+
+def pipeline_class_name(model_dir: Path) -> str:
+    import json
+
+    return str(json.loads((Path(model_dir) / "model_index.json").read_text())["_class_name"])
 
 
 class DeviceUnavailable(RuntimeError):
@@ -264,18 +284,27 @@ def resolve_device(name: str, setting: str = "STENCIL_DEVICE") -> torch.device:
     return device
 
 
-def load_cpu_pipeline(model_dir: Path, device: str = "cpu"):  # type: ignore[no-untyped-def]
+def load_cpu_pipeline(model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
     """The pipeline without its denoiser (text encoders, VAE, tokenizers, processors) for the stage
-    tasks, its modules on ``device`` (``STENCIL_STAGE_DEVICE``: the host CPU or the GPU host's device)."""
+    tasks, its modules on ``device`` (``STENCIL_STAGE_DEVICE``: the host CPU or the GPU host's device).
+
+    Loaded in ``dtype`` (``STENCIL_DTYPE``) like the stock pipeline with ``torch_dtype=dtype``: prompt
+    embeddings, noise and VAE latents come out in that dtype (SDXL's VAE still encodes in float32
+    where its config says ``force_upcast``, inside the pipeline's own ``_encode_vae_image``)."""
     target = resolve_device(device, "STENCIL_STAGE_DEVICE")
     if model_family(model_dir) == "flux":
         from diffusers import FluxFillPipeline
 
-        pipe = FluxFillPipeline.from_pretrained(model_dir, transformer=None, torch_dtype=torch.float32)
+        pipe = FluxFillPipeline.from_pretrained(model_dir, transformer=None, dtype=dtype)
+    elif pipeline_class_name(model_dir) == "StableDiffusionXLInpaintPipeline":
+        from diffusers import StableDiffusionXLInpaintPipeline
+
+        pipe = StableDiffusionXLInpaintPipeline.from_pretrained(model_dir, unet=None, dtype=dtype,
+                                                                add_watermarker=False)
     else:
         pipe = StableDiffusionInpaintPipeline.from_pretrained(
             model_dir, unet=None, safety_checker=None, feature_extractor=None,
-            requires_safety_checker=False, torch_dtype=torch.float32,
+            requires_safety_checker=False, dtype=dtype,
         )
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(target)
@@ -286,15 +315,15 @@ def stage_device(pipe: Any) -> torch.device:
     return pipe.vae.device
 
 
-def load_unet(model_dir: Path, device: str) -> UNet2DConditionModel:
-    unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet", torch_dtype=torch.float32)
+def load_unet(model_dir: Path, device: str, dtype: torch.dtype = torch.float32) -> UNet2DConditionModel:
+    unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet", dtype=dtype)
     return unet.to(device).eval()
 
 
-def load_flux_transformer(model_dir: Path, device: str):  # type: ignore[no-untyped-def]
+def load_flux_transformer(model_dir: Path, device: str, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
     from diffusers import FluxTransformer2DModel
 
-    model = FluxTransformer2DModel.from_pretrained(model_dir, subfolder="transformer", torch_dtype=torch.float32)
+    model = FluxTransformer2DModel.from_pretrained(model_dir, subfolder="transformer", dtype=dtype)
     return model.to(device).eval()
 
 
