@@ -63,7 +63,11 @@ class Service:
         self.family, self.folder, self.dtype = family, folder, dtype
         self.cpu = load_cpu_pipeline(folder, dtype=dtype)
         store = ActivationStore(LocalStore(tmp))
-        cache = {"caches": StepCacheProvider(store, 1 << 30), "recorder": CacheRecorder(store)}
+        # As the GPU worker sets them up (workers/gpu_tasks.py): caches handed to the model in its dtype,
+        # the exact path's recordings stored losslessly, i.e. in the dtype they were recorded in.
+        provider = StepCacheProvider(store, 1 << 30)
+        provider.dtype = dtype
+        cache = {"caches": provider, "recorder": CacheRecorder(store, codec=str(dtype).removeprefix("torch."))}
         if family == "flux":
             from workers.engine.flux_runner import FluxRunner
             from workers.maskaware.flux import MaskAwareFlux

@@ -188,3 +188,15 @@ def test_host_budget_auto_from_memory() -> None:
     assert machine_total > 0 and 0 < machine_avail <= machine_total
     assert FLOOR_BYTES <= host_cache_budget(0, 0.5) <= machine_avail
     assert Settings().host_cache_bytes == 0  # auto by default
+
+
+def test_exact_region_caches_are_stored_in_the_dtype_they_were_recorded_in() -> None:
+    """Lossless for the exact path without doubling a half-precision recording's bytes."""
+    from workers.engine.cache_codec import encode, lossless_codec
+
+    assert lossless_codec("kv+y@bfloat16/exact-abc") == "bfloat16"
+    assert lossless_codec("flux-kv-raw@float16/exact-abc/noise-3") == "float16"
+    assert lossless_codec("kv+y/exact-abc") == "float32"
+    t = torch.randn(2, 16, 8).to(torch.bfloat16)
+    stored = encode({"a.k": t}, lossless_codec("kv+y@bfloat16/exact-abc"))["a.k"]
+    assert stored.dtype == torch.bfloat16 and torch.equal(stored, t)

@@ -40,6 +40,7 @@ from workers.adapter_tasks import adapter_problem, text_encoder_adapters
 from workers.controlnets.inputs import controls_problem, image_digest, prepare_control_images
 from workers.images import InvalidInput, decode_image, encode_png, target_size, to_mask, to_rgb
 from workers.tensors import pack, unpack
+from workers.engine.cache_codec import lossless_codec
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +292,7 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: 
         meta.update(cache_mode="record", cache_key=key.to_dict())
         # Storage codec of the recording (the GPU worker's CacheRecorder.codec_for: exact-region
         # caches are lossless whatever STENCIL_CACHE_DTYPE says).
-        codec = "float32" if region else s.cache_dtype
+        codec = lossless_codec(key.layout) if region else s.cache_dtype
         return {"cache_mode": "record", "cache_digest": key.digest(), "region": region, "cache_codec": codec}
     if ratio >= 1.0:
         meta["cache_mode"] = "full"

@@ -20,7 +20,7 @@ Parts (``--parts``, all by default):
 - ``link``: warm-ups at a link speed storing only the units worth loading
   (``STENCIL_CACHE_LINK_GBPS``): stored bytes and edit step time behind that link, vs storing all.
 
-    flock /tmp/heavy.lock python -m ops.bench.cache_bytes --out docs/bench/cache_bytes.md
+    python -m ops.bench.cache_bytes --out docs/bench/cache_bytes.md
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Compilation (the first call of each compiled path) is timed separately; then eac
 configurations runs once per round, interleaved in a shuffled order, CPU time of the one compute
 thread. Outputs of the compiled paths are compared with eager (max abs difference).
 
-    flock /tmp/heavy.lock python -m ops.bench.compiled --out docs/bench/compiled.md
+    python -m ops.bench.compiled --out docs/bench/compiled.md
 """
 
 from __future__ import annotations

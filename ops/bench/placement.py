@@ -19,7 +19,7 @@ a host CPU with more cores is credited with ideal linear scaling over ``--host-c
 for the CPU placement). GPU costs are published numbers (sources in the report); where no
 measurement is published (text encoders) the report gives a FLOP-based estimate and says so.
 
-    flock /tmp/heavy.lock python -m ops.bench.placement --out docs/bench/placement.md
+    python -m ops.bench.placement --out docs/bench/placement.md
 """
 
 from __future__ import annotations

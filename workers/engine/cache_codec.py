@@ -7,7 +7,8 @@ decoded only when a step or unit is handed to the model (``decode``: the compres
 moved to the compute device first, then dequantized there, i.e. where staging is cheapest).
 
 Codecs (``STENCIL_CACHE_DTYPE``):
-- ``float32``: lossless for float32/float16/bfloat16 compute (exact-region warm-ups always use it).
+- ``float32``: lossless for float32/float16/bfloat16 compute; exact-region warm-ups are stored in
+  the dtype they were recorded in (``lossless_codec``), also lossless.
 - ``float16`` / ``bfloat16``: every tensor cast to 16 bits.
 - ``int8``: attention K/V (names ending ``.k``, ``.k_roped``, ``.v``) quantized symmetrically to
   8 bits with one float32 scale per channel (last dim) per row, computed over the tokens (the axis
@@ -38,6 +39,13 @@ def check_codec(codec: str) -> str:
     if codec not in CODECS:
         raise ValueError(f"cache codec must be one of {CODECS}, got {codec!r}")
     return codec
+
+
+def lossless_codec(layout: str) -> str:
+    """The codec that stores a recording bit for bit: its compute dtype, which a cache layout names
+    after ``@`` when it is not float32 (``workers/cpu_tasks.py``)."""
+    recorded_in = layout.split("/")[0].partition("@")[2]
+    return recorded_in if recorded_in in ("float16", "bfloat16") else "float32"
 
 
 def is_kv(name: str) -> bool:

@@ -708,8 +708,11 @@ class CacheRecorder:
         self._units: dict[str, list[str]] = {}
 
     def codec_for(self, key: TemplateCacheKey) -> str:
-        """The codec a cache under ``key`` is stored with (exact-region caches: lossless)."""
-        return "float32" if "/exact-" in key.layout else self.codec
+        """The codec a cache under ``key`` is stored with. Exact-region caches: lossless, i.e. the
+        dtype they were recorded in (``kv+y@bfloat16`` -> bfloat16; no suffix: float32)."""
+        if "/exact-" in key.layout:
+            return cache_codec.lossless_codec(key.layout)
+        return self.codec
 
     def set_units(self, key: TemplateCacheKey, units: Sequence[str]) -> None:
         """Record that this warm-up stores only ``units`` (goes into the manifest at commit)."""
