@@ -55,20 +55,28 @@ def ensure_model_dir(settings: Settings) -> Path:
     if settings.model_id not in EMBEDDED_MODELS and settings.model_id not in TRUE_SIZE_MODELS:
         raise FileNotFoundError(f"no model folder configured and no embedded model named "
                                 f"{settings.model_id!r} (known: {sorted(EMBEDDED_MODELS)})")
+    if _write_folder_once(path, lambda tmp: save_embedded(settings.model_id, tmp)):
+        log.info("embedded model %s written to %s", settings.model_id, path)
+    return path
+
+
+def _write_folder_once(path: Path, write: Callable[[Path], object]) -> bool:
+    """Write a model folder once across processes: under a file lock, into a temporary folder
+    renamed into place, so no process ever loads a half-written folder. True if this call wrote it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (path / "model_index.json").is_file():
-            tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-model-"))
-            try:
-                save_embedded(settings.model_id, tmp)
-                if path.exists():
-                    shutil.rmtree(path)
-                os.replace(tmp, path)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            log.info("embedded model %s written to %s", settings.model_id, path)
-    return path
+        if (path / "model_index.json").is_file():
+            return False
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-model-"))
+        try:
+            write(tmp)
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return True
 
 
 def single_file_model_dir(settings: Settings, checkpoint: Path) -> Path:
@@ -99,19 +107,8 @@ def single_file_model_dir(settings: Settings, checkpoint: Path) -> Path:
     path = settings.home / "models" / f"{checkpoint.stem}-{h.hexdigest()[:16]}"
     if (path / "model_index.json").is_file():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (path / "model_index.json").is_file():
-            tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-model-"))
-            try:
-                _convert_single_file(checkpoint, config, tmp)
-                if path.exists():
-                    shutil.rmtree(path)
-                os.replace(tmp, path)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            log.info("single-file checkpoint %s converted to %s (configs from %s)", checkpoint, path, config)
+    if _write_folder_once(path, lambda tmp: _convert_single_file(checkpoint, config, tmp)):
+        log.info("single-file checkpoint %s converted to %s (configs from %s)", checkpoint, path, config)
     return path
 
 
