@@ -8,7 +8,8 @@ Parts (``--parts``):
   service's job path in process (``ops/bench/harness/service.py``): ControlNets resident in the
   engine's LRU, continuous batching, ControlNets computed on a second thread while the UNet runs its
   down path. Both get the machine's two cores: the stock pipeline as two intra-op threads, Stencil
-  as one thread each for the UNet and the ControlNets.
+  as the service runs by default (torch's default intra-op threads, ``--stencil-threads``) with its
+  ControlNets on a second thread.
 - ``overlap``: one step of a batch with 1 and 2 ControlNets, the ControlNets computed before the
   UNet vs concurrently with its down path; and the stage costs (UNet down path, ControlNets, rest
   of the UNet) from which the multi-GPU placement is planned.
@@ -127,7 +128,7 @@ def part_jobs(args: Any, model_dir: Path, work: Path) -> list[str]:
         if system == "stock":
             torch.set_num_threads(2)
             return stock.job(image, mask, control, n, args.steps, 0)
-        torch.set_num_threads(1)
+        torch.set_num_threads(args.stencil_threads)
         return svc.job(image, mask, _params(n, args.steps, 0), [control] * n)[1]
 
     def throughput(config: tuple[str, int]) -> float:
@@ -138,7 +139,7 @@ def part_jobs(args: Any, model_dir: Path, work: Path) -> list[str]:
             for k, (image, mask, control) in enumerate(inputs):
                 stock.job(image, mask, control, n, args.steps, k)
         else:
-            torch.set_num_threads(1)
+            torch.set_num_threads(args.stencil_threads)
             handles = []
             for k, (image, mask, control) in enumerate(inputs):
                 p = _params(n, args.steps, k)
@@ -164,7 +165,8 @@ def part_jobs(args: Any, model_dir: Path, work: Path) -> list[str]:
             f"UNet {args.hidden}, {args.size} px, {args.steps} steps, guidance 7.5, conditioning scale 0.8, canny "
             f"control images; latency: one job alone, median of {args.rounds} interleaved rounds; throughput: "
             f"{args.jobs} jobs submitted together (Stencil: max batch 4, continuous batching). Wall time; two cores "
-            "for each system (see the module doc).\n", *rows, ""]
+            f"for each system: the stock pipeline with 2 intra-op threads, Stencil with {args.stencil_threads} "
+            "(its ControlNets on a second thread).\n", *rows, ""]
 
 
 def part_overlap(args: Any, model_dir: Path, work: Path) -> list[str]:
@@ -303,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     p = cli.parser(__doc__, out="docs/bench/controlnet.md", threads=None)
     p.add_argument("--parts", default="jobs,overlap,lru")
     p.add_argument("--hidden", default="320,640")
+    p.add_argument("--stencil-threads", type=int, default=2,
+                   help="intra-op threads of Stencil's engine in the jobs part (2 = the service's default on this "
+                        "machine: STENCIL_TORCH_THREADS=0, torch's default; 1 = one core per compute thread)")
     p.add_argument("--size", type=int, default=256)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--jobs", type=int, default=8)
