@@ -25,6 +25,18 @@ def linear(jobs: Sequence[EngineJob]) -> float:
     return 0.1 + sum(0.1 * j.mask_ratio for j in jobs)
 
 
+def _admission_order(s: BatchScheduler) -> list[str]:
+    """Run every waiting job to completion (one step each); the ids in the order they were admitted."""
+    order: list[str] = []
+    while s.waiting:
+        batch, admitted = s.schedule()
+        order += [j.job_id for j in admitted]
+        for j in batch:
+            j.steps_done = j.total_steps
+        s.complete_step(batch)
+    return order
+
+
 def mk(job_id: str, steps: int, ratio: float = 1.0, deadline: float | None = None, priority: int = 0,
        arrival: float = 0.0) -> EngineJob:
     return EngineJob(job_id, steps, priority=priority, deadline=deadline, arrival=arrival, mask_ratio=ratio)
@@ -88,13 +100,7 @@ def test_waiting_jobs_are_ordered_by_priority_then_slack() -> None:
     vip = mk("vip", 5, priority=5, arrival=3.0)
     for j in (loose, long_tight, short, vip):
         s.add(j)
-    order = []
-    while s.waiting:
-        batch, admitted = s.schedule()
-        order += [j.job_id for j in admitted]
-        for j in batch:
-            j.steps_done = j.total_steps
-        s.complete_step(batch)
+    order = _admission_order(s)
     # Earliest-deadline order would be short before long; slack order runs long first.
     assert order == ["vip", "long", "short", "loose"]
 
@@ -142,13 +148,7 @@ def test_soft_deadlines_never_expire_a_job_they_put_late_jobs_last() -> None:
     on_time = EngineJob("on-time", 10, deadline=clock.t + 5.0, arrival=1.0, mask_ratio=1.0, hard_deadline=False)
     s.add(late)
     s.add(on_time)
-    order = []
-    while s.waiting:
-        batch, admitted = s.schedule()
-        order += [j.job_id for j in admitted]
-        for j in batch:
-            j.steps_done = j.total_steps
-        s.complete_step(batch)
+    order = _admission_order(s)
     assert order == ["on-time", "late"] and expired == [] and s.expired == []
 
 

@@ -38,9 +38,9 @@ from app.validation import InvalidParameter, object_id
 from workers import context as ctx
 from workers.adapter_tasks import adapter_problem, text_encoder_adapters
 from workers.controlnets.inputs import controls_problem, image_digest, prepare_control_images
+from workers.engine.cache_codec import lossless_codec
 from workers.images import InvalidInput, decode_image, encode_png, target_size, to_mask, to_rgb
 from workers.tensors import pack, unpack
-from workers.engine.cache_codec import lossless_codec
 
 log = logging.getLogger(__name__)
 

@@ -697,8 +697,9 @@ class CacheRecorder:
 
     ``codec`` (``STENCIL_CACHE_DTYPE``, ``workers/engine/cache_codec.py``) applies to template
     warm-ups; exact-region warm-ups (key layout ``.../exact-<region>``: recorded for one edit, which
-    must then equal the stock pipeline) are always stored losslessly (``float32``), whatever the
-    codec, so the exact path stays bit-exact. ``units`` (per key, set by the runner): store only
+    must then equal the stock pipeline) are always stored losslessly, in the dtype they were
+    recorded in (``cache_codec.lossless_codec``), whatever the codec, so the exact path stays
+    bit-exact. ``units`` (per key, set by the runner): store only
     these plan units' tensors (the rest is computed fully by edits); recorded in the manifest."""
 
     def __init__(self, activations: ActivationStore, codec: str = "float32") -> None:
