@@ -40,7 +40,15 @@ from app.adapters import lora_meta_key
 from app.blobs import BlobStore
 from app.celery_app import gpu_queue, stage_queue
 from app.controls import controlnet_meta_key
-from app.costmodel import BlockSpec, CostModel, UNetArch, find_model, shipped_model, min_service_seconds, token_counts_from_mask
+from app.costmodel import (
+    BlockSpec,
+    CostModel,
+    UNetArch,
+    find_model,
+    min_service_seconds,
+    shipped_model,
+    token_counts_from_mask,
+)
 from app.fidelity import policy_schedule
 from app.jobs import JobRecord, JobStatus, JobStore
 from app.routing import JobDemand, JobLoad, RoutingPolicy, WorkerState, WorkerView, make_router

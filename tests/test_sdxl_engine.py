@@ -6,7 +6,6 @@ job's own inputs, then the masked edit). The embedded ``tiny-sdxl-inpaint`` has 
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import numpy as np

@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from app.settings import Settings
 from app.costmodel import CostModel, min_service_seconds, step_time_predictor
 from app.routing import JobDemand, JobLoad, RoutingPolicy, WorkerState, WorkerView
+from app.settings import Settings
 from ops.sim.workload import SimJob
 from workers.engine.job import EngineJob
 from workers.engine.scheduler import BatchScheduler

@@ -27,10 +27,10 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from workers.adapters import layout
+from workers.compiled import Compiled
 from workers.controlnets.step import Concurrent, JobControl, Use, residuals
 from workers.engine.job import EngineJob
 from workers.engine.runner_base import BaseRunner, JobState
-from workers.compiled import Compiled
 from workers.maskaware.lockstep import Lockstep
 from workers.maskaware.unet import MaskAwareUNet, RowGroup
 from workers.models.loader import make_scheduler
