@@ -19,11 +19,15 @@ SLO-aware admission (PatchedServe-style), active only when a step-time predictor
   rather than making others late too. A running job in that state gives its slot back (keeping
   its progress) while an on-time job waits, and rejoins when there is room.
 - waiting jobs are ordered by priority, then slack (deadline - now - predicted time alone), then
-  arrival: the most urgent job gets the next free slot.
+  arrival: the most urgent job gets the next free slot. With size affinity on and more jobs waiting
+  than slots free, jobs with room to wait go behind jobs of the sizes already in the batch.
+- a job predicted to miss its own deadline in the current batch goes after jobs predicted to make
+  theirs (it still takes a slot nobody else can use).
 - a waiting job is admitted only if no running (or just admitted) job that would meet its
   deadline without it misses it with it; finish times integrate the predicted step time over the
   batch's remaining steps (jobs leave as they finish). A refused job stays waiting; smaller jobs
-  behind it may still fit.
+  behind it may still fit. One exception (``_misses_allowed``): one such deadline for a newcomer
+  that makes its own, where filling the slot is nearly free (sublinear batch cost).
 
 Size affinity (continuous mode, plain admission): when more jobs wait than slots are free, a free
 slot goes to the earliest waiting job of the size most represented in the batch, before older
@@ -53,6 +57,13 @@ log = logging.getLogger(__name__)
 MODES = ("continuous", "static", "bucketed")
 
 StepTimePredictor = Callable[[Sequence[EngineJob]], float]
+# SLO admission's two tuning constants, chosen in the cluster simulator (ops/bench/mixed_sizes, BENCHMARKS.md):
+# a waiting job with slack of at least this many times its standalone time may wait behind jobs of
+# the sizes already in the batch (size affinity; 0.25 / 0.5 / 1 / 2 tried) ...
+SLO_AFFINITY_SLACK = 0.25
+# ... and an admission may cost one running job's deadline only if the step grows by less than this
+# share of the newcomer's own step alone (0.3 / 0.5 / always / never tried).
+SLO_TRADE_MARGINAL = 0.3
 ExpireCallback = Callable[[EngineJob, str], None]
 JobPredicate = Callable[[EngineJob], bool]
 
@@ -274,6 +285,45 @@ class BatchScheduler:
                 late.add(id(job))
                 self.yielded += 1
 
+    def _slo_affinity_order(self, candidates: list[EngineJob], now: float, alone: dict[int, float],
+                            late: set[int]) -> list[EngineJob]:
+        """Size affinity inside SLO admission, when more jobs wait than slots are free: jobs that can
+        afford to wait (slack of at least ``SLO_AFFINITY_SLACK`` x their time alone) go behind those
+        of the sizes already in the batch, so a crowded batch converges to fewer denoiser calls and
+        its steps get cheaper for everyone; urgent jobs, jobs passed over ``size_affinity_steps``
+        times and late jobs keep their slack order (a stable sort keeps it within each rank)."""
+        sizes = {j.latent_hw for j in self.running}
+
+        def rank(job: EngineJob) -> int:
+            if id(job) in late:
+                return 2
+            relaxed = job.slack(now, alone[id(job)]) >= SLO_AFFINITY_SLACK * alone[id(job)]
+            if (not relaxed or job.latent_hw in sizes
+                    or self._passed_over.get(job.job_id, 0) >= self.size_affinity_steps):
+                return 0
+            return 1
+
+        ordered = sorted(candidates, key=lambda j: (-j.priority, rank(j)))
+        order = {id(j): k for k, j in enumerate(candidates)}
+        free = self.max_batch - len(self.running)
+        for job in ordered[free:]:  # passed over: slack order would have given it a free slot
+            if order[id(job)] < free:
+                self._passed_over[job.job_id] = self._passed_over.get(job.job_id, 0) + 1
+        waiting = {j.job_id for j in self.waiting}
+        self._passed_over = {k: v for k, v in self._passed_over.items() if k in waiting}
+        return ordered
+
+    def _misses_allowed(self, job: EngineJob, meets: bool, newly_missed: int, predict: StepTimePredictor) -> int:
+        """How many running jobs' deadlines admitting ``job`` may cost: none, except one for a job that
+        makes its own where filling the slot is nearly free (the step grows by less than
+        ``SLO_TRADE_MARGINAL`` of the job's own step alone: sublinear GPU batches). There a slot left
+        empty to save one deadline costs more throughput, hence deadlines, than the trade; on a device
+        where a batch costs the sum of its jobs it never is (measured: ops/bench/mixed_sizes)."""
+        if not meets or newly_missed != 1 or not self.running:
+            return 0
+        marginal = predict(self.running + [job]) - predict(self.running)
+        return 1 if marginal < SLO_TRADE_MARGINAL * predict([job]) else 0
+
     def _schedule_slo(self, predict: StepTimePredictor) -> tuple[list[EngineJob], list[EngineJob]]:
         now = self.clock()
         alone = {id(j): self.alone_seconds(j) for j in self.waiting}
@@ -293,19 +343,30 @@ class BatchScheduler:
                                              0.0 if id(j) in late else j.slack(now, alone[id(j)]), j.arrival))
             bucket = self.running[0].latent_hw if self.mode == "bucketed" and self.running else None
             candidates = [j for j in self.waiting if bucket is None or j.latent_hw == bucket]
+            if (self.mode == "continuous" and self.size_affinity_steps > 0 and self.running
+                    and len(candidates) > self.max_batch - len(self.running)):
+                candidates = self._slo_affinity_order(candidates, now, alone, late)
             misses = self._misses(self.running, now, predict) if self.running else set()
             while candidates and len(self.running) < self.max_batch:
                 trials = self._misses_many(self.running, [[j] for j in candidates], now, predict)
                 n_run = len(self.running)
                 chosen = None
-                for k, (job, after) in enumerate(zip(candidates, trials)):
-                    if not self._is_ready(job):
-                        continue
-                    if {i for i in after if i < n_run} - misses:
-                        self.refused += 1
-                        continue
-                    chosen = k
-                    break
+                for on_time_only in (True, False):  # first pass: jobs predicted to make their own deadline
+                    for k, (job, after) in enumerate(zip(candidates, trials)):
+                        if not self._is_ready(job):
+                            continue
+                        newly_missed = len({i for i in after if i < n_run} - misses)
+                        meets = n_run not in after
+                        if newly_missed > self._misses_allowed(job, meets, newly_missed, predict):
+                            if on_time_only:
+                                self.refused += 1
+                            continue
+                        if on_time_only and not meets and id(job) not in late:
+                            continue
+                        chosen = k
+                        break
+                    if chosen is not None:
+                        break
                 if chosen is None:
                     break
                 job = candidates[chosen]

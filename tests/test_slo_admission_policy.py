@@ -1,0 +1,118 @@
+"""SLO admission's policy choices (workers/engine/scheduler.py): size affinity inside SLO admission,
+jobs predicted to make their own deadline admitted before jobs that would not, and the one-deadline
+trade allowed only where filling a slot is nearly free (sublinear batch cost)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from workers.engine.job import EngineJob
+from workers.engine.scheduler import SLO_TRADE_MARGINAL, BatchScheduler
+
+A, B = (16, 16), (8, 16)
+NOW = 1000.0
+
+
+def per_size(jobs: Sequence[EngineJob]) -> float:
+    """0.1 s per distinct size in the step (one denoiser call each) + 0.01 s per job."""
+    return 0.1 * len({j.latent_hw for j in jobs}) + 0.01 * len(jobs)
+
+
+def job(job_id: str, hw: tuple[int, int], steps: int, deadline: float | None, arrival: float = 0.0,
+        hard: bool = False) -> EngineJob:
+    return EngineJob(job_id, steps, arrival=arrival, latent_hw=hw, deadline=deadline, hard_deadline=hard)
+
+
+def _ids(jobs: Sequence[EngineJob]) -> list[str]:
+    return [j.job_id for j in jobs]
+
+
+def _running_a(s: BatchScheduler) -> None:
+    s.add(job("run", A, 100, None))
+    s.schedule()
+
+
+def test_relaxed_jobs_of_another_size_wait_behind_the_batchs_size_under_slo_admission() -> None:
+    s = BatchScheduler(2, step_time=per_size, clock=lambda: NOW, size_affinity_steps=50)
+    _running_a(s)
+    # b0 has less slack than a1 (slack order puts it first), but both have plenty: a1 joins run's size.
+    s.add(job("b0", B, 10, NOW + 100.0))
+    s.add(job("a1", A, 10, NOW + 200.0))
+    _, admitted = s.schedule()
+    assert _ids(admitted) == ["a1"]
+
+
+def test_an_urgent_job_keeps_its_slack_order_over_affinity() -> None:
+    def cheap_sizes(jobs: Sequence[EngineJob]) -> float:  # an extra size costs 0.01 s here
+        return 0.09 + 0.01 * len({j.latent_hw for j in jobs}) + 0.01 * len(jobs)
+
+    s = BatchScheduler(2, step_time=cheap_sizes, clock=lambda: NOW, size_affinity_steps=50)
+    _running_a(s)
+    # b0 alone needs 10 x 0.11 s = 1.1 s, beside run 1.3 s; its deadline leaves 1.35 s: on time,
+    # but its slack (0.25 s) is under 0.25 x 1.1 s: it cannot wait behind a1.
+    s.add(job("b0", B, 10, NOW + 1.35))
+    s.add(job("a1", A, 10, NOW + 200.0))
+    _, admitted = s.schedule()
+    assert _ids(admitted) == ["b0"]
+
+
+def test_slack_order_without_affinity() -> None:
+    s = BatchScheduler(2, step_time=per_size, clock=lambda: NOW, size_affinity_steps=0)
+    _running_a(s)
+    s.add(job("b0", B, 10, NOW + 100.0))
+    s.add(job("a1", A, 10, NOW + 200.0))
+    _, admitted = s.schedule()
+    assert _ids(admitted) == ["b0"]
+
+
+def test_a_job_that_would_make_its_own_deadline_goes_before_one_that_would_not() -> None:
+    s = BatchScheduler(2, step_time=per_size, clock=lambda: NOW, size_affinity_steps=0)
+    _running_a(s)
+    # "tight" meets its deadline alone (10 x 0.11 s = 1.1 s <= 1.5 s) but not beside run
+    # (10 x 0.21 s = 2.1 s): it is not late, yet admitting it now would waste the slot on a miss.
+    s.add(job("tight", B, 10, NOW + 1.5))
+    s.add(job("fits", A, 10, NOW + 50.0))
+    _, admitted = s.schedule()
+    assert _ids(admitted) == ["fits"]
+    assert _ids(s.waiting) == ["tight"]
+
+
+def test_a_job_that_would_miss_is_still_admitted_into_a_slot_nobody_else_wants() -> None:
+    s = BatchScheduler(2, step_time=per_size, clock=lambda: NOW, size_affinity_steps=0)
+    _running_a(s)
+    s.add(job("tight", B, 10, NOW + 1.5))
+    _, admitted = s.schedule()
+    assert _ids(admitted) == ["tight"]
+
+
+def _one_deadline_trade(step: float) -> list[str]:
+    """A running job that misses if anyone joins; a newcomer that meets its own deadline either way.
+    ``step``: what the newcomer adds to a step, as a share of its own step alone."""
+    def cost(jobs: Sequence[EngineJob]) -> float:
+        return 1.0 + step * (len(jobs) - 1)
+
+    s = BatchScheduler(2, step_time=cost, clock=lambda: NOW)
+    s.add(job("edge", A, 10, NOW + 10.0 + 1e-6))  # 10 steps x 1.0 s alone: just on time
+    s.schedule()
+    s.add(job("new", A, 10, NOW + 100.0))
+    _, admitted = s.schedule()
+    return _ids(admitted)
+
+
+def test_one_deadline_is_traded_for_a_slot_only_where_filling_it_is_nearly_free() -> None:
+    assert _one_deadline_trade(0.5 * SLO_TRADE_MARGINAL) == ["new"]  # GPU-like: nearly free
+    assert _one_deadline_trade(0.9) == []  # CPU-like: a batch costs the sum of its jobs
+
+
+def test_never_two_deadlines_for_one_slot() -> None:
+    def cost(jobs: Sequence[EngineJob]) -> float:
+        return 1.0 + 0.01 * (len(jobs) - 1)
+
+    s = BatchScheduler(3, step_time=cost, clock=lambda: NOW)
+    s.add(job("e1", A, 10, NOW + 10.1 + 1e-6))  # both on time together (10 x 1.01 s), not beside a third
+    s.add(job("e2", A, 10, NOW + 10.1 + 1e-6))
+    s.schedule()
+    assert len(s.running) == 2
+    s.add(job("new", A, 10, NOW + 100.0))
+    _, admitted = s.schedule()
+    assert admitted == [] and s.refused == 1
