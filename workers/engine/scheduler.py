@@ -31,7 +31,8 @@ SLO-aware admission (PatchedServe-style), active only when a step-time predictor
 
 Size affinity (continuous mode, plain admission): when more jobs wait than slots are free, a free
 slot goes to the earliest waiting job of the size most represented in the batch, before older
-jobs of other sizes (minority sizes drain out: the batch converges to one size under load). Every size in a step costs one denoiser call of its own (a fixed cost per call), so under
+jobs of other sizes (minority sizes drain out: the batch converges to one size under load).
+Every size in a step costs one denoiser call of its own (a fixed cost per call), so under
 overload FCFS mixing of sizes buys nothing and costs calls; with spare slots everybody is admitted
 anyway. A job passed over for ``size_affinity_steps`` steps goes first regardless (no starvation);
 0 = strict FCFS.
