@@ -106,6 +106,10 @@ class Settings:
     mask_aware: bool = True
     maskaware_kv_source: str = "cache"  # cache (K/V + block outputs) | recompute (outputs only)
     mask_dilation: int = 0  # dilate token masks by this many tokens (fewer seams, more compute)
+    # UNet coarse levels' token masks: 0 = OR-pooling (a token with any masked pixel is recomputed:
+    # the fidelity-first default), else recompute tokens with at least this share of masked pixels
+    # (workers/maskaware/tokens.py). Speed and fidelity of 0.25 / 0.5 at true sizes: BENCHMARKS.md.
+    mask_pool_threshold: float = 0.0
     # Host-RAM tier budget per GPU worker; 0 = auto (workers/engine/host_budget.py): fraction
     # host_cache_fraction of physical memory per GPU worker of the host minus the model's weights,
     # capped by available memory minus 1 GiB; logged at start.
@@ -187,11 +191,12 @@ class Settings:
     # default deadline yield to on-time ones and expires jobs whose (user) deadline is out of reach,
     # with the cost model's step-time predictor. auto (default) | on | off. auto = on wherever the
     # resolution-aware batch predictor is fitted (``stencil profile --sizes``), because that is where
-    # it helps (BENCHMARKS.md, mixed sizes): at loads up to 0.7 it is within 3 points of FCFS and
-    # equal in throughput; against continuous batching with size affinity it meets 10-24% more
-    # deadlines where the latter meets 80% or fewer and 37% to 18x more above that load, for 0-1%
-    # less throughput below saturation and 7-27% less under sustained overload; a burst where every job is late (a catalog) batches like FCFS while
-    # new on-time jobs go first. Off without it: a single-size linear model mispredicts mixed-size
+    # it helps (BENCHMARKS.md, mixed sizes): at loads up to 0.7 it is within 2 points of continuous
+    # batching with size affinity and equal in throughput; it meets 30% more deadlines (real run;
+    # 20-23% in the simulator) at the first load where the latter meets 80% or fewer and 57% to 15x
+    # more above it, for 0-1% less throughput below saturation and 10-17% less under sustained
+    # overload; a burst where every job is late (a catalog) batches like FCFS while new on-time
+    # jobs go first. Off without it: a single-size linear model mispredicts mixed-size
     # batches. on = with any fitted model; off = never (highest peak throughput under overload).
     slo_admission: str = "auto"
     # Default deadline of a job without one: submission + slo_factor x its standalone time (alone on an

@@ -213,6 +213,8 @@ def get_engine() -> Engine:
                 lora = LoraPatcher(unet, "unet", bank.get, merge_buffers=s.lora_merge_buffers)
                 maskaware = MaskAwareUNet(unet, kv_source=s.maskaware_kv_source,  # type: ignore[arg-type]
                                           compile=s.compile) if s.mask_aware else None
+                if maskaware is not None:
+                    maskaware.pool_threshold = s.mask_pool_threshold
                 controlnets = ControlNetBank(store_loader(ctx.object_store().get, s.device, unet.dtype),
                                              s.controlnet_cache_bytes)
                 runner = SDRunner(unet, ctx.scheduler_config(), s.device, maskaware=maskaware, lora=lora, compile=s.compile,

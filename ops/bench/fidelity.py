@@ -29,8 +29,10 @@ COLUMNS = ("ratio", "ssim", "psnr", "ssim_unmasked", "psnr_unmasked", "ssim_mask
 
 
 def bench_family(name: str, traces: list[str], n: int, steps: int, seed: int, guidance: float,
-                 options: list[Option], model: str = "") -> list[dict[str, Any]]:
-    """Rows of (edit, option) metrics vs full compute for one family at one guidance."""
+                 options: list[Option], model: str = "", pool_thresholds: tuple[float, ...] = (0.0,)
+                 ) -> list[dict[str, Any]]:
+    """Rows of (edit, option) metrics vs full compute for one family at one guidance; SD options run
+    once per coarse-level token pooling threshold (named ``option+poolT`` when not the OR default)."""
     fam = Family(name, model=model or DEFAULT_MODELS[name])
     templates, keys = fam.warmed_templates(steps, guidance)
     rng = np.random.default_rng(seed)
@@ -49,10 +51,12 @@ def bench_family(name: str, traces: list[str], n: int, steps: int, seed: int, gu
             tensors, meta = fam.prepare(templates[t], mask, params)
             full = fam.full(tensors, meta)
             pixel_mask = tensors["pixel_mask"].bool().numpy()
-            for opt in options:
+            for opt, threshold in [(o, th) for o in options for th in (pool_thresholds if name == "sd" else (0.0,))]:
                 key = warm(fam, f"t{t}-e{k}-{trace}", templates[t], mask, params) if opt.region else keys[t]
+                fam.ctrl.pool_threshold = threshold  # type: ignore[union-attr]
                 out = edit(fam, opt, templates[t], mask, params, key)
-                rows.append({"family": name, "trace": trace, "option": opt.name, "guidance": guidance,
+                label = opt.name if not threshold else f"{opt.name}+pool{threshold:g}"
+                rows.append({"family": name, "trace": trace, "option": label, "guidance": guidance,
                              "ratio": float(pixel_mask.mean()), "refresh_steps": out["refresh_steps"],
                              **metrics(full, fam.decode(out["latents"]), pixel_mask)})
     return rows
@@ -84,8 +88,10 @@ def render(summary: list[dict[str, Any]], command: str, elapsed: float, models: 
              "| family | guidance | option | trace | edits | mean ratio | SSIM | PSNR dB | SSIM unmasked "
              "| SSIM in mask | PSNR in mask dB |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(summary, key=lambda r: (r["family"], r["guidance"], list(OPTIONS).index(r["option"]),
-                                            r["trace"])):
+    def order(r: dict[str, Any]) -> tuple:
+        return (r["family"], r["guidance"], list(OPTIONS).index(r["option"].split("+")[0]), r["option"], r["trace"])
+
+    for r in sorted(summary, key=order):
         lines.append(f"| {r['family']} | {r['guidance']:g} | {r['option']} | {r['trace']} | {r['edits']} | "
                      f"{r['ratio']:.3f} | {r['ssim']:.3f} | {r['psnr']:.1f} | {r['ssim_unmasked']:.3f} | "
                      f"{r['ssim_masked']:.3f} | {r['psnr_masked']:.1f} |")
@@ -117,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sd-model", default=DEFAULT_MODELS["sd"], help="embedded model id or a pipeline folder")
     p.add_argument("--flux-model", default=DEFAULT_MODELS["flux"],
                    help="embedded model id or a pipeline folder ('' = the random-init tiny Flux Fill)")
+    p.add_argument("--pool-thresholds", default="0",
+                   help="comma-separated UNet coarse-level token pooling thresholds to compare (0 = OR, the default)")
     p.add_argument("--json", default="", help="also write the summary as JSON here")
     p.add_argument("--write-expected", action="store_true",
                    help=f"write the policies' mean SSIM per model and guidance to {EXPECTED_FILE}")
@@ -136,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         for g in (float(x) for x in args.guidance.split(",")):
             for fam in models:
                 rows += bench_family(fam, args.traces.split(","), args.n, args.steps, args.seed, g, options,
-                                     models[fam])
+                                     models[fam], tuple(float(x) for x in args.pool_thresholds.split(",")))
         summary, elapsed, command = summarize(rows), run.elapsed(), run.command
     named = {f: m or "tiny-flux-fill (random init)" for f, m in models.items()}
     run.write(render(summary, command, elapsed, named))

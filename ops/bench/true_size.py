@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from app.settings import Settings
 from ops.bench.harness import cli
 from ops.bench.harness.models import flux_image_ids, job_masks
 from ops.bench.harness.timing import CLOCK_TEXT, CLOCKS, loadavg
@@ -176,6 +177,7 @@ def run_unet(key: str, args: argparse.Namespace, dtype: torch.dtype) -> list[str
                                        "time_ids": time_ids}
         added = f", added conditioning text_embeds [2, {pooled}] + time_ids [2, 6] ({px}, {px}, 0, 0, {px}, {px})"
     ctrl = MaskAwareUNet(unet, kv_source="cache")
+    ctrl.pool_threshold = args.pool_threshold
     n_blocks = len(ctrl.block_names)
     clock = CLOCKS[args.clock]
     with torch.no_grad():
@@ -207,10 +209,14 @@ def run_unet(key: str, args: argparse.Namespace, dtype: torch.dtype) -> list[str
 
         fulls, times, speed = rounds(args.rounds, args.ratios, lambda: timed(None), lambda r: timed(groups[r]),
                                      args.seed)
+        split = step_split(unet, clock, forward, [None] + [groups[r] for r in args.ratios])
     ctrl.remove()
     n0 = latent * latent
+    pooled = f", coarse-level token pooling by coverage >= {args.pool_threshold:g}" if args.pool_threshold else ""
     head = (f"## {model_id}: {n_par / 1e9:.3f} B-parameter UNet at {latent * 8} px ({latent}x{latent} latent), "
-            f"CFG batch 2, {dtype}")
+            f"CFG batch 2, {dtype}{pooled}")
+    level_share = "; ".join(f"r = {r:g}: " + ", ".join(f"{float(lv.float().mean()):.3f}" for lv in masks[r].levels)
+                            for r in args.ratios)
     lines = [head, "", "Command:", "", "```", args.command, "```", "",
              f"- UNet2DConditionModel, public config (in_channels 9, block_out_channels "
              f"{tuple(cfg['block_out_channels'])}, transformer_layers_per_block "
@@ -218,7 +224,10 @@ def run_unet(key: str, args: argparse.Namespace, dtype: torch.dtype) -> list[str
              f"text {text_len} tokens{added}; both rows at t = 500.",
              f"- Mask-aware: MaskAwareUNet kv_source `cache` (K/V of every block + Y of each transformer's last "
              f"block), {n_blocks} transformer blocks; cache {cache_bytes / 2 ** 20:.0f} MiB per step "
-             f"per CFG job in {dtype}. Masks: blob (job 0) at exact pixel ratio, OR-pooled to tokens.",
+             f"per CFG job in {dtype}. Masks: blob (job 0) at exact pixel ratio, "
+             f"{'pooled by coverage' if args.pool_threshold else 'OR-pooled'} to tokens; masked share per level "
+             f"(latent, then each coarser level): {level_share}.",
+             f"- CPU: {cpu_model()}.",
              f"- {args.rounds} rounds; full step median {_med(fulls) * 1e3:.0f} ms (min {min(fulls) * 1e3:.0f}, "
              f"max {max(fulls) * 1e3:.0f}, {len(fulls)} full steps). Output scale max |full| = {scale:.3g}.", "",
              "| mask ratio | tokens L0 | mask-aware step ms (median) | full step ms (median) | speedup (median full / "
@@ -228,13 +237,70 @@ def run_unet(key: str, args: argparse.Namespace, dtype: torch.dtype) -> list[str
         lines.append(f"| {r:.2f} | {masks[r].count(n0) / n0:.3f} | {_med(times[r]) * 1e3:.0f} | "
                      f"{_med(fulls) * 1e3:.0f} | {_med(fulls) / _med(times[r]):.2f}x | {_med(speed[r]):.2f}x | "
                      f"{checks[r]:.2e} |")
+    lines += ["", "Where the step goes (one more forward of each kind with hooks on every `Transformer2DModel`: "
+              "its time is the transformer blocks' share, the rest is convolutions, ResNets, up/down sampling "
+              "and embeddings, which mask-aware compute leaves on the full map; ceiling = full step / rest, "
+              "the speedup if the transformers cost nothing):", "",
+              "| forward | step ms | transformers ms | rest ms | transformer share | ceiling |",
+              "|---|---|---|---|---|---|"]
+    full_total, full_tr = split[0]
+    rest = full_total - full_tr
+    lines.append(f"| full | {full_total * 1e3:.0f} | {full_tr * 1e3:.0f} | {rest * 1e3:.0f} | "
+                 f"{full_tr / full_total:.1%} | {full_total / rest:.2f}x |")
+    for r, (tot, tr) in zip(args.ratios, split[1:]):
+        lines.append(f"| mask-aware r = {r:.2f} | {tot * 1e3:.0f} | {tr * 1e3:.0f} | {(tot - tr) * 1e3:.0f} | "
+                     f"{tr / tot:.1%} | - |")
     lines.append("")
     log.info("%s done: full %.2f s, r=0.2 speedup %s", key, _med(fulls),
              f"{_med(fulls) / _med(times[0.2]):.2f}x" if 0.2 in times else "-")
-    args.summary[key] = dict(full=_med(fulls), speed={str(r): _med(fulls) / _med(v) for r, v in times.items()},
+    tag = section_key(key, args.pool_threshold)
+    args.summary[tag] = dict(full=_med(fulls), speed={str(r): _med(fulls) / _med(v) for r, v in times.items()},
                              dtype=str(dtype), label=f"{model_id} {latent * 8} px")
-    lines.append(f"<!-- data {json.dumps(args.summary[key])} -->")
+    lines.append(f"<!-- data {json.dumps(args.summary[tag])} -->")
     return lines
+
+
+def section_key(model: str, pool_threshold: float) -> str:
+    """Report section of a run: the model, or model + pooling when not the OR default."""
+    return model if not pool_threshold else f"{model}_pool{round(pool_threshold * 100):02d}"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (sections of one report may come from different machines)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def step_split(unet: torch.nn.Module, clock: Callable[[], float], forward: Callable[[Any], Any],
+               inputs: list[Any]) -> list[tuple[float, float]]:
+    """(step seconds, seconds inside ``Transformer2DModel`` modules) of one forward per input: what
+    mask-aware compute can shrink vs what it leaves on the full map."""
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    spent = [0.0]
+    started: list[float] = []
+    handles = []
+    for m in unet.modules():
+        if isinstance(m, Transformer2DModel):
+            handles.append(m.register_forward_pre_hook(lambda *_: started.append(clock())))
+            handles.append(m.register_forward_hook(
+                lambda *_: spent.__setitem__(0, spent[0] + clock() - started.pop())))
+    out = []
+    try:
+        for x in inputs:
+            spent[0] = 0.0
+            t0 = clock()
+            forward(x)
+            out.append((clock() - t0, spent[0]))
+    finally:
+        for h in handles:
+            h.remove()
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -384,7 +450,8 @@ def merge_report(path: str, header: list[str], sections: dict[str, list[str]]) -
     for k, lines in sections.items():
         old[k] = "\n".join(lines) + "\n"
     out = list(header)
-    for k in ("precision", "sd15", "sdxl", "flux", "summary"):
+    known = ["precision", "sd15", "sdxl", "flux"]
+    for k in known + sorted(set(old) - set(known) - {"summary"}) + ["summary"]:
         if k in old:
             out += [f"<!-- section {k} -->", old[k].rstrip("\n"), f"<!-- /section {k} -->"]
     return "\n".join(out) + "\n"
@@ -426,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="sd15,sdxl,flux", help="comma-separated: sd15, sdxl, flux")
     p.add_argument("--ratios", default="0.05,0.1,0.2,0.4,0.6,0.8,1.0")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--pool-threshold", type=float, default=Settings().mask_pool_threshold,
+                   help="UNet coarse levels' token pooling (STENCIL_MASK_POOL_THRESHOLD; 0 = OR)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights and compute; auto = the faster of the two in the one-block probe")
     p.add_argument("--probe-repeats", type=int, default=3)
@@ -449,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dtype = true_size.DTYPES[args.dtype]
     for key in args.models.split(","):
-        sections[key] = run_flux(args, dtype) if key == "flux" else run_unet(key, args, dtype)
+        sections[section_key(key, 0.0 if key == "flux" else args.pool_threshold)] = (
+            run_flux(args, dtype) if key == "flux" else run_unet(key, args, dtype))
         gc.collect()   # one model at a time: the last one's weights and caches are freed here
     # Summary: this run's models plus, from an earlier report, the others' (kept in their sections).
     data = dict(section_data(args.out), **args.summary)

@@ -8,6 +8,14 @@ of its children is, so coarse levels have a larger masked fraction than the pixe
 dilation by ``k`` tokens is applied per level (a "token" is that level's cell) because seams
 appear at each level's own boundary between fresh and cached tokens.
 
+``pool_threshold`` (``STENCIL_MASK_POOL_THRESHOLD``, default 0 = the OR rule above) trades that
+conservatism for compute at the coarse levels (1 and up; level 0 keeps the OR rule): a coarse
+token is recomputed when at least that share of its pixels is masked (the pixel coverage is pooled
+by area, so a blob of pixel ratio 0.2 stays near 0.2 at SDXL's 32x32 level instead of 0.51), and
+the rest of its tokens take the template's cached values. A level keeps at least its most-covered
+token(s) when the mask reaches it at all. What it costs in fidelity is measured
+(``ops/bench/fidelity.py --pool-threshold``, BENCHMARKS.md).
+
 Token order is row-major ``(y, x)``, as ``Transformer2DModel`` flattens ``permute(0, 2, 3, 1)``.
 Nothing here knows a model: shapes come from the latent size and the number of UNet levels.
 
@@ -117,10 +125,37 @@ class TokenMasks:
         return cls([tensors[f"level_{i}"].bool() for i in range(n)])
 
 
+def coverage_levels(mask: torch.Tensor, latent_hw: tuple[int, int], num_levels: int,
+                    threshold: float) -> list[torch.Tensor]:
+    """Level 0 = the OR latent mask; level k >= 1: tokens whose masked pixel share (area-pooled,
+    ceil like stride-2 convs) is at least ``threshold``, plus the most-covered token(s) of a level
+    the mask reaches, so no masked level is left without fresh tokens."""
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"pool threshold must be in (0, 1], got {threshold}")
+    m = _as_bool_2d(mask)
+    coverage = F.adaptive_avg_pool2d(m.float()[None, None], latent_hw)
+    levels = [latent_mask(m, latent_hw)]
+    for _ in range(num_levels - 1):
+        h, w = coverage.shape[-2:]
+        padded = F.pad(coverage, (0, w % 2, 0, h % 2))  # ceil mode: a half-outside window averages its pixels inside
+        weight = F.pad(torch.ones_like(coverage), (0, w % 2, 0, h % 2))
+        coverage = F.avg_pool2d(padded, 2) / F.avg_pool2d(weight, 2)
+        level = coverage[0, 0] >= threshold - 1e-6
+        top = float(coverage.max())
+        if top > 0:
+            level |= coverage[0, 0] >= top - 1e-6
+        levels.append(level)
+    return levels
+
+
 def build_token_masks(mask: torch.Tensor, latent_hw: tuple[int, int], num_levels: int,
-                      dilation: int = 0) -> TokenMasks:
-    """Pixel (or latent) mask -> latent mask -> OR-pooled levels -> per-level dilation."""
-    levels = pool_levels(latent_mask(mask, latent_hw), num_levels)
+                      dilation: int = 0, pool_threshold: float = 0.0) -> TokenMasks:
+    """Pixel (or latent) mask -> latent mask -> pooled levels (OR, or by coverage when
+    ``pool_threshold`` > 0) -> per-level dilation."""
+    if pool_threshold > 0:
+        levels = coverage_levels(mask, latent_hw, num_levels, pool_threshold)
+    else:
+        levels = pool_levels(latent_mask(mask, latent_hw), num_levels)
     return TokenMasks([dilate(lvl, dilation) for lvl in levels])
 
 

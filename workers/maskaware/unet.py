@@ -343,6 +343,7 @@ class MaskAwareUNet:
         self._tls = threading.local()  # one batch context per thread: calls in lockstep run on threads
         cfg = unet.config
         self.num_levels = len(cfg.down_block_types)
+        self.pool_threshold = 0.0  # coarse levels' token pooling: 0 = OR (tokens.py), else coverage share
         n_up = len(cfg.up_block_types)
         last_in_transformer: set[int] = set()
         for mod in unet.modules():
@@ -455,8 +456,9 @@ class MaskAwareUNet:
         return names
 
     def token_masks(self, mask: torch.Tensor, latent_hw: tuple[int, int], dilation: int = 0) -> TokenMasks:
-        """Per-level token masks for this UNet's depth (pixel or latent-size input mask)."""
-        return build_token_masks(mask, latent_hw, self.num_levels, dilation)
+        """Per-level token masks for this UNet's depth (pixel or latent-size input mask);
+        ``pool_threshold``: how coarse levels are pooled (``workers/maskaware/tokens.py``)."""
+        return build_token_masks(mask, latent_hw, self.num_levels, dilation, self.pool_threshold)
 
     def _codec_nbytes(self, blocks: list[_BlockInfo], latent_hw: tuple[int, int], rows: int, codec: str) -> int:
         from workers.engine.cache_codec import stored_nbytes
