@@ -7,9 +7,14 @@ Parts (``--parts``, all by default):
   (``STENCIL_CACHE_DTYPE``), from the cache formula on the real architectures: the UNets are
   built on the ``meta`` device from their public configs (written below; no weights, no memory) and
   enumerated by ``MaskAwareUNet``; Flux from ``flux_cache_nbytes`` shapes. Compared with FlashPS's
-  2.6 GiB per SDXL template.
+  2.6 GiB per SDXL template. With and without shared CFG rows (``cache_codec.share_rows``): a
+  template warm-up records with prompt "" and negative prompt "", so its two CFG rows are
+  bit-equal and stored once; a cache recorded with a real prompt (exact-region warm-ups) keeps
+  both rows. Template counts (``hosttier``) assume shared rows.
 - ``recorded``: one recorded step of a true-size SD 1.5 inpainting UNet (random init from its
-  config, float32) at 512 px with CFG (2 rows), encoded with each codec: stored bytes vs formula.
+  config, float32) at 512 px with CFG (2 rows), encoded with each codec: stored bytes vs formula;
+  once with two different text rows (rows differ: stored in full) and once with one text for
+  both rows (a warm-up's "" / "": rows shared).
 - ``fidelity``: SSIM of edits from compressed vs float32 caches (the same edit, the same
   template, the default fidelity policy) on the trained models at guidance 7.5, and the change in
   SSIM against full compute; the default codec is the most compact with loss <= 0.005.
@@ -93,13 +98,15 @@ def flux_step_bytes(config: dict, image_px: int, codec: str) -> int:
     return blocks * 2 * stored_nbytes((1, n, inner), "b.k", codec) + stored_nbytes((1, n, config["out_channels"]), "output", codec)
 
 
-def step_bytes(name: str, config: dict, image_px: int, codec: str, kv_source: str = "cache") -> int:
-    """Bytes of one step of one job's cache (UNets: CFG, 2 rows) under ``codec``."""
+def step_bytes(name: str, config: dict, image_px: int, codec: str, kv_source: str = "cache",
+               shared_rows: bool = False) -> int:
+    """Bytes of one step of one job's cache (UNets: CFG, 2 rows) under ``codec``; ``shared_rows``:
+    a template warm-up's bit-equal CFG rows stored once (every tensor; Flux has one row anyway)."""
     if "FLUX" in name:
         return flux_step_bytes(config, image_px, codec)
     ctrl = unet_on_meta(config, kv_source)
     lat = image_px // 8
-    return ctrl.cache_nbytes(lat, lat, rows=2, codec=codec)
+    return ctrl.cache_nbytes(lat, lat, rows=2, codec=codec, shared=ctrl.tensor_names() if shared_rows else ())
 
 
 def part_formula(args: argparse.Namespace, state: dict) -> list[str]:
@@ -108,19 +115,28 @@ def part_formula(args: argparse.Namespace, state: dict) -> list[str]:
              f"{STEPS} steps (the pipelines' default `num_inference_steps`); layout `kv+y` (the default: "
              "K and V of every transformer block + the last block output of each transformer; Flux: K, V "
              "of all 57 blocks + the output). int8 = K/V 8-bit with a float32 scale per channel, block "
-             "outputs 16-bit.\n",
-             "| model | px | codec | MiB / step | GiB / template | vs float32 |", "|---|---|---|---|---|---|"]
+             "outputs 16-bit. *Shared CFG rows*: a template warm-up records with prompt \"\" and negative prompt "
+             "\"\", so both rows see bit-equal inputs and (measured on `tiny-sd-inpaint-trained`: every tensor of "
+             "every step) record bit-equal activations, which the recorder stores once (`cache_codec.share_rows`, "
+             "lossless: rows differing in any bit stay); assumed for every template cache below. Caches recorded "
+             "with a real prompt (exact-region warm-ups) keep both rows (the *rows differ* columns).\n",
+             "| model | px | codec | MiB / step, rows differ | GiB / template, rows differ | "
+             "MiB / step, shared CFG rows | GiB / template, shared CFG rows | vs float32 |",
+             "|---|---|---|---|---|---|---|---|"]
     table: dict[tuple[str, str], int] = {}
+    full_rows: dict[tuple[str, str], int] = {}
     for name, config, px in MODELS:
         f32 = step_bytes(name, config, px, "float32")
         for codec in CODECS:
-            b = step_bytes(name, config, px, codec)
-            table[(name, codec)] = b
-            lines.append(f"| {name} | {px} | {codec} | {b / MiB:.1f} | {b * STEPS / GiB:.2f} | {b / f32:.3f} |")
-    state["formula"] = table
+            b = full_rows[(name, codec)] = step_bytes(name, config, px, codec)
+            sh = table[(name, codec)] = step_bytes(name, config, px, codec, shared_rows=True)
+            lines.append(f"| {name} | {px} | {codec} | {b / MiB:.1f} | {b * STEPS / GiB:.2f} | "
+                         f"{sh / MiB:.1f} | {sh * STEPS / GiB:.2f} | {b / f32:.3f} |")
+    state["formula"] = table  # template caches: shared CFG rows
+    state["formula_full_rows"] = full_rows
     y = {c: step_bytes("SDXL inpainting", SDXL_INPAINT, 1024, c, "recompute") for c in ("float32", "float16")}
-    sdxl = {c: table[("SDXL inpainting", c)] for c in CODECS}
-    default = state.get("default", "int8")
+    sdxl = {c: full_rows[("SDXL inpainting", c)] for c in CODECS}
+    sdxl_shared = table[("SDXL inpainting", default := state.get("default", "int8"))]
     per_step_budget = FLASHPS_SDXL_BYTES / STEPS
     lines += ["",
               f"**SDXL vs FlashPS.** FlashPS reports up to 2.6 GiB of activations per SDXL template (issue 19; "
@@ -135,15 +151,19 @@ def part_formula(args: argparse.Namespace, state: dict) -> list[str]:
               f"{y['float16'] / MiB:.0f} MiB/step in 16 bits. 2.6 GiB at 50 steps cannot hold one float16 "
               "tensor of 1024 px SDXL's 64x64 level (640 channels) per transformer block per step for two "
               "CFG rows, so FlashPS's figure must come from a smaller cache (fewer blocks, steps or rows, or "
-              "a lower resolution); the target is not met by compression alone (see gaps in the summary).\n"]
+              "a lower resolution); the target is not met by compression alone (see gaps in the summary). "
+              f"With shared CFG rows (a template warm-up) the default codec's SDXL cache is "
+              f"{sdxl_shared / MiB:.0f} MiB/step, {sdxl_shared * STEPS / GiB:.1f} GiB per 50-step template "
+              f"({sdxl_shared * STEPS / FLASHPS_SDXL_BYTES:.2f}x FlashPS's figure).\n"]
     return lines
 
 
 # -- recorded ------------------------------------------------------------------------------------
 
 
-def record_step(config: dict, image_px: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """One recorded step (CFG, 2 rows) of a random-init UNet built from ``config``."""
+def record_step(config: dict, image_px: int, seed: int = 0, rows_alike: bool = False) -> dict[str, torch.Tensor]:
+    """One recorded step (CFG, 2 rows) of a random-init UNet built from ``config``; ``rows_alike``:
+    one text for both rows (a template warm-up's prompt "" and negative prompt "")."""
     from diffusers import UNet2DConditionModel
 
     from workers.maskaware.unet import MaskAwareUNet, RowGroup
@@ -155,6 +175,9 @@ def record_step(config: dict, image_px: int, seed: int = 0) -> dict[str, torch.T
     g = torch.Generator().manual_seed(seed)
     sample = torch.randn(2, config["in_channels"], lat, lat, generator=g)
     text = torch.randn(2, 77, config["cross_attention_dim"], generator=g)
+    sample = sample[:1].expand(2, -1, -1, -1).contiguous()  # CFG: one latent for both rows
+    if rows_alike:
+        text = text[:1].expand(2, -1, -1).contiguous()
     with torch.no_grad(), ctrl.batch([RowGroup(2, "record")]) as ctx:
         unet(sample, torch.tensor([500, 500]), text)
     rec = ctx.recorded[0]
@@ -173,18 +196,28 @@ def part_recorded(args: argparse.Namespace, state: dict) -> list[str]:
     t0 = time.perf_counter()
     rec = record_step(config, px, args.seed)
     took = time.perf_counter() - t0
-    state["recorded"] = rec
+    alike = record_step(config, px, args.seed, rows_alike=True)
+    state["recorded"], state["recorded_alike"] = rec, alike
     ctrl = unet_on_meta(config)
     lines = ["## Recorded step vs formula\n",
              f"One recorded step ({'SD 1.5 inpainting architecture' if not args.quick else 'a small UNet (quick)'}, "
              f"random init, float32 weights, {px} px, CFG 2 rows; {took:.1f} s to build and run), encoded with each "
-             "codec as the recorder stores it:\n",
-             "| codec | stored MiB | formula MiB | max abs error / channel max (K/V) | max rel error (Y) | decode ms (CPU, 1 thread pool) |",
-             "|---|---|---|---|---|---|"]
+             "codec as the recorder stores it. *Rows differ*: two different text rows (a real prompt); *shared*: one "
+             "text for both rows (a template warm-up's \"\" / \"\"), bit-equal rows stored once "
+             "(`cache_codec.share_rows`; decoded back bit for bit):\n",
+             "| codec | stored MiB | formula MiB | stored MiB, shared | formula MiB, shared | "
+             "max abs error / channel max (K/V) | max rel error (Y) | decode ms (CPU, 1 thread pool) |",
+             "|---|---|---|---|---|---|---|---|"]
     for codec in CODECS:
         enc = cache_codec.encode(rec, codec)
         stored = sum(t.numel() * t.element_size() for t in enc.values())
         formula = ctrl.cache_nbytes(px // 8, px // 8, rows=2, codec=codec)
+        enc_alike = cache_codec.encode(alike, codec)
+        shared, names = cache_codec.share_rows(enc_alike, 2)
+        stored_sh = sum(t.numel() * t.element_size() for t in shared.values())
+        formula_sh = ctrl.cache_nbytes(px // 8, px // 8, rows=2, codec=codec, shared=names)
+        assert all(torch.equal(cache_codec.decode_tensor(shared[n], rows=2), cache_codec.decode_tensor(enc_alike[n]))
+                   for n in shared), "shared rows must decode bit for bit"
         kv_err, y_err = 0.0, 0.0
         for n, t in rec.items():
             back = cache_codec.decode_tensor(enc[n])
@@ -197,7 +230,9 @@ def part_recorded(args: argparse.Namespace, state: dict) -> list[str]:
         for t in enc.values():
             cache_codec.decode_tensor(t)
         dec = time.perf_counter() - t0
-        lines.append(f"| {codec} | {stored / MiB:.2f} | {formula / MiB:.2f} | {kv_err:.2e} | {y_err:.2e} | {dec * 1000:.1f} |")
+        lines.append(f"| {codec} | {stored / MiB:.2f} | {formula / MiB:.2f} | {stored_sh / MiB:.2f} "
+                     f"({len(names)}/{len(shared)} shared) | {formula_sh / MiB:.2f} | {kv_err:.2e} | {y_err:.2e} | "
+                     f"{dec * 1000:.1f} |")
         state.setdefault("recorded_bytes", {})[codec] = stored
     lines.append("")
     return lines
@@ -298,14 +333,15 @@ def part_hosttier(args: argparse.Namespace, state: dict) -> list[str]:
 
     total, avail = read_meminfo()
     auto = host_cache_budget(0, 0.5)
-    formula = state.get("formula") or {(n, c): step_bytes(n, cfg, px, c) for n, cfg, px in MODELS for c in CODECS}
+    formula = state.get("formula") or {(n, c): step_bytes(n, cfg, px, c, shared_rows=True)
+                                       for n, cfg, px in MODELS for c in CODECS}
     hosts = [("this machine (auto)", auto), ("GPU host 256 GiB / 8 GPUs (auto)", int(0.5 * 256 * GiB / 8)),
              ("GPU host 2 TiB / 8 GPUs (auto)", int(0.5 * 2048 * GiB / 8)), ("old default", 2 * GiB)]
     lines = ["## Templates the host tier holds\n",
              f"Auto budget = 0.5 x physical memory / GPU workers per host - weights (`STENCIL_HOST_CACHE_BYTES=0`, "
              f"`workers/engine/host_budget.py`); this machine: {total / GiB:.1f} GiB physical, {avail / GiB:.1f} GiB "
              f"available -> {auto / GiB:.1f} GiB (weights of the worker's model subtracted at start; not here). "
-             f"Whole {STEPS}-step templates per worker:\n",
+             f"Whole {STEPS}-step templates per worker (template caches: shared CFG rows, see the formula):\n",
              "| model | codec | GiB / template | " + " | ".join(h for h, _ in hosts) + " |",
              "|---|---|---|" + "---|" * len(hosts)]
     for name, _cfg, _px in MODELS:
@@ -326,16 +362,18 @@ def replay(args: argparse.Namespace, state: dict) -> list[str]:
     from workers.engine.template_cache import StepCacheProvider
     from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
 
-    rec = state.get("recorded")
-    if rec is None:
+    if state.get("recorded") is None:
         part_recorded(args, state)
-        rec = state["recorded"]
+    alike = state["recorded_alike"]
     k, n_tpl = args.replay_steps, args.replay_templates
-    step_f32 = sum(t.numel() * 4 for t in rec.values())
+    # Template caches as stored: one text for both rows, bit-equal CFG rows stored once.
+    stored_f32, _shared = cache_codec.share_rows(cache_codec.encode(alike, "float32"), 2)
+    step_f32 = sum(t.numel() * 4 for t in stored_f32.values())
     budget = int(args.replay_budget_templates * k * step_f32 * 0.3)  # ~ what holds int8 templates, not float32
     link = args.link_mibps * MiB
-    lines = [f"**Prefetch replay (measured).** True-size SD 1.5 steps (the recorded step above, real activations, "
-             f"{step_f32 / MiB:.0f} MiB in float32), {n_tpl} templates x {k} steps, host budget {budget / GiB:.2f} GiB, "
+    lines = [f"**Prefetch replay (measured).** True-size SD 1.5 steps (the step recorded above with one text for "
+             f"both rows, real activations, stored as template caches are: shared CFG rows, {step_f32 / MiB:.0f} MiB "
+             f"in float32), {n_tpl} templates x {k} steps, host budget {budget / GiB:.2f} GiB, "
              f"link {args.link_mibps:g} MiB/s + 2 ms per request (`ThrottledStore`), an emulated GPU step of "
              f"{args.step_ms:g} ms (SD 1.5 at 512 px with CFG on an A100-class GPU is ~50 ms per step: bubble.py's "
              f"scale note), prefetch {k} steps ahead from the job's arrival; jobs one after another over the templates "
@@ -346,13 +384,13 @@ def replay(args: argparse.Namespace, state: dict) -> list[str]:
     for codec in CODECS:
         with tempfile.TemporaryDirectory(prefix="stencil-cb-") as root:
             acts = ActivationStore(LocalStore(Path(root)))
-            enc = cache_codec.encode(rec, codec)
+            enc, shared = cache_codec.share_rows(cache_codec.encode(alike, codec), 2)
             nbytes = sum(t.numel() * t.element_size() for t in enc.values())
             keys = [TemplateCacheKey("bench", f"t{i}", 512, 512, "ddim", k, 1.0, "cfg2", "kv+y") for i in range(n_tpl)]
             for key in keys:
                 for s in range(k):
-                    acts.put_step(key, s, enc, codec=codec)
-                acts.commit(key, {"codec": codec})
+                    acts.put_step(key, s, enc, codec=codec, rows=2)
+                acts.commit(key, {"codec": codec, "rows": 2, "shared_rows": sorted(shared)})
             store = ThrottledStore(LocalStore(Path(root)), link, 0.002)
             provider = StepCacheProvider(ActivationStore(store), budget, fetch_threads=2)
             stalls = [0.0, 0.0]

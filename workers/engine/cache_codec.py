@@ -21,6 +21,22 @@ Codecs (``STENCIL_CACHE_DTYPE``):
 
 Decoding is selected by the stored dtype (int8 = packed quantized tensor), so a cache is
 self-describing; the manifest also records the codec (``"codec"``) for the job record.
+
+Shared CFG rows (``share_rows``). A cached tensor's leading axis holds the job's rows (2 with
+classifier-free guidance: uncond, cond). Template warm-ups record with prompt "" and negative
+prompt "", so both rows see bit-identical inputs and their activations are usually bit-identical:
+storing them twice doubles host-tier, link and store bytes. After encoding, a tensor whose stored
+rows are all bit-equal (compared as raw bytes: ``torch.equal`` would take -0.0 for 0.0 and never
+NaN for NaN) is stored with one row; rows that differ in any bit are stored in full, so this is
+lossless with respect to the codec. A cache records its row count ``rows`` (manifest and object
+metadata, ``CacheRecorder``); every tensor of such a cache was recorded with ``rows`` rows, so a
+stored tensor with one row where ``rows`` > 1 is a shared one, and decoding expands it back
+(``expand_rows``: a zero-copy ``expand``; consumers only read cached tensors, copying them before
+any write, ``workers/maskaware/unet.py`` ``_scatter_copy``). int8 tensors keep their scales
+per row, so a shared row's scales are those of every row. The stored tensor is still one tensor
+per name, so ranged unit reads, host-tier byte accounting (the bytes actually held) and the
+plan's units need no change; predicted sizes take the shared names (``stored_nbytes(shared=True)``,
+``MaskAwareUNet.unit_nbytes(shared=...)``).
 """
 
 from __future__ import annotations
@@ -33,6 +49,42 @@ CODECS = ("float32", "float16", "bfloat16", "int8")
 SCALE_ROWS = 4  # bytes of one float32 scale: rows appended along the token axis
 _KV_SUFFIXES = (".k", ".k_roped", ".v")
 _FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def rows_equal(t: torch.Tensor) -> bool:
+    """True if ``t`` has more than one row (leading axis) and every row is bit-equal to the first."""
+    if t.dim() == 0 or t.shape[0] < 2:
+        return False
+    raw = t.detach().contiguous().reshape(t.shape[0], -1)
+    if raw.is_floating_point() or raw.is_complex():  # raw bytes: -0.0 != 0.0, NaN == same NaN
+        raw = raw.view(torch.uint8)
+    return all(torch.equal(raw[0], raw[i]) for i in range(1, raw.shape[0]))
+
+
+def share_rows(tensors: Mapping[str, torch.Tensor], rows: int) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Stored tensors with bit-equal rows kept once (``[rows, ...]`` -> ``[1, ...]``), and the
+    names so stored. Every tensor must have ``rows`` rows: a one-row tensor is read as shared."""
+    if any(t.dim() == 0 or t.shape[0] != rows for t in tensors.values()):
+        raise ValueError(f"every tensor of a {rows}-row cache needs {rows} rows on its leading axis")
+    out, shared = {}, []
+    for name, t in tensors.items():
+        if rows > 1 and rows_equal(t):
+            out[name] = t[:1].clone()
+            shared.append(name)
+        else:
+            out[name] = t
+    return out, shared
+
+
+def is_shared(t: torch.Tensor, rows: int) -> bool:
+    """A stored tensor holds one shared row: one row in a cache of ``rows`` > 1 rows."""
+    return rows > 1 and t.dim() > 0 and t.shape[0] == 1
+
+
+def expand_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A shared-row tensor as its ``rows`` rows: a zero-copy view (read-only use); any other
+    tensor as it is."""
+    return t.expand(rows, *t.shape[1:]) if is_shared(t, rows) else t
 
 
 def check_codec(codec: str) -> str:
@@ -100,35 +152,38 @@ def encode(tensors: Mapping[str, torch.Tensor], codec: str) -> dict[str, torch.T
 
 
 def decode_tensor(t: torch.Tensor, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str | None = None) -> torch.Tensor:
-    """A stored tensor in the compute dtype on ``device`` (moved compressed, decoded there)."""
+                  device: torch.device | str | None = None, rows: int = 0) -> torch.Tensor:
+    """A stored tensor in the compute dtype on ``device`` (moved compressed, decoded there);
+    ``rows``: the cache's row count (a shared row is decoded once, then expanded)."""
     if device is not None:
         t = t.to(device, non_blocking=True)
     if t.dtype == torch.int8:
-        return dequantize(t, dtype)
-    return t.to(dtype)
+        return expand_rows(dequantize(t, dtype), rows)
+    return expand_rows(t.to(dtype), rows)
 
 
-def needs_decode(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> bool:
+def needs_decode(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, rows: int = 0) -> bool:
     """False when every tensor is already in the compute dtype (float32 storage of float32
-    compute): then the stored tensors are handed over as they are (bit for bit, no copy)."""
-    return any(t.dtype != dtype for t in tensors.values())
+    compute) and none holds shared rows: then the stored tensors are handed over as they are
+    (bit for bit, no copy)."""
+    return any(t.dtype != dtype or is_shared(t, rows) for t in tensors.values())
 
 
 class DecodedStep(Mapping[str, torch.Tensor]):
     """A read-only view of stored step tensors that decodes each name on first access."""
 
     def __init__(self, stored: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, rows: int = 0) -> None:
         self.stored = stored
         self.dtype = dtype
         self.device = device
+        self.rows = rows
         self._decoded: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self._decoded.get(name)
         if t is None:
-            t = self._decoded[name] = decode_tensor(self.stored[name], self.dtype, self.device)
+            t = self._decoded[name] = decode_tensor(self.stored[name], self.dtype, self.device, self.rows)
         return t
 
     def __contains__(self, name: object) -> bool:
@@ -142,16 +197,19 @@ class DecodedStep(Mapping[str, torch.Tensor]):
 
 
 def decoded(stored: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-            device: torch.device | str | None = None) -> Mapping[str, torch.Tensor]:
-    """``stored`` itself if nothing needs decoding, else a lazily decoding view."""
-    if not needs_decode(stored, dtype):
+            device: torch.device | str | None = None, rows: int = 0) -> Mapping[str, torch.Tensor]:
+    """``stored`` itself if nothing needs decoding, else a lazily decoding view (``rows``: the
+    cache's row count, for shared rows; 0 = none shared)."""
+    if not needs_decode(stored, dtype, rows):
         return stored
-    return DecodedStep(stored, dtype, device)
+    return DecodedStep(stored, dtype, device, rows)
 
 
-def stored_nbytes(shape: tuple[int, ...], name: str, codec: str) -> int:
+def stored_nbytes(shape: tuple[int, ...], name: str, codec: str, shared: bool = False) -> int:
     """Bytes one cached tensor of ``shape`` takes under ``codec`` (int8: + 4 scale bytes per
-    channel per row; 16-bit tensors beside it)."""
+    channel per row; 16-bit tensors beside it); ``shared``: its rows are stored once."""
+    if shared and shape:
+        shape = (1, *shape[1:])
     numel = 1
     for d in shape:
         numel *= d
@@ -167,4 +225,5 @@ def stored_nbytes(shape: tuple[int, ...], name: str, codec: str) -> int:
 
 
 __all__ = ["CODECS", "DecodedStep", "check_codec", "decode_tensor", "decoded", "dequantize", "encode",
-           "encode_tensor", "is_kv", "needs_decode", "quantize", "stored_nbytes"]
+           "encode_tensor", "expand_rows", "is_kv", "is_shared", "needs_decode", "quantize", "rows_equal", "share_rows",
+           "stored_nbytes"]

@@ -78,6 +78,7 @@ class PlanJob:
     resident: set[str] | None = None  # pending jobs: units already resident; None: all resident
     full_units: frozenset[str] = frozenset()  # units its cache does not store: always computed fully
     codec: str = ""  # storage codec of its cache (bytes to load); "" = the model's dtype
+    shared: frozenset[str] = frozenset()  # names its cache stores with one row (bit-equal rows)
 
 
 REFERENCE_RATIO = 0.2  # the edit a warm-up's stored units are planned for (FlashPS's headline ratio)
@@ -128,8 +129,10 @@ def unit_costs(ctrl: Any, cost: UnitCostModel, jobs: list[PlanJob], latent_hw: t
             extra_full += j.rows * n
             if j.slot not in slots:
                 slots.add(j.slot)  # type: ignore[arg-type]
-                nbytes += (ctrl.unit_nbytes(u, latent_hw, j.rows, codec=j.codec) if j.codec
-                           else ctrl.unit_nbytes(u, latent_hw, j.rows))
+                kwargs: dict[str, Any] = {"codec": j.codec} if j.codec else {}
+                if j.shared:
+                    kwargs["shared"] = j.shared
+                nbytes += ctrl.unit_nbytes(u, latent_hw, j.rows, **kwargs)
         cached = cost.predict(u, base + extra_cached)
         full = cost.predict(u, base + extra_full)
         if cached is None or full is None:
@@ -355,7 +358,11 @@ class BaseRunner(ABC):
             return
         codec = getattr(self.recorder, "codec_for", lambda _k: "")(key)
         latent_hw = (int(st.latents.shape[-2]), int(st.latents.shape[-1]))
-        job = PlanJob(st.rows, RatioMask(REFERENCE_RATIO), ("warm-up", 0), set(), codec=codec)
+        # A warm-up whose rows see bit-equal inputs (prompt "" and negative prompt "") records
+        # bit-equal rows, which the recorder stores once (``cache_codec.share_rows``).
+        shared = (frozenset(self.maskaware.tensor_names())
+                  if getattr(self.recorder, "share_rows", False) and self._rows_alike(st) else frozenset())
+        job = PlanJob(st.rows, RatioMask(REFERENCE_RATIO), ("warm-up", 0), set(), codec=codec, shared=shared)
         blocks = unit_costs(self.maskaware, self.unit_cost, [job], latent_hw, Tier("link", self.link_gbps * 1e9))
         if blocks is None:
             log.info("warm-up %s: unit costs not measured yet, storing every unit", key.digest())
@@ -423,7 +430,7 @@ class BaseRunner(ABC):
         for i, resident in pending:
             st = batch[i].state
             plan_jobs.append(PlanJob(st.rows, st.token_masks, (st.cache_key.digest(), batch[i].steps_done), resident,
-                                     st.extra.get("absent_units", frozenset()), self._codec(st)))
+                                     st.extra.get("absent_units", frozenset()), self._codec(st), self._shared(st)))
         units = self.maskaware.units
         latent_hw = (int(batch[0].state.latents.shape[-2]), int(batch[0].state.latents.shape[-1]))
         chosen: set[str]
@@ -501,7 +508,7 @@ class BaseRunner(ABC):
                 continue
             ahead.append((i, resident | absent))
             plan_jobs.append(PlanJob(st.rows, st.token_masks, (st.cache_key.digest(), nxt), resident, absent,
-                                     self._codec(st)))
+                                     self._codec(st), self._shared(st)))
         if not ahead:
             self.link_bound = False  # the next steps are already resident: the link keeps up
             return
@@ -538,6 +545,16 @@ class BaseRunner(ABC):
     def _codec(self, st: JobState) -> str:
         codec_of = getattr(self.caches, "codec_of", None)
         return codec_of(st.cache_key) if codec_of is not None and st.cache_key is not None else ""
+
+    def _shared(self, st: JobState) -> frozenset[str]:
+        """Names the job's cache stores with one row (manifest ``shared_rows``): fewer bytes to load."""
+        shared_of = getattr(self.caches, "shared_rows_of", None)
+        return shared_of(st.cache_key) if shared_of is not None and st.cache_key is not None else frozenset()
+
+    def _rows_alike(self, st: JobState) -> bool:
+        """Whether every row of the job gets bit-equal inputs (then its recording's rows are
+        expected bit-equal). Families with more than one row per job say so; default: no."""
+        return False
 
     def _link_busy(self) -> float:
         busy = getattr(self.caches, "link_busy_s", None)

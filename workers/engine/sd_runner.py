@@ -29,6 +29,7 @@ from diffusers import UNet2DConditionModel
 from workers.adapters import layout
 from workers.compiled import Compiled
 from workers.controlnets.step import Concurrent, JobControl, Use, residuals
+from workers.engine.cache_codec import rows_equal
 from workers.engine.job import EngineJob
 from workers.engine.runner_base import BaseRunner, JobState
 from workers.maskaware.lockstep import Lockstep
@@ -269,6 +270,14 @@ class SDRunner(BaseRunner):
         if not lockstep:
             self.last_ctx = ctx  # per-unit timings for the plan's cost model
         return out, list(ctx.recorded)
+
+    def _rows_alike(self, st: JobState) -> bool:
+        """CFG rows get bit-equal inputs when the prompt's and the negative prompt's conditioning
+        are bit-equal (template warm-ups: both ""): latents, mask and timestep are shared."""
+        if not isinstance(st, SDJobState) or not st.do_cfg:
+            return False
+        per_row = [st.prompt_embeds, st.add_text_embeds, st.add_time_ids, *(c.image for c in st.controls)]
+        return all(rows_equal(t) for t in per_row if t is not None)
 
     def _guided(self, job: EngineJob, rows: torch.Tensor) -> torch.Tensor:
         st: SDJobState = job.state

@@ -45,6 +45,12 @@ as many more templates as the codec compresses; ``ready`` and ``acquire`` hand t
 that decodes each tensor on first access into ``dtype`` on ``device`` (float32 storage of a
 float32 model: the stored tensors themselves). Units a warm-up did not store (manifest ``units``)
 are never fetched or waited for; the runner computes them fully.
+
+Shared CFG rows (``cache_codec.share_rows``). The recorder stores a tensor whose rows are bit-equal
+(template warm-ups: prompt "" and negative prompt "") with one row and records the cache's row
+count (manifest ``rows``) and the names stored so in every step (``shared_rows``). Host RAM, the
+link and the store carry the one row; the decoding view expands it back to the recorded rows
+(zero-copy), so the model reads what was recorded, bit for bit.
 """
 
 from __future__ import annotations
@@ -169,6 +175,21 @@ class StepCacheProvider:
             return str(self.activations.cached_manifest(key).get("codec", "float32"))
         except Exception:
             return "float32"
+
+    def rows_of(self, key: TemplateCacheKey) -> int:
+        """Row count of a committed cache's tensors (manifest ``rows``), for expanding shared rows;
+        0 = not recorded (caches from before shared rows: nothing to expand)."""
+        try:
+            return int(self.activations.cached_manifest(key).get("rows", 0))  # type: ignore[call-overload]
+        except Exception:  # no manifest: the step's own reads will say so
+            return 0
+
+    def shared_rows_of(self, key: TemplateCacheKey) -> frozenset[str]:
+        """Names a committed cache stores with one row in every step (the plan's load bytes)."""
+        try:
+            return frozenset(self.activations.cached_manifest(key).get("shared_rows", ()))  # type: ignore[arg-type]
+        except Exception:
+            return frozenset()
 
     def _present(self, key: TemplateCacheKey) -> list[str]:
         """This cache's stored units, in execution order."""
@@ -554,10 +575,10 @@ class StepCacheProvider:
                     assert self._units is not None
                     if any(n not in whole for n in self._units[unit]):
                         return None  # a unit its warm-up did not store
-                    return self._decoded({n: whole[n] for n in self._units[unit]})
+                    return self._decoded({n: whole[n] for n in self._units[unit]}, key)
                 fill = self._fills.get(slot)
                 if fill is not None and unit in fill.units:
-                    return self._decoded(fill.units[unit])
+                    return self._decoded(fill.units[unit], key)
                 if fill is None or fill.error is not None:
                     return None  # not being fetched (or failed): never wait for nothing
                 left = deadline - time.monotonic()
@@ -606,11 +627,12 @@ class StepCacheProvider:
         metrics.observe_cache("host", value is not None, 0)
         if value is None and fetch:
             self.prefetch(key, [step])
-        return None if value is None else self._decoded(value)  # type: ignore[return-value]
+        return None if value is None else self._decoded(value, key)  # type: ignore[return-value]
 
-    def _decoded(self, stored: StepTensors) -> Mapping[str, torch.Tensor]:
-        """Stored tensors as the model reads them (decoded lazily; as they are when lossless)."""
-        return cache_codec.decoded(stored, self.dtype, self.device)
+    def _decoded(self, stored: StepTensors, key: TemplateCacheKey) -> Mapping[str, torch.Tensor]:
+        """Stored tensors as the model reads them (decoded lazily, shared rows expanded; as they
+        are when lossless and no row is shared)."""
+        return cache_codec.decoded(stored, self.dtype, self.device, self.rows_of(key))
 
     def wait(self, key: TemplateCacheKey, step: int, timeout: float) -> StepTensors | None:
         """Blocking variant for tools and tests (not used inside the loop)."""
@@ -700,13 +722,19 @@ class CacheRecorder:
     must then equal the stock pipeline) are always stored losslessly, in the dtype they were
     recorded in (``cache_codec.lossless_codec``), whatever the codec, so the exact path stays
     bit-exact. ``units`` (per key, set by the runner): store only
-    these plan units' tensors (the rest is computed fully by edits); recorded in the manifest."""
+    these plan units' tensors (the rest is computed fully by edits); recorded in the manifest.
+    ``share_rows`` (on by default: lossless): a tensor whose rows are bit-equal after encoding is
+    stored with one row (``cache_codec.share_rows``); the manifest records the row count
+    (``rows``) and the names stored so in every step (``shared_rows``)."""
 
-    def __init__(self, activations: ActivationStore, codec: str = "float32") -> None:
+    def __init__(self, activations: ActivationStore, codec: str = "float32", share_rows: bool = True) -> None:
         self.activations = activations
         self.codec = cache_codec.check_codec(codec)
+        self.share_rows = share_rows
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stencil-record")
         self._units: dict[str, list[str]] = {}
+        self._rows: dict[str, int] = {}  # digest -> the recording's row count (validated per step)
+        self._shared: dict[str, set[str]] = {}  # digest -> names shared in every step so far (writer thread)
 
     def codec_for(self, key: TemplateCacheKey) -> str:
         """The codec a cache under ``key`` is stored with. Exact-region caches: lossless, i.e. the
@@ -723,10 +751,28 @@ class CacheRecorder:
         # Copy out of the batch's buffers now: the loop reuses nothing, but be explicit.
         owned = {k: v.detach().to("cpu").clone() for k, v in tensors.items()}
         codec = self.codec_for(key)
-        return self._pool.submit(self._put, key, step, owned, codec)
+        rows = self._recorded_rows(key, owned) if self.share_rows else 0
+        return self._pool.submit(self._put, key, step, owned, codec, rows)
 
-    def _put(self, key: TemplateCacheKey, step: int, tensors: StepTensors, codec: str) -> int:
-        return self.activations.put_step(key, step, cache_codec.encode(tensors, codec), codec=codec)
+    def _recorded_rows(self, key: TemplateCacheKey, tensors: StepTensors) -> int:
+        """The recording's row count: every tensor's leading axis, the same in every step (a
+        one-row tensor of a cache of more rows reads as shared); 0 if the step's tensors disagree
+        (then nothing is shared). Raises if a recording's row count changes between steps."""
+        leads = {int(t.shape[0]) if t.dim() else 0 for t in tensors.values()}
+        rows = leads.pop() if len(leads) == 1 else 0
+        known = self._rows.setdefault(key.digest(), rows)
+        if known != rows and max(known, rows) > 1:
+            raise ValueError(f"cache {key.digest()}: tensors of {rows or 'mixed'} rows after {known}-row "
+                             "steps (shared rows need one row count per cache)")
+        return rows
+
+    def _put(self, key: TemplateCacheKey, step: int, tensors: StepTensors, codec: str, rows: int) -> int:
+        stored = cache_codec.encode(tensors, codec)
+        if rows > 1:
+            stored, shared = cache_codec.share_rows(stored, rows)
+            prev = self._shared.get(key.digest())
+            self._shared[key.digest()] = set(shared) if prev is None else prev & set(shared)
+        return self.activations.put_step(key, step, stored, codec=codec, rows=rows)
 
     def commit(self, key: TemplateCacheKey) -> Future:
         """Runs after every ``put`` submitted before it (single ordered worker)."""
@@ -734,7 +780,15 @@ class CacheRecorder:
         units = self._units.pop(key.digest(), None)
         if units is not None:
             extra["units"] = units
-        return self._pool.submit(self.activations.commit, key, extra)
+        rows = self._rows.pop(key.digest(), 0)
+        return self._pool.submit(self._commit, key, extra, rows)
+
+    def _commit(self, key: TemplateCacheKey, extra: dict[str, object], rows: int) -> dict[str, object]:
+        """On the writer thread, after the steps' puts: their shared names are known now."""
+        shared = self._shared.pop(key.digest(), set())
+        if rows > 1:
+            extra = {**extra, "rows": rows, "shared_rows": sorted(shared)}
+        return self.activations.commit(key, extra)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -105,15 +105,18 @@ class ActivationStore:
         return self._dir(key) + MANIFEST
 
     def put_step(self, key: TemplateCacheKey, step: int, tensors: dict[str, torch.Tensor],
-                 codec: str = "") -> int:
+                 codec: str = "", rows: int = 0) -> int:
         """Store one step's tensors (invisible to readers until ``commit``); returns bytes.
         ``codec``: the storage codec the tensors were encoded with (``workers/engine/cache_codec.py``),
-        recorded in the object's metadata."""
+        recorded in the object's metadata; ``rows``: the recording's row count, when tensors with
+        bit-equal rows are stored with one row (``cache_codec.share_rows``), likewise."""
         if not 0 <= step < key.steps:
             raise ValueError(f"step {step} outside 0..{key.steps - 1}")
         meta = {"key": key.canonical(), "step": str(step), "format": str(FORMAT_VERSION)}
         if codec:
             meta["codec"] = codec
+        if rows:
+            meta["rows"] = str(rows)
         data = tensorfile.encode({k: t.detach().contiguous().cpu() for k, t in tensors.items()}, meta)
         self.store.put(self.step_object(key, step), data)
         return len(data)
@@ -121,7 +124,9 @@ class ActivationStore:
     def commit(self, key: TemplateCacheKey, extra: dict[str, object] | None = None) -> dict[str, object]:
         """Publish the cache: write the manifest over the step objects present. ``extra``: more
         manifest fields (``codec``: the storage codec; ``units``: the plan units stored, when the
-        warm-up stored only those its link speed makes worth loading)."""
+        warm-up stored only those its link speed makes worth loading; ``rows``: every tensor's row
+        count, a one-row tensor then holding bit-equal rows, and ``shared_rows``: the names stored
+        so in every step, ``cache_codec.share_rows``)."""
         steps: dict[str, dict[str, object]] = {}
         d = self._dir(key)
         for obj in self.store.list(d):

@@ -50,7 +50,10 @@ with ``n_tensors`` = 2 + [block is last in its transformer] for ``"kv+y"`` and 1
 Tensor names: ``"<block path>.k"``, ``"<block path>.v"``, ``"<block path>.y"``. Stored with a cache
 codec (``STENCIL_CACHE_DTYPE``, ``workers/engine/cache_codec.py``): ``s`` = 4 (float32), 2 (float16,
 bfloat16); int8: K/V take ``N + 4`` bytes per channel per row (values + a float32 scale), Y 2 bytes
-per value (``cache_nbytes(..., codec=...)``).
+per value (``cache_nbytes(..., codec=...)``). Shared CFG rows (``cache_codec.share_rows``): a tensor
+whose rows are bit-equal is stored with one row, so a template warm-up (prompt "" and negative
+prompt "": every tensor shared) takes ``rows`` = 1 in the formula (``cache_nbytes(...,
+shared=tensor_names())``).
 
 Units (the granularity of the load/compute plan, ``workers/engine/plan.py``): one unit per
 ``Transformer2DModel`` (module path, e.g. ``"down_blocks.1.attentions.0"``), holding the tensors of
@@ -76,7 +79,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -419,21 +422,33 @@ class MaskAwareUNet:
         return self._units[unit][0].level
 
     def unit_nbytes(self, unit: str, latent_hw: tuple[int, int], rows: int,
-                    dtype: torch.dtype | None = None, codec: str = "") -> int:
+                    dtype: torch.dtype | None = None, codec: str = "", shared: Collection[str] = ()) -> int:
         """Bytes of one unit's cached tensors for one step of ``rows`` rows (``codec``: as stored
-        with that cache codec, ``workers/engine/cache_codec.py``)."""
+        with that cache codec, ``workers/engine/cache_codec.py``; ``shared``: names stored with
+        one row, their rows being bit-equal, ``cache_codec.share_rows``)."""
         if codec:
-            return self._codec_nbytes(self._units[unit], latent_hw, rows, codec)
+            return self._codec_nbytes(self._units[unit], latent_hw, rows, codec, shared)
+        return self._dtype_nbytes(self._units[unit], latent_hw, rows, dtype, shared)
+
+    def _tensor_shapes(self, blocks: list[_BlockInfo],
+                       latent_hw: tuple[int, int]) -> Iterator[tuple[str, int, int]]:
+        """(name, tokens, channels) per row of each cached tensor of ``blocks``."""
+        for b in blocks:
+            h, w = _level_hw(latent_hw, b.level)
+            if self.kv_source == "cache":
+                c_kv = b.module.attn1.to_k.out_features
+                yield f"{b.name}.k", h * w, c_kv
+                yield f"{b.name}.v", h * w, c_kv
+            if b.needs_y:
+                yield f"{b.name}.y", h * w, b.module.norm1.normalized_shape[0]
+
+    def _dtype_nbytes(self, blocks: list[_BlockInfo], latent_hw: tuple[int, int], rows: int,
+                      dtype: torch.dtype | None, shared: Collection[str]) -> int:
         if dtype is None:
             dtype = next(self.unet.parameters()).dtype
         elem = torch.empty((), dtype=dtype).element_size()
-        h, w = _level_hw(latent_hw, self.unit_level(unit))
-        total = 0
-        for b in self._units[unit]:
-            c_kv = b.module.attn1.to_k.out_features
-            c_y = b.module.norm1.normalized_shape[0]
-            total += h * w * ((2 * c_kv if self.kv_source == "cache" else 0) + (c_y if b.needs_y else 0))
-        return rows * elem * total
+        return sum((1 if name in shared else rows) * elem * n * c
+                   for name, n, c in self._tensor_shapes(blocks, latent_hw))
 
     def unit_tokens(self, unit: str, latent_hw: tuple[int, int]) -> int:
         """Tokens per row at the unit's level."""
@@ -460,36 +475,22 @@ class MaskAwareUNet:
         ``pool_threshold``: how coarse levels are pooled (``workers/maskaware/tokens.py``)."""
         return build_token_masks(mask, latent_hw, self.num_levels, dilation, self.pool_threshold)
 
-    def _codec_nbytes(self, blocks: list[_BlockInfo], latent_hw: tuple[int, int], rows: int, codec: str) -> int:
+    def _codec_nbytes(self, blocks: list[_BlockInfo], latent_hw: tuple[int, int], rows: int, codec: str,
+                      shared: Collection[str] = ()) -> int:
         from workers.engine.cache_codec import stored_nbytes
 
-        total = 0
-        for b in blocks:
-            h, w = _level_hw(latent_hw, b.level)
-            c_kv = b.module.attn1.to_k.out_features
-            c_y = b.module.norm1.normalized_shape[0]
-            if self.kv_source == "cache":
-                total += 2 * stored_nbytes((rows, h * w, c_kv), "x.k", codec)
-            if b.needs_y:
-                total += stored_nbytes((rows, h * w, c_y), "x.y", codec)
-        return total
+        return sum(stored_nbytes((rows, n, c), name, codec, shared=name in shared)
+                   for name, n, c in self._tensor_shapes(blocks, latent_hw))
 
     def cache_nbytes(self, latent_height: int, latent_width: int, rows: int, steps: int = 1,
-                     dtype: torch.dtype | None = None, codec: str = "") -> int:
+                     dtype: torch.dtype | None = None, codec: str = "", shared: Collection[str] = ()) -> int:
         """Bytes of a template cache: ``steps`` steps of ``rows`` rows (formula in module doc;
-        ``codec``: as stored with that cache codec)."""
+        ``codec``: as stored with that cache codec; ``shared``: names stored with one row, e.g.
+        ``tensor_names()`` for a template warm-up whose CFG rows are bit-equal)."""
+        hw = (latent_height, latent_width)
         if codec:
-            return steps * self._codec_nbytes(self._blocks, (latent_height, latent_width), rows, codec)
-        if dtype is None:
-            dtype = next(self.unet.parameters()).dtype
-        elem = torch.empty((), dtype=dtype).element_size()
-        per_row = 0
-        for b in self._blocks:
-            h, w = _level_hw((latent_height, latent_width), b.level)
-            c_kv = b.module.attn1.to_k.out_features
-            c_y = b.module.norm1.normalized_shape[0]
-            per_row += h * w * ((2 * c_kv if self.kv_source == "cache" else 0) + (c_y if b.needs_y else 0))
-        return steps * rows * elem * per_row
+            return steps * self._codec_nbytes(self._blocks, hw, rows, codec, shared)
+        return steps * self._dtype_nbytes(self._blocks, hw, rows, dtype, shared)
 
     @contextlib.contextmanager
     def batch(self, groups: list[RowGroup]) -> Iterator[BatchContext]:
