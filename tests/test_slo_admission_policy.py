@@ -4,7 +4,7 @@ trade allowed only where filling a slot is nearly free (sublinear batch cost).""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from workers.engine.job import EngineJob
 from workers.engine.scheduler import SLO_TRADE_MARGINAL, BatchScheduler
@@ -27,62 +27,50 @@ def _ids(jobs: Sequence[EngineJob]) -> list[str]:
     return [j.job_id for j in jobs]
 
 
-def _running_a(s: BatchScheduler) -> None:
+def _admitted_beside_a_running_job(waiting: list[EngineJob], affinity: int = 0,
+                                   cost: Callable[[Sequence[EngineJob]], float] = per_size
+                                   ) -> tuple[list[str], list[str]]:
+    """One long job of size A runs (batch of 2: one slot free); ``waiting`` arrive; one schedule.
+    Returns (admitted ids, still waiting ids)."""
+    s = BatchScheduler(2, step_time=cost, clock=lambda: NOW, size_affinity_steps=affinity)
     s.add(job("run", A, 100, None))
     s.schedule()
+    for j in waiting:
+        s.add(j)
+    _, admitted = s.schedule()
+    return _ids(admitted), _ids(s.waiting)
 
 
 def test_relaxed_jobs_of_another_size_wait_behind_the_batchs_size_under_slo_admission() -> None:
-    s = BatchScheduler(2, step_time=per_size, clock=lambda: NOW, size_affinity_steps=50)
-    _running_a(s)
     # b0 has less slack than a1 (slack order puts it first), but both have plenty: a1 joins run's size.
-    s.add(job("b0", B, 10, NOW + 100.0))
-    s.add(job("a1", A, 10, NOW + 200.0))
-    _, admitted = s.schedule()
-    assert _ids(admitted) == ["a1"]
+    relaxed = [job("b0", B, 10, NOW + 100.0), job("a1", A, 10, NOW + 200.0)]
+    assert _admitted_beside_a_running_job(relaxed, affinity=50)[0] == ["a1"]
+
+
+def test_slack_order_without_affinity() -> None:
+    relaxed = [job("b0", B, 10, NOW + 100.0), job("a1", A, 10, NOW + 200.0)]
+    assert _admitted_beside_a_running_job(relaxed, affinity=0)[0] == ["b0"]
 
 
 def test_an_urgent_job_keeps_its_slack_order_over_affinity() -> None:
     def cheap_sizes(jobs: Sequence[EngineJob]) -> float:  # an extra size costs 0.01 s here
         return 0.09 + 0.01 * len({j.latent_hw for j in jobs}) + 0.01 * len(jobs)
 
-    s = BatchScheduler(2, step_time=cheap_sizes, clock=lambda: NOW, size_affinity_steps=50)
-    _running_a(s)
     # b0 alone needs 10 x 0.11 s = 1.1 s, beside run 1.3 s; its deadline leaves 1.35 s: on time,
     # but its slack (0.25 s) is under 0.25 x 1.1 s: it cannot wait behind a1.
-    s.add(job("b0", B, 10, NOW + 1.35))
-    s.add(job("a1", A, 10, NOW + 200.0))
-    _, admitted = s.schedule()
-    assert _ids(admitted) == ["b0"]
-
-
-def test_slack_order_without_affinity() -> None:
-    s = BatchScheduler(2, step_time=per_size, clock=lambda: NOW, size_affinity_steps=0)
-    _running_a(s)
-    s.add(job("b0", B, 10, NOW + 100.0))
-    s.add(job("a1", A, 10, NOW + 200.0))
-    _, admitted = s.schedule()
-    assert _ids(admitted) == ["b0"]
+    urgent = [job("b0", B, 10, NOW + 1.35), job("a1", A, 10, NOW + 200.0)]
+    assert _admitted_beside_a_running_job(urgent, affinity=50, cost=cheap_sizes)[0] == ["b0"]
 
 
 def test_a_job_that_would_make_its_own_deadline_goes_before_one_that_would_not() -> None:
-    s = BatchScheduler(2, step_time=per_size, clock=lambda: NOW, size_affinity_steps=0)
-    _running_a(s)
     # "tight" meets its deadline alone (10 x 0.11 s = 1.1 s <= 1.5 s) but not beside run
     # (10 x 0.21 s = 2.1 s): it is not late, yet admitting it now would waste the slot on a miss.
-    s.add(job("tight", B, 10, NOW + 1.5))
-    s.add(job("fits", A, 10, NOW + 50.0))
-    _, admitted = s.schedule()
-    assert _ids(admitted) == ["fits"]
-    assert _ids(s.waiting) == ["tight"]
+    both = [job("tight", B, 10, NOW + 1.5), job("fits", A, 10, NOW + 50.0)]
+    assert _admitted_beside_a_running_job(both) == (["fits"], ["tight"])
 
 
 def test_a_job_that_would_miss_is_still_admitted_into_a_slot_nobody_else_wants() -> None:
-    s = BatchScheduler(2, step_time=per_size, clock=lambda: NOW, size_affinity_steps=0)
-    _running_a(s)
-    s.add(job("tight", B, 10, NOW + 1.5))
-    _, admitted = s.schedule()
-    assert _ids(admitted) == ["tight"]
+    assert _admitted_beside_a_running_job([job("tight", B, 10, NOW + 1.5)])[0] == ["tight"]
 
 
 def _one_deadline_trade(step: float) -> list[str]:
