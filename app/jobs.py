@@ -108,6 +108,11 @@ if new == 'done' or new == 'failed' or new == 'cancelled' or new == 'expired' th
   end
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
   redis.call('ZREM', KEYS[2], ARGV[5])
+  if new ~= 'done' then
+    for i = 3, #KEYS do
+      redis.call('DEL', KEYS[i])
+    end
+  end
 end
 return 1
 """
@@ -334,9 +339,11 @@ class JobStore:
         argv: list[str] = [status.value, repr(time.time()), str(self.ttl), expected, job_id]
         for name, value in fields.items():
             argv += [name, "" if value is None else str(value)]
-        applied = bool(self._transition(keys=[self.key(job_id), LIVE_KEY], args=argv))
-        if applied and status in (JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED):
-            self._drop_payloads(job_id)  # nobody will read them again: do not keep uploads for their TTL
+        # Uploads of a job that ends without a result are dropped in the same script as the status
+        # change (nobody will read them again; whoever sees the status never sees them kept).
+        drops = self._payload_keys(job_id) if status in (JobStatus.FAILED, JobStatus.CANCELLED,
+                                                         JobStatus.EXPIRED) else []
+        applied = bool(self._transition(keys=[self.key(job_id), LIVE_KEY, *drops], args=argv))
         if applied and status.terminal:
             from app import metrics
 
@@ -349,10 +356,10 @@ class JobStore:
         """Fail a job with a reason a user may read (``clean_reason``: no paths, no object reprs)."""
         return self.transition(job_id, JobStatus.FAILED, error=clean_reason(reason))
 
-    def _drop_payloads(self, job_id: str) -> None:
-        keys = list(self.r.scan_iter(match=f"{BLOB_PREFIX}{job_id}:*", count=100))
-        if keys:
-            self.r.delete(*keys)
+    def _payload_keys(self, job_id: str) -> list[str]:
+        """The job's uploads (written at submission, before any status change that drops them)."""
+        return [k.decode() if isinstance(k, bytes) else k
+                for k in self.r.scan_iter(match=f"{BLOB_PREFIX}{job_id}:*", count=100)]
 
     def update(self, job_id: str, **fields: object) -> None:
         """Write informational fields (no status change)."""
