@@ -191,11 +191,11 @@ class Settings:
     # default deadline yield to on-time ones and expires jobs whose (user) deadline is out of reach,
     # with the cost model's step-time predictor. auto (default) | on | off. auto = on wherever the
     # resolution-aware batch predictor is fitted (``stencil profile --sizes``), because that is where
-    # it helps (BENCHMARKS.md, mixed sizes): at loads up to 0.7 it is within 2 points of continuous
-    # batching with size affinity and equal in throughput; it meets 30% more deadlines (real run;
-    # 20-23% in the simulator) at the first load where the latter meets 80% or fewer and 57% to 15x
-    # more above it, for 0-1% less throughput below saturation and 10-17% less under sustained
-    # overload; a burst where every job is late (a catalog) batches like FCFS while new on-time
+    # it helps (BENCHMARKS.md, mixed sizes): at loads up to 0.7 it meets as many deadlines as
+    # continuous batching with size affinity or more, at equal throughput; it meets 43% more (real
+    # run; 33% / 22% in the CPU-fitted / GPU-shaped simulator) at the first load where the latter
+    # meets 80% or fewer and 56% to 25x more above it, for 0-1% less throughput below saturation
+    # and 10-15% less under sustained overload; a burst where every job is late (a catalog) batches like FCFS while new on-time
     # jobs go first. Off without it: a single-size linear model mispredicts mixed-size
     # batches. on = with any fitted model; off = never (highest peak throughput under overload).
     slo_admission: str = "auto"

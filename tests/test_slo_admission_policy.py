@@ -104,3 +104,22 @@ def test_never_two_deadlines_for_one_slot() -> None:
     s.add(job("new", A, 10, NOW + 100.0))
     _, admitted = s.schedule()
     assert admitted == [] and s.refused == 1
+
+
+def test_a_late_job_takes_no_slot_in_a_step_where_an_on_time_job_was_refused() -> None:
+    def by_ratio(jobs: Sequence[EngineJob]) -> float:  # a batch costs the sum of its jobs (CPU-like)
+        return sum(j.mask_ratio for j in jobs)
+
+    def soft(job_id: str, ratio: float, deadline: float) -> EngineJob:
+        return EngineJob(job_id, 10, deadline=deadline, latent_hw=A, mask_ratio=ratio, hard_deadline=False)
+
+    s = BatchScheduler(2, step_time=by_ratio, clock=lambda: NOW)
+    s.add(soft("edge", 1.0, NOW + 10.05))  # 10 x 1.0 s alone: on time with 0.05 s to spare
+    s.schedule()
+    s.add(soft("on-time", 1.0, NOW + 100.0))  # would make edge take 20 s: refused
+    s.add(soft("late", 0.001, NOW + 0.001))  # cheap (edge still on time beside it) but out of reach
+    _, admitted = s.schedule()
+    assert admitted == [] and s.refused == 1  # the slot is kept for the on-time job
+    s.remove("on-time")
+    _, admitted = s.schedule()
+    assert _ids(admitted) == ["late"]  # nobody on time wants it now

@@ -22,7 +22,8 @@ SLO-aware admission (PatchedServe-style), active only when a step-time predictor
   arrival: the most urgent job gets the next free slot. With size affinity on and more jobs waiting
   than slots free, jobs with room to wait go behind jobs of the sizes already in the batch.
 - a job predicted to miss its own deadline in the current batch goes after jobs predicted to make
-  theirs (it still takes a slot nobody else can use).
+  theirs (it still takes a slot nobody else can use); a late job takes no slot in a step where an
+  on-time job was refused (the capacity is kept for on-time jobs: measured, ops/bench/mixed_sizes).
 - a waiting job is admitted only if no running (or just admitted) job that would meet its
   deadline without it misses it with it; finish times integrate the predicted step time over the
   batch's remaining steps (jobs leave as they finish). A refused job stays waiting; smaller jobs
@@ -352,15 +353,17 @@ class BatchScheduler:
                 trials = self._misses_many(self.running, [[j] for j in candidates], now, predict)
                 n_run = len(self.running)
                 chosen = None
+                on_time_refused = False  # then late jobs take no slot this step: it is kept for on-time ones
                 for on_time_only in (True, False):  # first pass: jobs predicted to make their own deadline
                     for k, (job, after) in enumerate(zip(candidates, trials)):
-                        if not self._is_ready(job):
+                        if not self._is_ready(job) or (on_time_refused and id(job) in late):
                             continue
                         newly_missed = len({i for i in after if i < n_run} - misses)
                         meets = n_run not in after
                         if newly_missed > self._misses_allowed(job, meets, newly_missed, predict):
                             if on_time_only:
                                 self.refused += 1
+                            on_time_refused = on_time_refused or id(job) not in late
                             continue
                         if on_time_only and not meets and id(job) not in late:
                             continue
