@@ -197,7 +197,8 @@ class Settings:
     # meets 80% or fewer and 56% to 25x more above it, for 0-1% less throughput below saturation
     # and 10-15% less under sustained overload; a burst where every job is late (a catalog)
     # batches like FCFS while new on-time jobs go first. Off without it: a single-size linear
-    # model mispredicts mixed-size batches. on = with any fitted model; off = never (highest peak throughput under overload).
+    # model mispredicts mixed-size batches. on = with any fitted model; off = never (highest peak
+    # throughput under overload).
     slo_admission: str = "auto"
     # Default deadline of a job without one: submission + slo_factor x its standalone time (alone on an
     # idle worker, predicted, plus slo_overhead_seconds for prepare and finalize); recorded as
