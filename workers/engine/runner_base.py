@@ -354,7 +354,7 @@ class BaseRunner(ABC):
         measured unit costs yet, or for exact-region warm-ups (one edit's own recording, kept
         complete like their codec), every unit is stored."""
         units = getattr(self.maskaware, "units", None)
-        if not units or self.link_gbps <= 0 or "/exact-" in key.layout or st.latents.dim() != 4:
+        if not units or self.link_gbps <= 0 or key.exact_region or st.latents.dim() != 4:
             return
         codec = getattr(self.recorder, "codec_for", lambda _k: "")(key)
         latent_hw = (int(st.latents.shape[-2]), int(st.latents.shape[-1]))

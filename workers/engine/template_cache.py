@@ -739,7 +739,7 @@ class CacheRecorder:
     def codec_for(self, key: TemplateCacheKey) -> str:
         """The codec a cache under ``key`` is stored with. Exact-region caches: lossless, i.e. the
         dtype they were recorded in (``kv+y@bfloat16`` -> bfloat16; no suffix: float32)."""
-        if "/exact-" in key.layout:
+        if key.exact_region:
             return cache_codec.lossless_codec(key.layout)
         return self.codec
 

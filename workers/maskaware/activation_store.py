@@ -61,6 +61,12 @@ class TemplateCacheKey:
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
+    @property
+    def exact_region(self) -> bool:
+        """A region warm-up's key (layout ``.../exact-<region>``, ``workers/cpu_tasks.py``): one edit's
+        own recording, which must stay lossless and complete so that edit equals the stock pipeline."""
+        return "/exact-" in self.layout
+
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> "TemplateCacheKey":
         names = {f.name for f in fields(cls)}
