@@ -315,16 +315,18 @@ class BatchScheduler:
         self._passed_over = {k: v for k, v in self._passed_over.items() if k in waiting}
         return ordered
 
-    def _misses_allowed(self, job: EngineJob, meets: bool, newly_missed: int, predict: StepTimePredictor) -> int:
+    def _misses_allowed(self, job: EngineJob, meets: bool, newly_missed: int, predict: StepTimePredictor,
+                        running_step: float, alone_step: float) -> int:
         """How many running jobs' deadlines admitting ``job`` may cost: none, except one for a job that
         makes its own where filling the slot is nearly free (the step grows by less than
-        ``SLO_TRADE_MARGINAL`` of the job's own step alone: sublinear GPU batches). There a slot left
-        empty to save one deadline costs more throughput, hence deadlines, than the trade; on a device
-        where a batch costs the sum of its jobs it never is (measured: ops/bench/mixed_sizes)."""
+        ``SLO_TRADE_MARGINAL`` of the job's own step alone, ``alone_step``: sublinear GPU batches).
+        There a slot left empty to save one deadline costs more throughput, hence deadlines, than the
+        trade; on a device where a batch costs the sum of its jobs it never is (measured:
+        ops/bench/mixed_sizes). ``running_step``: the predicted step of the running batch."""
         if not meets or newly_missed != 1 or not self.running:
             return 0
-        marginal = predict(self.running + [job]) - predict(self.running)
-        return 1 if marginal < SLO_TRADE_MARGINAL * predict([job]) else 0
+        marginal = predict(self.running + [job]) - running_step
+        return 1 if marginal < SLO_TRADE_MARGINAL * alone_step else 0
 
     def _schedule_slo(self, predict: StepTimePredictor) -> tuple[list[EngineJob], list[EngineJob]]:
         now = self.clock()
@@ -352,15 +354,21 @@ class BatchScheduler:
             while candidates and len(self.running) < self.max_batch:
                 trials = self._misses_many(self.running, [[j] for j in candidates], now, predict)
                 n_run = len(self.running)
+                running_step = predict(self.running) if self.running else 0.0
+                refusals: dict[int, bool] = {}  # candidate index -> refused to protect running deadlines
                 chosen = None
                 on_time_refused = False  # then late jobs take no slot this step: it is kept for on-time ones
                 for on_time_only in (True, False):  # first pass: jobs predicted to make their own deadline
                     for k, (job, after) in enumerate(zip(candidates, trials)):
                         if not self._is_ready(job) or (on_time_refused and id(job) in late):
                             continue
-                        newly_missed = len({i for i in after if i < n_run} - misses)
                         meets = n_run not in after
-                        if newly_missed > self._misses_allowed(job, meets, newly_missed, predict):
+                        if k not in refusals:
+                            newly_missed = len({i for i in after if i < n_run} - misses)
+                            refusals[k] = newly_missed > self._misses_allowed(
+                                job, meets, newly_missed, predict, running_step,
+                                alone[id(job)] / max(job.remaining, 1))
+                        if refusals[k]:
                             if on_time_only:
                                 self.refused += 1
                             on_time_refused = on_time_refused or id(job) not in late
