@@ -258,7 +258,8 @@ def fidelity_rows(family: str, args: argparse.Namespace, state: dict) -> list[di
     warm_params = JobParams(prompt="", seed=0, steps=args.steps, guidance=args.guidance)
     keys: dict[tuple[int, str], Any] = {}
     for codec in CODECS:
-        fam.runner_ma.recorder = CacheRecorder(acts, codec=codec)
+        replaced, fam.runner_ma.recorder = fam.runner_ma.recorder, CacheRecorder(acts, codec=codec)
+        replaced.close()  # type: ignore[union-attr]  # its writer thread: nothing left to write
         for i, img in enumerate(templates):
             keys[(i, codec)] = warm(fam, f"t{i}-{codec}", img, empty, warm_params)
     rng = np.random.default_rng(args.seed)
@@ -472,6 +473,7 @@ def part_link(args: argparse.Namespace, state: dict) -> list[str]:
             edit_meta = dict(e_meta, cache_mode="masked", cache_key=key.to_dict(), refresh_steps=[])
             times[label] = _timed(lambda: run(runner, [(dict(e_tensors), dict(edit_meta))]), args.steps)
             runner.caches.close()  # type: ignore[union-attr]
+            runner.recorder.close()  # type: ignore[union-attr]
         n_units = len(fam.ctrl.units)
         lines.append(f"| {mibps:g} | {sizes['selected'][0]}/{n_units} | {sizes['selected'][1] / MiB:.2f} | "
                      f"{sizes['selected'][1] / sizes['all'][1]:.2f} | {times['selected'] * 1000:.1f} | "
