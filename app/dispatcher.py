@@ -95,12 +95,14 @@ def parse_worker_hash(worker_id: str, fields: dict[Any, Any], *, now: float, sta
                 continue
             d = known.get(e["job_id"])
             tokens = e.get("masked_tokens")
+            grid = e.get("latent_hw")
             out.append(JobLoad(
                 job_id=e["job_id"], remaining=rem, mask_ratio=float(e.get("mask_ratio", d.mask_ratio if d else 1.0)),
                 masked_tokens=tuple(tokens) if tokens else (d.masked_tokens if d else None),
                 cached=bool(e["cached"]) if "cached" in e else (d.cached if d else True),
                 template_id=e.get("template_id") or (d.template_id if d else ""),
-                refresh_share=d.refresh_share if d else 0.0, addons=d.addons if d else ()))
+                refresh_share=d.refresh_share if d else 0.0, addons=d.addons if d else (),
+                latent_hw=(int(grid[0]), int(grid[1])) if grid else (d.latent_hw if d else None)))
         return out
 
     updated = float(f.get("updated") or 0.0)
@@ -331,6 +333,7 @@ class Dispatcher:
                     lat = (max(1, int(h * scale) // vae), max(1, int(w * scale) // vae))
                     tokens = token_counts_from_mask(mask, lat, model.arch.num_levels) \
                         if lat == model.arch.latent_hw else None
+                    grid = lat  # the job's size as routing's size affinity compares it
                     if model.batch is not None:  # the job's own grid (as prepare sizes it) and tokens there
                         cell = model.batch.vae_factor
                         grid = (max(1, int(h * scale) // cell), max(1, int(w * scale) // cell))

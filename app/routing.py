@@ -23,6 +23,14 @@ tests and the cluster simulator (ops/bench/simulate.py) run the very same object
   Ties go to the worker with fewer jobs, then round robin. Workers
   whose cheap lower bound already exceeds the best cost found are skipped (same choice, faster).
 
+Size affinity (``STENCIL_ROUTING_SIZE_SLACK``, jobs; least_requests, least_masked_tokens and
+mask_aware): a job whose size is known goes to a worker that is idle or already has a job of its
+latent grid, if one has at most ``slack`` more jobs than the least loaded worker; otherwise to any.
+Every image size in an engine step is one more denoiser call, and on a GPU each call pays the
+small-batch floor again: spreading sizes evenly over workers makes every worker pay it for every
+size, while grouping them keeps steps single-size (measured: ops/bench/mixed_sizes, BENCHMARKS.md).
+0 = off.
+
 Ablation (``make_policy`` only, not a setting): ``mask_aware_marginal`` adds the delay the new
 job inflicts on the jobs it shares steps with (a marginal cost); in the simulation it moved P95 by
 -0.7% to +1.0% (docs/bench/dispatch.md).
@@ -75,11 +83,12 @@ class JobLoad:
     token_load: float | None = None  # memo of the masked-token count (least_masked_tokens)
     refresh_share: float = 0.0
     addons: tuple[str, ...] = ()
+    latent_hw: tuple[int, int] | None = None  # the job's latent grid (size affinity), if known
 
     @classmethod
     def from_demand(cls, d: JobDemand) -> "JobLoad":
         return cls(d.job_id, d.steps, d.mask_ratio, d.masked_tokens, d.cached, d.template_id,
-                   refresh_share=d.refresh_share, addons=d.addons)
+                   refresh_share=d.refresh_share, addons=d.addons, latent_hw=d.latent_hw)
 
 
 @dataclass
@@ -142,6 +151,25 @@ class WorkerView:
         w.touch()
 
 
+def size_affine(workers: list[WorkerState], job: JobDemand, slack: float) -> list[WorkerState]:
+    """The workers a job should choose among under size affinity (module docstring): those idle or
+    holding a job of its latent grid with at most ``slack`` more jobs than the least loaded worker;
+    all of ``workers`` when there is none, the size is unknown or ``slack`` is 0."""
+    if slack <= 0 or job.latent_hw is None or len(workers) < 2:
+        return workers
+    least = min(w.n_jobs for w in workers)
+    affine = [w for w in workers if w.n_jobs <= least + slack
+              and (w.n_jobs == 0 or any(j.latent_hw == job.latent_hw for j in w.jobs()))]
+    return affine or workers
+
+
+def size_slack_setting() -> float:
+    """``STENCIL_ROUTING_SIZE_SLACK`` (jobs), the settings module's default when unset."""
+    from app.settings import Settings
+
+    return float(os.environ.get("STENCIL_ROUTING_SIZE_SLACK", Settings.routing_size_slack))
+
+
 class RoutingPolicy(Protocol):
     name: str
 
@@ -181,11 +209,12 @@ class RoundRobinRouter:
 class LeastRequestsRouter:
     name = "least_requests"
 
-    def __init__(self) -> None:
+    def __init__(self, *, size_slack: float = 0.0) -> None:
         self._rot = _Rotation()
+        self.size_slack = size_slack
 
     def choose(self, job: JobDemand, view: WorkerView) -> str:
-        return min(self._rot.order(view.candidates()),
+        return min(self._rot.order(size_affine(view.candidates(), job, self.size_slack)),
                    key=lambda w: (w.n_jobs, len(w.missing_addons(job.addons)))).worker_id
 
 
@@ -194,8 +223,9 @@ class LeastMaskedTokensRouter:
 
     name = "least_masked_tokens"
 
-    def __init__(self, model: CostModel | None = None) -> None:
+    def __init__(self, model: CostModel | None = None, *, size_slack: float = 0.0) -> None:
         self.model = model
+        self.size_slack = size_slack
         self._rot = _Rotation()
         self._full = float(sum(model.arch.level_tokens())) if model else 1.0
         self._memo: dict[float, float] = {}
@@ -224,7 +254,7 @@ class LeastMaskedTokensRouter:
         def load(w: WorkerState) -> tuple[float, int]:
             return sum(self._load(j) for j in w.jobs()), w.n_jobs
 
-        return min(self._rot.order(view.candidates()), key=load).worker_id
+        return min(self._rot.order(size_affine(view.candidates(), job, self.size_slack)), key=load).worker_id
 
 
 class MaskAwareRouter:
@@ -232,8 +262,10 @@ class MaskAwareRouter:
 
     name = "mask_aware"
 
-    def __init__(self, model: CostModel, *, fetch_tier: str = "local", externality: float = 0.0) -> None:
+    def __init__(self, model: CostModel, *, fetch_tier: str = "local", externality: float = 0.0,
+                 size_slack: float = 0.0) -> None:
         self.model = model
+        self.size_slack = size_slack
         self.fetch_tier = fetch_tier
         # Weight of the delay the new job adds to the worker's other jobs (0 = the paper's cost).
         self.externality = externality
@@ -331,7 +363,7 @@ class MaskAwareRouter:
         mine_s, steps = self.job_seconds(load), load.remaining
         fetch_s = self.model.template_fetch_seconds(job.steps, self.fetch_tier) if job.template_id else 0.0
         addon_bytes = dict(zip(job.addons, job.addon_bytes)) if job.addons else None
-        order = self._rot.order(view.candidates())
+        order = self._rot.order(size_affine(view.candidates(), job, self.size_slack))
         bounds: list[tuple[float, int]] = []
         for i, w in enumerate(order):
             hit = self._profiles.get(w.worker_id)
@@ -355,23 +387,26 @@ POLICIES = ("round_robin", "least_requests", "least_masked_tokens", "mask_aware"
 POLICY_VARIANTS = ("mask_aware_marginal",)
 
 
-def make_policy(name: str, model: CostModel | None = None) -> RoutingPolicy:
-    """A policy by name; ``mask_aware`` without a fitted model uses the FLOPs proxy of the arch."""
+def make_policy(name: str, model: CostModel | None = None, *, size_slack: float | None = None) -> RoutingPolicy:
+    """A policy by name (``mask_aware`` needs a cost model); ``size_slack`` None = the setting."""
+    slack = size_slack_setting() if size_slack is None else size_slack
     if name == "round_robin":
         return RoundRobinRouter()
     if name == "least_requests":
-        return LeastRequestsRouter()
+        return LeastRequestsRouter(size_slack=slack)
     if name == "least_masked_tokens":
-        return LeastMaskedTokensRouter(model)
+        return LeastMaskedTokensRouter(model, size_slack=slack)
     if name == "mask_aware":
         if model is None:
             raise ValueError("mask_aware routing needs a cost model (run `python -m ops.bench.profile`)")
         return MaskAwareRouter(model, fetch_tier=os.environ.get("STENCIL_CACHE_TIER", "local"),
-                               externality=float(os.environ.get("STENCIL_ROUTING_EXTERNALITY", "0")))
+                               externality=float(os.environ.get("STENCIL_ROUTING_EXTERNALITY", "0")),
+                               size_slack=slack)
     if name == "mask_aware_marginal":
         if model is None:
             raise ValueError("mask_aware routing needs a cost model (run `python -m ops.bench.profile`)")
-        router = MaskAwareRouter(model, fetch_tier=os.environ.get("STENCIL_CACHE_TIER", "local"), externality=1.0)
+        router = MaskAwareRouter(model, fetch_tier=os.environ.get("STENCIL_CACHE_TIER", "local"), externality=1.0,
+                                 size_slack=slack)
         router.name = name
         return router
     raise ValueError(f"unknown routing policy {name!r}; known: {list(POLICIES)}")

@@ -193,9 +193,9 @@ class Settings:
     # resolution-aware batch predictor is fitted (``stencil profile --sizes``), because that is where
     # it helps (BENCHMARKS.md, mixed sizes): at loads up to 0.7 it meets as many deadlines as
     # continuous batching with size affinity or more, at equal throughput; it meets 43% more (real
-    # run; 33% / 22% in the CPU-fitted / GPU-shaped simulator) at the first load where the latter
-    # meets 80% or fewer and 56% to 25x more above it, for 0-1% less throughput below saturation
-    # and 10-15% less under sustained overload; a burst where every job is late (a catalog)
+    # run; 35% / 60% in the CPU-fitted / GPU-shaped simulator with size-affine routing) at the
+    # first load where the latter meets 80% or fewer and 56% to 25x more above it, for 0-1% less
+    # throughput below saturation and 10-15% less under sustained overload; a burst where every job is late (a catalog)
     # batches like FCFS while new on-time jobs go first. Off without it: a single-size linear
     # model mispredicts mixed-size batches. on = with any fitted model; off = never (highest peak
     # throughput under overload).
@@ -213,6 +213,10 @@ class Settings:
     default_mask_ratio: float = 1.0
     cache_tier: str = "local"
     routing_externality: float = 0.0
+    # Size affinity in routing (app/routing.py): a job goes to a worker that is idle or already runs
+    # its image size when one has at most this many more jobs than the least loaded worker. Each size
+    # in a step is one more denoiser call paying the GPU's small-batch floor; 0 = off.
+    routing_size_slack: float = 8.0
 
     # Prometheus metrics HTTP port of this process (0 = off). Processes on one host need their own.
     metrics_port: int = 0

@@ -152,7 +152,8 @@ class RedisEngineHooks(EngineHooks):
             return json.dumps([{"job_id": j.job_id, "mask_ratio": j.mask_ratio,
                                 "remaining": j.total_steps - j.steps_done, "cached": j.cached,
                                 "template_id": j.template_id, "priority": j.priority, "deadline": j.deadline,
-                                "masked_tokens": list(j.masked_tokens) if j.masked_tokens else None}
+                                "masked_tokens": list(j.masked_tokens) if j.masked_tokens else None,
+                                "latent_hw": list(j.latent_hw) if j.latent_hw else None}
                                for j in jobs])
 
         state = {"max_batch": str(self.max_batch)}

@@ -29,7 +29,9 @@ the CPU stages (decode, text and VAE encoding, which ``prepare`` runs before the
 Redis/Celery hand-offs; the end-to-end path of the SLO fields is covered by the service tests.
 
 Simulation (``ops/sim/cluster.py``: the production router and ``BatchScheduler`` against simulated
-workers) of the same trace with two step-cost models: the CPU-fitted batch predictor, and a
+workers; least-requests routing with the service's size affinity, ``STENCIL_ROUTING_SIZE_SLACK``:
+a job goes to a worker idle or already running its size when one is within that many jobs of the
+least loaded, for all four systems) of the same trace with two step-cost models: the CPU-fitted batch predictor, and a
 GPU-shaped one whose batch cost is sublinear: a step of work W (a job's work = its predicted
 standalone step time relative to a full-compute 128x128 job, i.e. one SD-1.5 512x512 inpainting
 image) takes ``gpu_step_seconds(W)``, the A100 curve of diffusers' benchmark (``GPU_CURVE``). A
@@ -60,7 +62,7 @@ from app.costmodel import CostModel, token_counts_from_mask
 from app.demo import demo_templates
 from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
-from app.routing import make_policy
+from app.routing import make_policy, size_slack_setting
 from app.settings import Settings
 from app.steptime import BatchPredictor, JobShape
 from app.storage import LocalStore
@@ -543,7 +545,8 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
                   *table(r["loads"], args.systems, with_mape=True), "", *claims(r["loads"], 1.0), ""]
     for name, res in (results.get("sim") or {}).items():
         lines += [f"## Simulation, {name} step cost", "",
-                  f"`ops/sim/cluster.py`, {args.sim_workers} workers, least-requests routing, {args.sim_jobs} jobs per "
+                  f"`ops/sim/cluster.py`, {args.sim_workers} workers, least-requests routing with size affinity (slack "
+                  f"{size_slack_setting():g} jobs, `STENCIL_ROUTING_SIZE_SLACK`), {args.sim_jobs} jobs per "
                   f"run, mean of seeds {args.sim_seeds}, step noise {args.sim_noise}; step cost: {res['text']}; "
                   f"predicted capacity of (c) {res['capacity']:.2f} jobs/s."
                   + (f" GPU curve: {GPU_SOURCE}; a step of W images costs W=1: "
@@ -582,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=160, help="jobs per load (real run)")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--parts", default="real,sim", help="real, sim or both")
-    p.add_argument("--sim-loads", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.0, 1.1, 1.2, 1.4])
+    p.add_argument("--sim-loads", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4])
     p.add_argument("--sim-jobs", type=int, default=1500)
     p.add_argument("--sim-seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--sim-workers", type=int, default=4)

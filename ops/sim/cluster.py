@@ -131,7 +131,7 @@ class Cluster:
                 job.expired = "deadline unreachable at routing"
                 return
         demand = JobDemand(job.job_id, job.steps, job.ratio, job.masked_tokens, job.cached, job.template_id,
-                           deadline=job.deadline)
+                           deadline=job.deadline, latent_hw=job.latent_hw)
         view = self._dispatcher_view()
         start = time.perf_counter()
         wid = self.policy.choose(demand, view)
@@ -221,7 +221,8 @@ class Cluster:
     def _publish(self, w: SimWorker) -> None:
         """What ``RedisEngineHooks.on_step`` writes; visible jobs leave the dispatcher's in-flight."""
         def load(ej: EngineJob) -> JobLoad:
-            return JobLoad(ej.job_id, ej.remaining, ej.mask_ratio, ej.masked_tokens, ej.cached, ej.template_id)
+            return JobLoad(ej.job_id, ej.remaining, ej.mask_ratio, ej.masked_tokens, ej.cached, ej.template_id,
+                           latent_hw=ej.latent_hw)
 
         st = w.state
         st.running = [load(j) for j in w.sched.running if j.remaining > 0]
