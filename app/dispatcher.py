@@ -265,7 +265,8 @@ class Dispatcher:
         # The shipped model (if any) steers routing only; deadlines and expiry need a fitted one.
         policy, model = (settings.routing_policy, self.cost_model) if router else \
             routing_model(settings, self.cost_model)
-        self.router = router or make_router(policy, settings.gpu_worker_ids, model)
+        self.router = router or make_router(policy, settings.gpu_worker_ids, model,
+                                            size_slack=settings.routing_size_slack)
         self.view = LiveWorkerView(
             self.r, settings.gpu_worker_ids, max_batch=settings.max_batch, jobs=self.jobs,
             refresh_s=_env_float("VIEW_REFRESH_MS", 50.0) / 1000.0,

@@ -164,10 +164,10 @@ def size_affine(workers: list[WorkerState], job: JobDemand, slack: float) -> lis
 
 
 def size_slack_setting() -> float:
-    """``STENCIL_ROUTING_SIZE_SLACK`` (jobs), the settings module's default when unset."""
+    """``STENCIL_ROUTING_SIZE_SLACK`` (jobs), as the settings module reads it."""
     from app.settings import Settings
 
-    return float(os.environ.get("STENCIL_ROUTING_SIZE_SLACK", Settings.routing_size_slack))
+    return Settings.from_env().routing_size_slack
 
 
 class RoutingPolicy(Protocol):
@@ -412,11 +412,12 @@ def make_policy(name: str, model: CostModel | None = None, *, size_slack: float 
     raise ValueError(f"unknown routing policy {name!r}; known: {list(POLICIES)}")
 
 
-def make_router(policy: str, worker_ids: list[str], model: CostModel | None = None) -> RoutingPolicy:
+def make_router(policy: str, worker_ids: list[str], model: CostModel | None = None, *,
+                size_slack: float | None = None) -> RoutingPolicy:
     """Kept for callers of the old API: validates the worker list, then ``make_policy``."""
     if not worker_ids:
         raise ValueError("no GPU workers configured (STENCIL_GPU_WORKERS)")
-    return make_policy(policy, model)
+    return make_policy(policy, model, size_slack=size_slack)
 
 
 __all__ = [
