@@ -106,10 +106,13 @@ class Settings:
     mask_aware: bool = True
     maskaware_kv_source: str = "cache"  # cache (K/V + block outputs) | recompute (outputs only)
     mask_dilation: int = 0  # dilate token masks by this many tokens (fewer seams, more compute)
-    # UNet coarse levels' token masks: 0 = OR-pooling (a token with any masked pixel is recomputed:
-    # the fidelity-first default), else recompute tokens with at least this share of masked pixels
-    # (workers/maskaware/tokens.py). Speed and fidelity of 0.25 / 0.5 at true sizes: BENCHMARKS.md.
-    mask_pool_threshold: float = 0.0
+    # UNet coarse levels' token masks: recompute a coarse token when at least this share of its
+    # pixels is masked; 0 = OR-pooling (any masked pixel; the latent level always keeps OR)
+    # (workers/maskaware/tokens.py). 0.25 is the largest measured threshold whose SSIM loss against
+    # OR-pooling, whole image and in the mask, stays <= 0.005 for fast and balanced on every trace
+    # of the trained SDXL-layout model (0.5: 0.011 in the mask), docs/bench/fidelity_pooling_sdxl_layout.md;
+    # speed at true sizes: BENCHMARKS.md (true-size models).
+    mask_pool_threshold: float = 0.25
     # Host-RAM tier budget per GPU worker; 0 = auto (workers/engine/host_budget.py): fraction
     # host_cache_fraction of physical memory per GPU worker of the host minus the model's weights,
     # capped by available memory minus 1 GiB; logged at start.
@@ -192,14 +195,17 @@ class Settings:
     # with the cost model's step-time predictor. auto (default) | on | off. auto = on wherever the
     # resolution-aware batch predictor is fitted (``stencil profile --sizes``), because that is where
     # it helps (BENCHMARKS.md, mixed sizes): at loads up to 0.7 it meets as many deadlines as
-    # continuous batching with size affinity or more, at equal throughput; it meets 43% more (real
-    # run; 35% / 60% in the CPU-fitted / GPU-shaped simulator with size-affine routing) at the
-    # first load where the latter meets 80% or fewer and 56% to 25x more above it, for 0-1% less
-    # throughput below saturation and 10-15% less under sustained overload; a burst where every job is late (a catalog)
+    # continuous batching with size affinity or more, at equal throughput; above saturation it meets
+    # +69% to 10x more in every run (real and both simulators), +13% to +43% at the first load where
+    # the latter meets 80% or fewer (real runs, GPU-shaped simulator; +35% CPU-fitted), for 0-1% less
+    # throughput below saturation and 10-38% less under sustained overload; a burst where every job is late (a catalog)
     # batches like FCFS while new on-time jobs go first. Off without it: a single-size linear
     # model mispredicts mixed-size batches. on = with any fitted model; off = never (highest peak
     # throughput under overload).
     slo_admission: str = "auto"
+    # SLO admission's step-time predictor is corrected online by the engine's measured steps: x an
+    # EWMA (this weight per step; 0 = the fit as is) of measured / predicted (app/calibration.py).
+    step_time_calibration: float = 0.05
     # Default deadline of a job without one: submission + slo_factor x its standalone time (alone on an
     # idle worker, predicted, plus slo_overhead_seconds for prepare and finalize); recorded as
     # ``slo_deadline`` with ``slo_met`` at the end, counted by ``stencil_slo_jobs{outcome}``.

@@ -243,6 +243,10 @@ def get_engine() -> Engine:
                     model = None
                 on = slo_admission_on(s.slo_admission, model)
                 step_time = step_time_predictor(model) if on and model is not None else None
+                if step_time is not None and s.step_time_calibration > 0:
+                    from app.calibration import CalibratedStepTime
+
+                    step_time = CalibratedStepTime(step_time, s.step_time_calibration)
                 log.info("SLO admission %s", f"on ({model.model_id}/{model.device_kind}, "
                          f"{'resolution-aware batch SVR' if model.batch else 'linear model'})" if on and model else
                          "off: no fitted cost model with the batch step-time predictor (`stencil profile --sizes`)")

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from app.calibration import CalibratedStepTime
 from app.costmodel import CostModel, token_counts_from_mask
 from app.demo import demo_templates
 from app.jobs import JobParams
@@ -84,6 +85,7 @@ from workers.sd_inputs import prepare_job_tensors
 log = logging.getLogger(__name__)
 
 SYSTEMS = ("one", "bucketed", "mixed", "mixed-slo")
+LETTERS = {"one": "a", "bucketed": "b", "mixed": "c", "mixed-slo": "d"}
 LABELS = {"one": "(a) one job at a time", "bucketed": "(b) bucketed (one size per batch)",
           "mixed": "(c) Stencil mixed batches (continuous)", "mixed-slo": "(d) mixed batches, SLO-aware"}
 PROMPTS = ["a red scarf", "a hat", "flowers", "a cat", "sunglasses"]
@@ -191,6 +193,7 @@ class RunStats:
     mixed_steps: int = 0
     refused: int = 0
     yielded: int = 0
+    calibration: float | None = None  # (d): the online correction factor at the end
 
 
 def summarize(stats: RunStats) -> dict[str, float]:
@@ -258,11 +261,15 @@ class RealBench:
         clock_fn = time.process_time if self.args.clock == "cpu" else time.perf_counter
         now = [0.0]
         slo = system == "mixed-slo"
+        step_time = None
+        if slo:  # as the service builds it (workers/gpu_tasks.py): corrected online by the engine's steps
+            step_time = CalibratedStepTime(predict, self.args.step_time_calibration) \
+                if self.args.step_time_calibration > 0 else predict
         sched = BatchScheduler(1 if system == "one" else self.args.max_batch,
                                "bucketed" if system == "bucketed" else "continuous",
-                               step_time=predict if slo else None, clock=lambda: now[0],
+                               step_time=step_time, clock=lambda: now[0],
                                size_affinity_steps=self.args.size_affinity_steps)
-        engine = Engine(self.runner, sched)
+        engine = Engine(self.runner, sched, clock=clock_fn)  # steps measured on the run's clock
         inner, step_s = self.runner.step, [0.0]
 
         def timed_step(batch: list[Any]) -> None:  # the runner's step alone (the predictor's target)
@@ -318,6 +325,7 @@ class RealBench:
                 if handle.future.exception() is None:
                     stats.outcomes[i].finish = now[0]
         stats.refused, stats.yielded = sched.refused, sched.yielded
+        stats.calibration = getattr(sched.step_time, "factor", None)
         return stats
 
 
@@ -333,7 +341,13 @@ def run_real(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: li
     cap = capacity(predictor.step_seconds, [job_shape(a, None, predictor, cost) for a in probe], args.max_batch,
                    args.steps, args.seed)
     log.info("real run: predicted capacity of the mixed system %.2f jobs/s", cap)
-    results: dict[str, Any] = {"capacity": cap, "loads": {}}
+    if args.warmup_jobs:  # one-off costs (allocator, kernel setup per shape) off the record of the first system
+        warm = bench.jobs(mixed_arrivals(sizes, weights, args.trace, cap, args.warmup_jobs, args.seed + 7), predictor,
+                          cost)
+        for system in args.systems:
+            bench.replay(system, warm, predict)
+        log.info("warm-up: %d jobs through each system, not recorded", args.warmup_jobs)
+    results: dict[str, Any] = {"capacity": cap, "warmup_jobs": args.warmup_jobs, "loads": {}}
     for load in args.loads:
         arrivals = mixed_arrivals(sizes, weights, args.trace, load * cap, args.jobs, args.seed)
         jobs = bench.jobs(arrivals, predictor, cost)
@@ -344,7 +358,10 @@ def run_real(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: li
             if stats.step_meas:
                 meas, pred = np.array(stats.step_meas), np.array(stats.step_pred)
                 per[system]["step_mape"] = float(np.mean(np.abs(pred - meas) / meas))
+                per[system]["step_bias"] = float(np.mean((pred - meas) / meas))  # < 0: steps slower than predicted
                 per[system]["step_points"] = len(meas)
+            if stats.calibration is not None:
+                per[system]["calibration"] = stats.calibration
             log.info("real load %.2f %s: %s", load, system, {k: round(v, 3) for k, v in per[system].items()})
         results["loads"][str(load)] = per
     return results
@@ -403,8 +420,9 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
                     cfg = ClusterConfig(workers=args.sim_workers, max_batch=1 if system == "one" else args.max_batch,
                                         slo_admission=system == "mixed-slo", noise=args.sim_noise, seed=seed,
                                         batching="bucketed" if system == "bucketed" else "continuous",
-                                        step_cost=step_cost, step_time=step_cost, host_templates=64,
-                                        size_affinity_steps=args.size_affinity_steps)
+                                        step_cost=step_cost, step_time=_scaled(step_cost, args.sim_predictor_scale),
+                                        host_templates=64, size_affinity_steps=args.size_affinity_steps,
+                                        step_time_calibration=args.step_time_calibration)
                     cluster = Cluster(cost, cfg, make_policy("least_requests", cost))
                     cluster.run(jobs)
                     stats = RunStats([Outcome(j.arrival, j.deadline, j.finish, j.latent_hw or (0, 0)) for j in jobs],
@@ -416,6 +434,13 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
                                                          for s, v in res["loads"][str(load)].items()})
         out[name] = res
     return out
+
+
+def _scaled(fn: Any, scale: float) -> Any:
+    """The SLO predictor as a fit that is off by ``scale`` (e.g. 0.85: steps 15% slower than predicted)."""
+    if scale == 1.0:
+        return fn
+    return lambda jobs: scale * fn(jobs)
 
 
 @dataclass
@@ -539,15 +564,29 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
         lines += ["## Real run on this machine", "",
                   f"The service's engine in process on the embedded `{args.model}` (one engine = one GPU worker), "
                   f"{'CPU time of the process (1 torch thread)' if args.clock == 'cpu' else 'wall time'} as the clock "
-                  "(module docstring), all four systems on the same prepared jobs, one after the other; predicted "
+                  "(module docstring), all four systems on the same prepared jobs, one after the other, after "
+                  f"{r.get('warmup_jobs', 0)} warm-up jobs through each (not recorded); predicted "
                   f"capacity of (c) {r['capacity']:.2f} jobs/s. Load average {results['loadavg_before']} before, "
-                  f"{results['loadavg_after']} after; {results['real_seconds']:.0f} s.", "",
+                  f"{results['loadavg_after']} after; {results['real_seconds']:.0f} s. Predictor bias on each "
+                  "system's steps (mean of (predicted - measured) / measured; < 0: slower than predicted): "
+                  + "; ".join(f"{ld}: " + ", ".join(f"({LETTERS[s]}) {v['step_bias'] * 100:+.0f}%"
+                                                    for s, v in per.items()
+                                                    if 'step_bias' in v) for ld, per in r["loads"].items())
+                  + f". (d)'s step-time predictor is corrected online (`STENCIL_STEP_TIME_CALIBRATION` = "
+                  f"{args.step_time_calibration:g}; the bias above is the uncorrected fit's); its factor at the end "
+                  "of each load: " + ", ".join(f"{ld}: {per['mixed-slo']['calibration']:.3f}"
+                                              for ld, per in r["loads"].items()
+                                              if "calibration" in per.get("mixed-slo", {})) + ".", "",
                   *table(r["loads"], args.systems, with_mape=True), "", *claims(r["loads"], 1.0), ""]
     for name, res in (results.get("sim") or {}).items():
         lines += [f"## Simulation, {name} step cost", "",
                   f"`ops/sim/cluster.py`, {args.sim_workers} workers, least-requests routing with size affinity (slack "
                   f"{size_slack_setting():g} jobs, `STENCIL_ROUTING_SIZE_SLACK`), {args.sim_jobs} jobs per "
-                  f"run, mean of seeds {args.sim_seeds}, step noise {args.sim_noise}; step cost: {res['text']}; "
+                  f"run, mean of seeds {args.sim_seeds}, step noise {args.sim_noise}; (d)'s predictor: "
+                  + ("the step cost" if args.sim_predictor_scale == 1
+                     else f"{args.sim_predictor_scale:g} x the step cost")
+                  + ", "
+                  f"corrected online (weight {args.step_time_calibration:g}); step cost: {res['text']}; "
                   f"predicted capacity of (c) {res['capacity']:.2f} jobs/s."
                   + (f" GPU curve: {GPU_SOURCE}; a step of W images costs W=1: "
                      f"{gpu_step_seconds(1) * 1e3:.1f} ms, W=4: {gpu_step_seconds(4) * 1e3:.1f} ms, W=8: "
@@ -579,10 +618,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--guidance", type=float, default=7.5)
     p.add_argument("--max-batch", type=int, default=Settings().max_batch)
     p.add_argument("--slo-factor", type=float, default=Settings().slo_factor)
+    p.add_argument("--step-time-calibration", type=float, default=Settings().step_time_calibration,
+                   help="(d)'s online predictor correction, EWMA weight per step "
+                        "(STENCIL_STEP_TIME_CALIBRATION; 0 = off)")
     p.add_argument("--size-affinity-steps", type=int, default=Settings().size_affinity_steps,
                    help="continuous batching's size affinity (STENCIL_SIZE_AFFINITY_STEPS; 0 = strict FCFS)")
     p.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.1, 1.4])
-    p.add_argument("--jobs", type=int, default=160, help="jobs per load (real run)")
+    p.add_argument("--jobs", type=int, default=320, help="jobs per load (real run)")
+    p.add_argument("--warmup-jobs", type=int, default=24,
+                   help="jobs replayed through every system before the measured loads, not recorded")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--parts", default="real,sim", help="real, sim or both")
     p.add_argument("--sim-loads", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.0, 1.1, 1.2, 1.3, 1.4])
@@ -590,9 +634,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--sim-workers", type=int, default=4)
     p.add_argument("--sim-noise", type=float, default=0.03)
+    p.add_argument("--sim-predictor-scale", type=float, default=1.0,
+                   help="(d)'s predictor = this x the simulated step cost (a biased fit; 1 = exact)")
     p.add_argument("--json", default="", help="also write every number (JSON)")
     run = cli.start(p, argv, __file__, quick=dict(
-        sizes="128x128:0.5,128x64:0.5", steps=2, loads=[1.2], jobs=10, sim_loads=[1.2], sim_jobs=60, sim_seeds=[0],
+        sizes="128x128:0.5,128x64:0.5", steps=2, loads=[1.2], jobs=10, warmup_jobs=2, sim_loads=[1.2], sim_jobs=60,
+        sim_seeds=[0],
         sim_workers=2))
     args = run.args
     if args.clock == "cpu" and args.threads != 1:

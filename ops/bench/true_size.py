@@ -261,7 +261,7 @@ def run_unet(key: str, args: argparse.Namespace, dtype: torch.dtype) -> list[str
 
 
 def section_key(model: str, pool_threshold: float) -> str:
-    """Report section of a run: the model, or model + pooling when not the OR default."""
+    """Report section of a run: the model, or model + pooling threshold when not OR (0)."""
     return model if not pool_threshold else f"{model}_pool{round(pool_threshold * 100):02d}"
 
 
@@ -475,26 +475,32 @@ def summary_section(summary: dict[str, dict[str, Any]]) -> list[str]:
     rows = ["## Summary: per-step speedup at mask ratio 0.2 vs FlashPS's per-image speedup", "",
             "| model | precision | full step s | mask-aware speedup at r = 0.2 (per step) | FlashPS at r = 0.2 "
             "(per image) |", "|---|---|---|---|---|"]
-    for k in ("sd15", "sdxl", "flux"):
-        if k not in summary:
-            continue
-        s = summary[k]
-        sp = s["speed"].get("0.2")
-        extra = f"; {s['speed57']['0.2']:.2f}x extrapolated to 57 blocks" if k == "flux" and "0.2" in s["speed57"] \
-            else ""
-        name, fps = FLASHPS_AT_02[k]
-        rows.append(f"| {s['label']} | {s['dtype']} | {s['full']:.2f} | "
-                    f"{f'{sp:.2f}x' if sp else '-'}{extra} | {fps}x ({name}) |")
+    default = section_key("", Settings().mask_pool_threshold)
+    for base in ("sd15", "sdxl", "flux"):
+        for k in [base] + sorted(t for t in summary if t.startswith(f"{base}_pool")):
+            if k not in summary or "0.2" not in summary[k]["speed"]:
+                continue
+            s = summary[k]
+            sp = s["speed"]["0.2"]
+            extra = f"; {s['speed57']['0.2']:.2f}x extrapolated to 57 blocks" \
+                if k == "flux" and "0.2" in s.get("speed57", {}) else ""
+            pooled = k[len(base):]
+            label = s["label"] + (f", coarse levels pooled by coverage >= {int(pooled[5:]) / 100:g}" if pooled else
+                                  (", OR-pooled" if base != "flux" else ""))
+            label += " (the default)" if base != "flux" and pooled == default else ""
+            name, fps = FLASHPS_AT_02[base]
+            rows.append(f"| {label} | {s['dtype']} | {s['full']:.2f} | {sp:.2f}x{extra} | {fps}x ({name}) |")
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     p = cli.parser(__doc__, out="docs/bench/true_size.md", threads=1, clock="auto")
-    p.add_argument("--models", default="sd15,sdxl,flux", help="comma-separated: sd15, sdxl, flux")
+    p.add_argument("--models", default="sd15,sdxl,flux",
+                   help="comma-separated: sd15, sdxl, flux (\"\" with --dtype: rewrite the summary from the sections)")
     p.add_argument("--ratios", default="0.05,0.1,0.2,0.4,0.6,0.8,1.0")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pool-threshold", type=float, default=Settings().mask_pool_threshold,
-                   help="UNet coarse levels' token pooling (STENCIL_MASK_POOL_THRESHOLD; 0 = OR)")
+                   help="UNet coarse levels' token pooling (STENCIL_MASK_POOL_THRESHOLD, the default; 0 = OR)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights and compute; auto = the faster of the two in the one-block probe")
     p.add_argument("--probe-repeats", type=int, default=3)
@@ -517,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "`--dtype`).", ""]
     else:
         dtype = true_size.DTYPES[args.dtype]
-    for key in args.models.split(","):
+    for key in [k for k in args.models.split(",") if k]:  # --models "": only the summary is rewritten
         sections[section_key(key, 0.0 if key == "flux" else args.pool_threshold)] = (
             run_flux(args, dtype) if key == "flux" else run_unet(key, args, dtype))
         gc.collect()   # one model at a time: the last one's weights and caches are freed here

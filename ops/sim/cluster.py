@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from app.calibration import CalibratedStepTime
 from app.costmodel import CostModel, min_service_seconds, step_time_predictor
 from app.routing import JobDemand, JobLoad, RoutingPolicy, WorkerState, WorkerView
 from app.settings import Settings
@@ -55,6 +56,8 @@ class ClusterConfig:
     seed: int = 0
     batching: str = "continuous"  # or "static": a batch is admitted only once the last one drained
     size_affinity_steps: int = Settings().size_affinity_steps  # the engine's (workers/engine/scheduler.py)
+    # each worker corrects its SLO predictor online from its steps, as the engine does (app/calibration.py)
+    step_time_calibration: float = Settings().step_time_calibration
     # Step cost of a batch of B jobs = intercept + (sum of their job seconds) * B ** (exponent - 1):
     # 1 is the linear cost fitted on this CPU, < 1 a sublinear (GPU-shaped) one.
     batch_exponent: float = 1.0
@@ -99,6 +102,8 @@ class Cluster:
         self.steps = 0
 
     def _make_worker(self, wid: str, predictor: Any) -> SimWorker:
+        if predictor is not None and self.cfg.step_time_calibration > 0:
+            predictor = CalibratedStepTime(predictor, self.cfg.step_time_calibration)
         sched = BatchScheduler(self.cfg.max_batch, self.cfg.batching, step_time=predictor,
                                on_expire=self._on_expire, clock=lambda: self.now,
                                size_affinity_steps=self.cfg.size_affinity_steps)
@@ -207,6 +212,9 @@ class Cluster:
         sigma = self.cfg.noise
         dur = predicted * (float(self.rng.lognormal(-sigma * sigma / 2, sigma)) if sigma else 1.0)
         w.busy, w.batch = True, batch
+        observe = getattr(w.sched.step_time, "observe", None)
+        if observe is not None:  # the engine measures the step and feeds it back (Engine.step_once)
+            observe(batch, dur)
         w.busy_s += dur
         self.steps += 1
         self._at(self.now + dur, self._end_step, w)

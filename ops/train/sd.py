@@ -78,7 +78,8 @@ def train_unet(args: argparse.Namespace, data: dict[str, torch.Tensor], held: di
     torch.manual_seed(args.seed)
     tok = byte_level_clip_tokenizer()
     unet = build_unet(args.seed, hidden=tuple(args.unet_channels), cross_dim=args.cross_dim,
-                      layers_per_block=args.layers_per_block)
+                      layers_per_block=args.layers_per_block, layout=args.unet_layout,
+                      transformer_layers=tuple(args.transformer_layers) if args.transformer_layers else None)
     text = build_text_encoder(args.seed, hidden=args.cross_dim, vocab_size=len(tok))
     noise_sched = DDPMScheduler(num_train_timesteps=1000, **SD_BETAS)
     all_caps = [""] + captions + held_captions
@@ -171,6 +172,11 @@ def main() -> int:
     p.add_argument("--unet-channels", type=int, nargs="+", default=[32, 64])
     p.add_argument("--cross-dim", type=int, default=32)
     p.add_argument("--layers-per-block", type=int, default=1)
+    p.add_argument("--unet-layout", default="sd", choices=["sd", "sdxl"],
+                   help="where the transformers sit (workers/models/tiny_sd.LAYOUTS): sdxl = none at the finest "
+                        "level, the deepest at the coarsest, to measure coarse-level mask pooling")
+    p.add_argument("--transformer-layers", type=int, nargs="*", default=[],
+                   help="transformer depth per level (SDXL: 1 2 10); default: 1 everywhere")
     p.add_argument("--unet-steps", type=int, default=8000)
     p.add_argument("--unet-batch", type=int, default=24)
     p.add_argument("--unet-lr", type=float, default=1e-3)

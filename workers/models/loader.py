@@ -184,6 +184,9 @@ def _copy_trained(name: str, trainer: str) -> Callable[[Path, int], None]:
 EMBEDDED_MODELS: dict[str, Callable[[Path, int], None]] = {
     "tiny-sd-inpaint-trained": _copy_trained("tiny-sd-inpaint-trained", "ops.train.sd"),
     "tiny-flux-fill-trained": _copy_trained("tiny-flux-fill-trained", "ops.train.flux"),
+    # SDXL's transformer layout (none at the finest level, the deepest at the coarsest) in SD classes:
+    # measures coarse-level mask pooling's fidelity (BENCHMARKS.md, true-size models).
+    "tiny-sd-sdxl-layout-trained": _copy_trained("tiny-sd-sdxl-layout-trained", "ops.train.sd"),
     "tiny-sd-inpaint": _save_tiny_sd,
     "tiny-flux-fill": _save_tiny_flux,
     "tiny-sdxl-inpaint": _save_tiny_sdxl,

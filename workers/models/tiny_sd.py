@@ -48,22 +48,42 @@ def byte_level_clip_tokenizer(model_max_length: int = 77) -> CLIPTokenizer:
     return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
 
 
+# Where the transformers sit, per resolution level (finest first).
+# sd: SD 1.5's layout, attention at every level but the coarsest (plus the mid block);
+# sdxl: SDXL's, no attention at the finest level and the deepest transformers at the coarsest
+# (there every token pools 4x4 latent pixels, as at SDXL's 32x32 level of a 1024 px image).
+LAYOUTS = ("sd", "sdxl")
+
+
 def build_unet(seed: int = 0, *, hidden: tuple[int, ...] = (32, 64), cross_dim: int = 32,
-               sample_size: int = 16, layers_per_block: int = 1) -> UNet2DConditionModel:
+               sample_size: int = 16, layers_per_block: int = 1, layout: str = "sd",
+               transformer_layers: tuple[int, ...] | None = None) -> UNet2DConditionModel:
     """A 9-channel inpainting UNet (4 latent + 1 mask + 4 masked-image channels)."""
     torch.manual_seed(seed)
     n = len(hidden)
+    if layout == "sd":
+        attn = [True] * (n - 1) + [False]
+    elif layout == "sdxl":
+        attn = [False] + [True] * (n - 1)
+    else:
+        raise ValueError(f"unknown UNet layout {layout!r}; known: {LAYOUTS}")
+    depth: dict = {}
+    if transformer_layers is not None:
+        if len(transformer_layers) != n:
+            raise ValueError(f"transformer_layers needs one depth per level ({n}), got {transformer_layers}")
+        depth = {"transformer_layers_per_block": tuple(transformer_layers)}
     return UNet2DConditionModel(
         sample_size=sample_size,
         in_channels=9,
         out_channels=4,
         layers_per_block=layers_per_block,
         block_out_channels=hidden,
-        down_block_types=("CrossAttnDownBlock2D",) * (n - 1) + ("DownBlock2D",),
-        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (n - 1),
+        down_block_types=tuple("CrossAttnDownBlock2D" if a else "DownBlock2D" for a in attn),
+        up_block_types=tuple("CrossAttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attn)),
         cross_attention_dim=cross_dim,
         attention_head_dim=8,
         norm_num_groups=min(32, hidden[0]),
+        **depth,
     )
 
 
