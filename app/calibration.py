@@ -2,7 +2,7 @@
 
 Why. The predictor is fitted offline (``stencil profile``) and the machine it serves drifts from
 the fit: clocks and neighbours change, and the profile times each batch after a warm repeat while
-the engine never repeats a batch (cold caches). On this CPU the engine's steps ran 5-17% slower
+the engine never repeats a batch (cold caches). On this CPU the engine's steps ran 2-23% slower
 than the fresh fit predicted (``docs/bench/mixed_sizes.md``, predictor bias), so every SLO decision
 (admit, refuse, defer) was made on optimistic finish times. A multiplicative factor learned from
 the engine's own steps removes that bias without refitting; the fit still carries the shape
@@ -52,4 +52,12 @@ class CalibratedStepTime:
             self.steps += 1
 
 
-__all__ = ["CalibratedStepTime"]
+def calibrated(predictor: Predictor | None, weight: float) -> Predictor | None:
+    """``predictor`` corrected online with EWMA ``weight`` (the engine's, the simulator's and the
+    benchmark's one way to build it); as is when there is none or the weight is 0."""
+    if predictor is None or weight <= 0.0:
+        return predictor
+    return CalibratedStepTime(predictor, weight)
+
+
+__all__ = ["CalibratedStepTime", "calibrated"]

@@ -234,6 +234,7 @@ def get_engine() -> Engine:
                          s.cache_dtype, s.cache_link_gbps)
             step_time = None
             if s.slo_admission.strip().lower() not in ("off", "0", "false", "no"):
+                from app.calibration import calibrated
                 from app.costmodel import find_model, slo_admission_on, step_time_predictor
 
                 try:
@@ -242,11 +243,8 @@ def get_engine() -> Engine:
                     log.warning("cost model unusable (%s): SLO admission off", exc)
                     model = None
                 on = slo_admission_on(s.slo_admission, model)
-                step_time = step_time_predictor(model) if on and model is not None else None
-                if step_time is not None and s.step_time_calibration > 0:
-                    from app.calibration import CalibratedStepTime
-
-                    step_time = CalibratedStepTime(step_time, s.step_time_calibration)
+                step_time = calibrated(step_time_predictor(model) if on and model is not None else None,
+                                       s.step_time_calibration)
                 log.info("SLO admission %s", f"on ({model.model_id}/{model.device_kind}, "
                          f"{'resolution-aware batch SVR' if model.batch else 'linear model'})" if on and model else
                          "off: no fitted cost model with the batch step-time predictor (`stencil profile --sizes`)")

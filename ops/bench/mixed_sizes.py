@@ -11,7 +11,8 @@ Systems (the engine's settings that select them):
   go first to sizes already in the batch, a job passed over that many steps goes first; 0 = strict FCFS);
 - ``mixed-slo``: the same with SLO-aware admission (``STENCIL_SLO_ADMISSION=1``: slack order,
   admission refused when it would make a running job miss its deadline, late jobs last) fed by the
-  resolution-aware batch step-time predictor (``app/steptime.py``, fitted by ``stencil profile --sizes``).
+  resolution-aware batch step-time predictor (``app/steptime.py``, fitted by ``stencil profile --sizes``),
+  corrected online by the engine's measured steps (``STENCIL_STEP_TIME_CALIBRATION``, ``app/calibration.py``).
 
 Trace: Poisson arrivals; sizes drawn from ``--sizes`` (width x height : weight); mask ratios from a
 public trace (``ops/data/mask_ratios``, non-empty masks) with mask shapes from ``app.maskgen``; every
@@ -24,7 +25,9 @@ Real run (this machine): the service's engine in process (``Engine``, ``BatchSch
 inputs prepared as ``prepare`` does), one engine as one GPU worker. Time is virtual: the clock
 advances by each engine iteration's measured CPU time (``--clock cpu``, the process's CPU time with
 one torch thread; lockstep threads compute one at a time) or wall time (``--clock wall``), and jobs
-arrive on that clock, so other load on this shared machine does not change the result. Not in it:
+arrive on that clock, so other load on this shared machine does not change the result. Before the
+measured loads, ``--warmup-jobs`` jobs go through every system unrecorded (one-off costs would
+otherwise land on the first system measured). Not in it:
 the CPU stages (decode, text and VAE encoding, which ``prepare`` runs before the engine) and the
 Redis/Celery hand-offs; the end-to-end path of the SLO fields is covered by the service tests.
 
@@ -58,7 +61,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from app.calibration import CalibratedStepTime
+from app.calibration import calibrated
 from app.costmodel import CostModel, token_counts_from_mask
 from app.demo import demo_templates
 from app.jobs import JobParams
@@ -261,10 +264,8 @@ class RealBench:
         clock_fn = time.process_time if self.args.clock == "cpu" else time.perf_counter
         now = [0.0]
         slo = system == "mixed-slo"
-        step_time = None
-        if slo:  # as the service builds it (workers/gpu_tasks.py): corrected online by the engine's steps
-            step_time = CalibratedStepTime(predict, self.args.step_time_calibration) \
-                if self.args.step_time_calibration > 0 else predict
+        # (d)'s predictor as the service builds it (workers/gpu_tasks.py): corrected online by the engine's steps
+        step_time = calibrated(predict, self.args.step_time_calibration) if slo else None
         sched = BatchScheduler(1 if system == "one" else self.args.max_batch,
                                "bucketed" if system == "bucketed" else "continuous",
                                step_time=step_time, clock=lambda: now[0],

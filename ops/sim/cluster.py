@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from app.calibration import CalibratedStepTime
+from app.calibration import calibrated
 from app.costmodel import CostModel, min_service_seconds, step_time_predictor
 from app.routing import JobDemand, JobLoad, RoutingPolicy, WorkerState, WorkerView
 from app.settings import Settings
@@ -102,9 +102,8 @@ class Cluster:
         self.steps = 0
 
     def _make_worker(self, wid: str, predictor: Any) -> SimWorker:
-        if predictor is not None and self.cfg.step_time_calibration > 0:
-            predictor = CalibratedStepTime(predictor, self.cfg.step_time_calibration)
-        sched = BatchScheduler(self.cfg.max_batch, self.cfg.batching, step_time=predictor,
+        sched = BatchScheduler(self.cfg.max_batch, self.cfg.batching,
+                               step_time=calibrated(predictor, self.cfg.step_time_calibration),
                                on_expire=self._on_expire, clock=lambda: self.now,
                                size_affinity_steps=self.cfg.size_affinity_steps)
         return SimWorker(wid, sched, WorkerState(wid, max_batch=self.cfg.max_batch))
@@ -212,9 +211,7 @@ class Cluster:
         sigma = self.cfg.noise
         dur = predicted * (float(self.rng.lognormal(-sigma * sigma / 2, sigma)) if sigma else 1.0)
         w.busy, w.batch = True, batch
-        observe = getattr(w.sched.step_time, "observe", None)
-        if observe is not None:  # the engine measures the step and feeds it back (Engine.step_once)
-            observe(batch, dur)
+        w.sched.observe_step(batch, dur)  # as the engine feeds its measured step back (Engine.step_once)
         w.busy_s += dur
         self.steps += 1
         self._at(self.now + dur, self._end_step, w)

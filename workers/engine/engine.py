@@ -199,9 +199,7 @@ class Engine:
         ran = self._run_step(batch)
         seconds = self.clock() - start
         self.stats.record(StepRecord(self.stats.steps, tuple(j.job_id for j in ran), seconds))
-        observe = getattr(self.scheduler.step_time, "observe", None)
-        if observe is not None and ran:  # online calibration of SLO admission's predictor (app/calibration.py)
-            observe(ran, seconds)
+        self.scheduler.observe_step(ran, seconds)
         finished = self.scheduler.complete_step(ran)
         try:
             self.hooks.on_step(ran, seconds, list(self.scheduler.waiting))

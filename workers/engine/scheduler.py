@@ -390,6 +390,13 @@ class BatchScheduler:
                               (self.mode != "bucketed" or j.latent_hw == job.latent_hw)]
         return self._batch(), admitted
 
+    def observe_step(self, batch: list[EngineJob], seconds: float) -> None:
+        """A measured step of ``batch``: feeds SLO admission's predictor when it learns online
+        (``app/calibration.py``); nothing otherwise."""
+        observe = getattr(self.step_time, "observe", None)
+        if observe is not None and batch:
+            observe(batch, seconds)
+
     def complete_step(self, batch: list[EngineJob]) -> list[EngineJob]:
         """Count one step for each job of the batch; retire and return the finished ones."""
         finished = []
