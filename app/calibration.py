@@ -17,13 +17,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 Predictor = Callable[[Sequence[Any]], float]
+# How far measured steps may pull the fit (one outlier step cannot swing the factor beyond this).
+BOUNDS = (0.5, 2.0)
 
 
 class CalibratedStepTime:
     """``BatchScheduler(step_time=...)`` wrapper; the engine calls ``observe(batch, seconds)`` after
     each step. ``weight``: the EWMA weight of one step (0 = never corrects)."""
 
-    def __init__(self, base: Predictor, weight: float, *, bounds: tuple[float, float] = (0.5, 2.0)) -> None:
+    def __init__(self, base: Predictor, weight: float, *, bounds: tuple[float, float] = BOUNDS) -> None:
         if not 0.0 <= weight <= 1.0:
             raise ValueError(f"calibration weight must be in [0, 1], got {weight}")
         self.base = base
@@ -60,4 +62,4 @@ def calibrated(predictor: Predictor | None, weight: float) -> Predictor | None:
     return CalibratedStepTime(predictor, weight)
 
 
-__all__ = ["CalibratedStepTime", "calibrated"]
+__all__ = ["BOUNDS", "CalibratedStepTime", "calibrated"]

@@ -12,7 +12,10 @@ the jobs this dispatcher routed that the engines cannot show yet (still in ``pre
 in-flight entries leave when the job appears in a worker's state, ends, or gets too old.
 
 SLO at routing: with a fitted cost model, a job whose deadline cannot be met even if it started
-now alone on an idle worker is marked ``expired`` with the reason instead of being routed. A job
+now alone on an idle worker is marked ``expired`` with the reason instead of being routed. The
+fit is scaled by the pace the engines measure (the fastest live worker's published
+``step_time_factor``, ``app/calibration.py``), so the dispatcher and the engines' SLO admission
+predict the same step times. A job
 without a deadline gets a default one, ``STENCIL_SLO_FACTOR`` x its standalone time (that same
 prediction, at the job's own image size with the resolution-aware batch predictor, plus
 ``STENCIL_SLO_OVERHEAD_SECONDS``), recorded as ``slo_deadline``; every job with one has
@@ -25,6 +28,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -38,6 +42,7 @@ from celery import Celery, chain
 
 from app.adapters import lora_meta_key
 from app.blobs import BlobStore
+from app.calibration import BOUNDS as CALIBRATION_BOUNDS
 from app.celery_app import gpu_queue, stage_queue
 from app.controls import controlnet_meta_key
 from app.costmodel import (
@@ -112,7 +117,18 @@ def parse_worker_hash(worker_id: str, fields: dict[Any, Any], *, now: float, sta
         addons=_published_addons(f),
         last_step_seconds=float(f.get("last_step_seconds") or 0.0), updated=updated,
         max_batch=int(f.get("max_batch") or max_batch),
-        alive=not updated or now - updated <= stale_s)
+        alive=not updated or now - updated <= stale_s,
+        step_time_factor=_step_time_factor(f.get("step_time_factor")))
+
+
+def _step_time_factor(raw: str | None) -> float:
+    """A published calibration factor, bounded as the engine bounds it; 1.0 if absent or unreadable
+    (older engines, SLO admission off): the fit is then taken as is."""
+    try:
+        factor = float(raw) if raw else 1.0
+    except ValueError:
+        return 1.0
+    return min(max(factor, CALIBRATION_BOUNDS[0]), CALIBRATION_BOUNDS[1]) if math.isfinite(factor) else 1.0
 
 
 def _published_addons(f: dict[str, str]) -> frozenset[str] | None:
@@ -368,17 +384,18 @@ class Dispatcher:
             self._object_store = open_store(self.s)
         return self._object_store
 
-    def min_latency(self, demand: JobDemand) -> float | None:
+    def min_latency(self, demand: JobDemand, step_time_factor: float = 1.0) -> float | None:
         """Fastest possible time of a job (denoising alone on an idle worker, at its own size when the
-        model has the resolution-aware predictor, plus the configured prepare/finalize overhead), or
-        None without a fitted model."""
+        model has the resolution-aware predictor, x the fastest live worker's measured pace
+        ``step_time_factor``, plus the configured prepare/finalize overhead), or None without a
+        fitted model."""
         if self.cost_model is None:
             return None
         sized = demand.latent_hw is not None and self.cost_model.batch is not None
         return min_service_seconds(self.cost_model, demand.steps, mask_ratio=demand.mask_ratio,
                                    masked_tokens=demand.size_tokens if sized else demand.masked_tokens,
                                    cached=demand.cached, latent_hw=demand.latent_hw if sized else None
-                                   ) + self.slo_overhead_s
+                                   ) * step_time_factor + self.slo_overhead_s
 
     def slo_deadline(self, rec: JobRecord, need: float | None) -> float | None:
         """The job's SLO deadline: its own, else (edits) submission + ``STENCIL_SLO_FACTOR`` x ``need``
@@ -407,7 +424,10 @@ class Dispatcher:
                                  slo_deadline=repr(rec.params.deadline))
             return "expired"
         demand = self.demand(rec)
-        need = self.min_latency(demand)
+        view = self.view.refresh()
+        # The engines' online calibration: the fit x how fast the fastest live worker runs now, so
+        # expiry and default deadlines use the same step times as the engines' SLO admission.
+        need = self.min_latency(demand, min(w.step_time_factor for w in view.candidates()))
         if demand.deadline is not None and need is not None and now + need > demand.deadline:
             self.jobs.transition(job_id, JobStatus.EXPIRED, slo_deadline=repr(demand.deadline),
                                  error=f"deadline unreachable: needs at least {need:.3f} s, "
@@ -416,7 +436,6 @@ class Dispatcher:
         slo = self.slo_deadline(rec, need)
         slo_fields = {} if slo is None else {"slo_deadline": repr(slo),
                                              **({"slo_alone_s": f"{need:.4f}"} if need is not None else {})}
-        view = self.view.refresh()
         start = time.perf_counter()
         worker = self.router.choose(demand, view)
         self.decisions.add(time.perf_counter() - start)

@@ -105,6 +105,9 @@ class WorkerState:
     updated: float = 0.0  # epoch seconds of the engine's last publish (0 = never seen)
     max_batch: int = 8
     alive: bool = True
+    # The engine's online calibration (app/calibration.py): its measured / predicted step time. The
+    # cost model is fitted once; this says how fast the worker runs now (1 = as fitted).
+    step_time_factor: float = 1.0
     # Changes whenever the state does (new object or ``touch``): routers cache per-worker work by it.
     stamp: int = field(default_factory=lambda: next(_stamps))
 
@@ -332,16 +335,18 @@ class MaskAwareRouter:
                 if r > 0:
                     ahead += js(j) * (r if r < steps else steps)
             self._bounds[w.worker_id] = (w.stamp, steps, ahead)
-        return steps * (self.model.intercept + mine_s) + ahead
+        return (steps * (self.model.intercept + mine_s) + ahead) * w.step_time_factor
 
     def cost(self, job: JobLoad, w: WorkerState, fetch_s: float, addon_bytes: dict[str, int] | None = None) -> float:
-        """Predicted seconds until ``job`` finishes on ``w`` (+ fetch if its template or add-ons are cold)."""
+        """Predicted seconds until ``job`` finishes on ``w``: compute at ``w``'s measured pace
+        (``step_time_factor``), + fetch if its template or add-ons are cold."""
         mine_s, mine_r = self.job_seconds(job), job.remaining
         t_admit, alive = self.profile(w)
         t = finish_after_admission(t_admit, alive, mine_s, mine_r, self.model.intercept)
         if self.externality:
             # Others' extra time while sharing steps with the new job.
             t += self.externality * mine_s * sum(min(rem, mine_r) for _, rem in alive)
+        t *= w.step_time_factor  # compute runs at the worker's measured pace; fetches do not
         if fetch_s and job.template_id and job.cached and w.templates is not None \
                 and job.template_id not in w.templates and job.template_id not in self._job_templates(w):
             t += fetch_s

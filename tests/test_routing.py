@@ -96,6 +96,23 @@ def test_mask_aware_integrates_over_remaining_steps() -> None:
     assert make_policy("mask_aware", model).choose(demand(0.3), view(ending, fresh)) == "ending"
 
 
+def test_mask_aware_routes_by_each_workers_measured_pace() -> None:
+    """A worker whose engine measured its steps 2x slower than the fit (its published calibration
+    factor) costs 2x: the job goes to the emptier-looking worker only while the pace is equal."""
+    model = small_model()
+    ma = make_policy("mask_aware", model)
+    light_but_slow = WorkerState("slow", running=[job("1", 0.2)], step_time_factor=2.0)
+    busier = WorkerState("fast", running=[job("2", 0.2), job("3", 0.2)])
+    light = WorkerState("slow", running=[job("1", 0.2)])
+    assert ma.choose(demand(0.2), view(light, busier)) == "slow"
+    assert ma.choose(demand(0.2), view(light_but_slow, busier)) == "fast"
+    # The pruned choice still equals the exact costs with the factor applied.
+    mar = MaskAwareRouter(model)
+    d = JobLoad.from_demand(demand(0.2))
+    assert mar.cost(d, light_but_slow, 0.0) == pytest.approx(2.0 * mar.cost(d, light, 0.0))
+    assert mar.lower_bound(light_but_slow, mar.job_seconds(d), 20) <= mar.cost(d, light_but_slow, 0.0)
+
+
 def test_mask_aware_accounts_for_a_full_batch_queue() -> None:
     """A worker with a full batch makes the job wait for a slot; an emptier one does not."""
     model = small_model()

@@ -32,7 +32,7 @@ def make_dispatcher(redis_server):  # type: ignore[no-untyped-def]
     from app.settings import Settings
 
     def make(cost_model=None, **overrides: object) -> Dispatcher:  # type: ignore[no-untyped-def]
-        settings = Settings.from_env(redis_url=redis_server.url, gpu_workers="0", **overrides)
+        settings = Settings.from_env(**{"redis_url": redis_server.url, "gpu_workers": "0", **overrides})
         return Dispatcher(settings, make_celery(settings), consumer="t", cost_model=cost_model)
 
     return make
@@ -67,6 +67,34 @@ def test_default_deadline_is_the_slo_factor_times_the_standalone_time_at_the_job
     job3, _ = store.create(JobParams(steps=10, deadline=own))
     d.route(job3)
     assert float(store.get(job3).fields["slo_deadline"]) == pytest.approx(own)
+
+
+def test_deadlines_use_the_engines_calibrated_pace(redis_client, make_dispatcher) -> None:  # type: ignore[no-untyped-def]
+    """The engines publish their measured / predicted step time (``step_time_factor``); the
+    dispatcher's standalone time, default deadline and expiry check use the fastest live worker's."""
+    from app.dispatcher import WORKER_STATE_PREFIX
+
+    model = _cost_model()
+    d = make_dispatcher(model, slo_factor=4.0, routing_policy="least_requests", gpu_workers="0,1")
+    store = JobStore(redis_client, ttl_seconds=60, intake_stream="stencil:jobs")
+    for worker, factor in (("0", "1.5"), ("1", "1.8")):
+        redis_client.hset(WORKER_STATE_PREFIX + worker, mapping={
+            "updated": repr(time.time()), "running": "[]", "waiting": "[]", "step_time_factor": factor})
+    job, _ = store.create(JobParams(steps=10))
+    fit = d.min_latency(d.demand(store.get(job)))  # the fit alone (factor 1)
+    assert fit is not None and fit > 0
+    d.route(job)
+    assert float(store.get(job).fields["slo_alone_s"]) == pytest.approx(1.5 * fit, rel=1e-3)
+    # A deadline the fit could meet but the measured pace cannot: expired at routing, not sent.
+    late, _ = store.create(JobParams(steps=10, deadline=time.time() + 1.25 * fit))
+    assert d.route(late) == "expired"
+    assert "needs at least" in store.get(late).error
+    # Garbage in a worker hash is not trusted: the fit is used as is.
+    redis_client.hset(WORKER_STATE_PREFIX + "0", mapping={"updated": repr(time.time()), "step_time_factor": "nan"})
+    d.view.refresh(force=True)
+    ok, _ = store.create(JobParams(steps=10))
+    d.route(ok)
+    assert float(store.get(ok).fields["slo_alone_s"]) == pytest.approx(fit, rel=1e-3)
 
 
 def test_without_a_fitted_model_or_with_factor_0_no_default_deadline(redis_client, make_dispatcher) -> None:  # type: ignore[no-untyped-def]

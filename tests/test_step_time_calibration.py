@@ -83,3 +83,18 @@ def test_the_engine_feeds_its_measured_steps_back() -> None:
 
 def test_the_service_default_corrects() -> None:
     assert 0.0 < Settings().step_time_calibration <= 0.2
+
+
+def test_the_engine_publishes_its_factor_and_the_dispatcher_reads_it() -> None:
+    from app.dispatcher import parse_worker_hash
+    from workers.gpu_tasks import RedisEngineHooks
+
+    cal = CalibratedStepTime(_fit, 1.0)
+    cal.observe([object()], 1.25 * _fit([object()]))
+    state = RedisEngineHooks("w0", 30.0, step_time=cal)._state([], [])
+    assert parse_worker_hash("w0", state, now=0.0, stale_s=60.0, max_batch=8, known={}).step_time_factor \
+        == pytest.approx(1.25)
+    # Without SLO admission (no predictor) nothing is published and the fit is taken as is.
+    plain = RedisEngineHooks("w1", 30.0)._state([], [])
+    assert "step_time_factor" not in plain
+    assert parse_worker_hash("w1", plain, now=0.0, stale_s=60.0, max_batch=8, known={}).step_time_factor == 1.0

@@ -68,8 +68,9 @@ class RedisEngineHooks(EngineHooks):
 
     def __init__(self, worker_id: str, lease_seconds: float, *, max_batch: int = 8,
                  resident_templates: Any = None, resident_adapters: Any = None,
-                 resident_controlnets: Any = None) -> None:
+                 resident_controlnets: Any = None, step_time: Any = None) -> None:
         self.worker_id = worker_id
+        self.step_time = step_time  # SLO admission's predictor; its calibration factor is published
         self.max_batch = max_batch
         self.resident_templates = resident_templates
         self.resident_adapters = resident_adapters
@@ -163,6 +164,9 @@ class RedisEngineHooks(EngineHooks):
             state["loras"] = json.dumps(sorted(self.resident_adapters()))
         if self.resident_controlnets is not None:
             state["controlnets"] = json.dumps(sorted(self.resident_controlnets()))
+        factor = getattr(self.step_time, "factor", None)
+        if factor is not None:  # the dispatcher's deadline check and router use the engine's pace
+            state["step_time_factor"] = repr(float(factor))
         return state | {"running": view(batch), "waiting": view(waiting), "updated": repr(time.time()),
                 "last_step_seconds": repr(self.last_step_seconds), "holder": holder_id(),
                 "busy_seconds": repr(self.busy_seconds), "steps": str(self.steps)}
@@ -257,7 +261,8 @@ def get_engine() -> Engine:
                                      resident_templates=caches.resident_templates if caches else None,
                                      resident_adapters=bank.resident,
                                      resident_controlnets=getattr(getattr(runner, "controlnets", None), "resident",
-                                                                  None))
+                                                                  None),
+                                     step_time=step_time)
             _engine = Engine(runner, BatchScheduler(s.max_batch, s.batching, step_time=step_time, on_expire=expire,
                                                      size_affinity_steps=s.size_affinity_steps),
                              hooks, idle_wait=s.engine_idle_sleep).start()
