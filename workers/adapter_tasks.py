@@ -103,7 +103,8 @@ def _cached_weights(lora_id: str) -> LoraWeights:
 @contextlib.contextmanager
 def text_encoder_adapters(pipe: Any, adapters: AdapterSet) -> Iterator[None]:
     """While encoding a job's prompt: its text-encoder adapters merged into the CPU pipeline's text
-    encoders (exactly undone by the next job that needs other ones). One job at a time per process."""
+    encoders (exactly undone by the next job that needs other ones; in half precision applied as
+    terms, ``LoraPatcher.apply``). One job at a time per process."""
     from workers.adapters.patcher import LoraPatcher
 
     sets = text_encoder_sets(adapters)
@@ -115,7 +116,7 @@ def text_encoder_adapters(pipe: Any, adapters: AdapterSet) -> Iterator[None]:
             patcher = _te_patchers.get(comp)
             if patcher is None or patcher.model is not model:
                 patcher = _te_patchers[comp] = LoraPatcher(model, comp, _cached_weights)
-            patcher.merge(sets.get(comp, ()))
+            patcher.apply(sets.get(comp, ()))
         yield
 
 

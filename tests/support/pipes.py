@@ -5,22 +5,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from diffusers import ControlNetModel, StableDiffusionControlNetInpaintPipeline, StableDiffusionInpaintPipeline
 
 
-def sd_pipe(folder: Path | str) -> StableDiffusionInpaintPipeline:
+def sd_pipe(folder: Path | str, dtype: torch.dtype = torch.float32) -> StableDiffusionInpaintPipeline:
     pipe = StableDiffusionInpaintPipeline.from_pretrained(folder, safety_checker=None, feature_extractor=None,
-                                                          requires_safety_checker=False)
+                                                          requires_safety_checker=False, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
-def controlnet_call(folder: Path | str, nets: list[Path], controls: list[tuple[Any, ...]]) -> tuple[Any, dict]:
+def controlnet_call(folder: Path | str, nets: list[Path], controls: list[tuple[Any, ...]],
+                    dtype: torch.dtype = torch.float32) -> tuple[Any, dict]:
     """``StableDiffusionControlNetInpaintPipeline`` over the model in ``folder`` with the ControlNets
     in ``nets`` (``MultiControlNetModel`` for several), and its call's control arguments for
     ``controls`` = ``(id, image, scale[, start, end])`` each."""
-    base = sd_pipe(folder)
-    models = [ControlNetModel.from_pretrained(n) for n in nets]
+    base = sd_pipe(folder, dtype)
+    models = [ControlNetModel.from_pretrained(n, dtype=dtype) for n in nets]
     pipe = StableDiffusionControlNetInpaintPipeline(
         vae=base.vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, unet=base.unet,
         controlnet=models if len(models) > 1 else models[0], scheduler=base.scheduler, safety_checker=None,

@@ -20,6 +20,11 @@ composition; the two costs are FLOP counts turned into seconds by rates measured
 (EMA of timed merges and timed term computations). A uniform batch merges; a mixed one usually
 runs terms, or merges the set most of its rows share.
 
+Half precision (float16 / bfloat16 models) never merges and applies terms adapter by adapter,
+``y + B (A x) * scale`` with the roundings of PEFT's unfused forward, the path diffusers'
+``load_lora_weights`` serves: a merged ``round(W + dW)`` or a fused float32-summed term moved bf16
+edits 6-10/255 from it, terms in PEFT's order 0/255 (``tests/test_bf16_addons.py``).
+
 How terms reach the computation: ``install`` gives every ``nn.Linear`` / ``nn.Conv2d`` of the
 model a forward that adds the module's terms, if any. It must run before the mask-aware hooks are
 installed, so that hooks calling a module's original forward on a token pack (diffusers
@@ -50,17 +55,31 @@ AdapterSet = tuple[tuple[str, float], ...]
 Resolver = Callable[[str], LoraWeights]
 
 
+# A module's terms for one group: fused (A_cat, B_cat) in float32, or in half precision one
+# (A, B, scale) per adapter, applied as PEFT does (``result + lora_B(lora_A(x)) * scaling``, one
+# adapter after the other): the same roundings as diffusers' own LoRA path.
+GroupTerms = tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor, float]]
+HALF = (torch.float16, torch.bfloat16)
+ALL_ROWS = -1  # the group of ``LoraPatcher.apply``: every row of every call
+
+
 class _Terms:
-    """One module's per-group low-rank terms for the current step: group -> (A_cat, B_cat)."""
+    """One module's per-group low-rank terms for the current step: group -> ``GroupTerms``."""
 
     __slots__ = ("by_group", "patcher", "name")
 
     def __init__(self, patcher: "LoraPatcher", name: str) -> None:
-        self.by_group: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.by_group: dict[int, GroupTerms] = {}
         self.patcher = patcher
         self.name = name
 
     def linear(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        every = self.by_group.get(ALL_ROWS)
+        if every is not None:  # ``LoraPatcher.apply``: no layout, every row
+            xs, ys = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+            for a, b, scale in every:  # type: ignore[misc]
+                ys.add_(F.linear(F.linear(xs, a), b) * scale)
+            return y
         lay = layout.current()
         if lay is None:
             raise RuntimeError(f"{self.name}: adapter terms but no row layout declared")
@@ -73,21 +92,31 @@ class _Terms:
             raise ValueError(f"{self.name}: input has {xs.shape[0]} rows, the row layout declares {lay.total}")
         for g, lo, hi in lay.spans:
             ab = self.by_group.get(g)
-            if ab is not None:
+            if isinstance(ab, list):
+                for a, b, scale in ab:
+                    ys[lo:hi].add_(F.linear(F.linear(xs[lo:hi], a), b) * scale)
+            elif ab is not None:
                 ys[lo:hi].add_(F.linear(F.linear(xs[lo:hi], ab[0]), ab[1]))
         self.patcher.term_seconds += time.perf_counter() - t0
         return y
 
     def conv(self, mod: torch.nn.Conv2d, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        every = self.by_group.get(ALL_ROWS)
+        if every is not None:  # ``LoraPatcher.apply``: no layout, every row
+            for a, b, scale in every:  # type: ignore[misc]
+                h = F.conv2d(x, a, None, mod.stride, mod.padding, mod.dilation, mod.groups)
+                y.add_(F.conv2d(h, b) * scale)
+            return y
         lay = layout.current()
         if lay is None or lay.flat or x.shape[0] != lay.total:
             raise ValueError(f"{self.name}: conv adapter terms need a batch-row layout of {x.shape[0]} rows")
         t0 = time.perf_counter()
         for g, lo, hi in lay.spans:
             ab = self.by_group.get(g)
-            if ab is not None:
-                h = F.conv2d(x[lo:hi], ab[0], None, mod.stride, mod.padding, mod.dilation, mod.groups)
-                y[lo:hi].add_(F.conv2d(h, ab[1]))
+            for a, b, scale in (ab if isinstance(ab, list) else [] if ab is None else [(ab[0], ab[1], None)]):
+                h = F.conv2d(x[lo:hi], a, None, mod.stride, mod.padding, mod.dilation, mod.groups)
+                h = F.conv2d(h, b)
+                y[lo:hi].add_(h if scale is None else h * scale)
         self.patcher.term_seconds += time.perf_counter() - t0
         return y
 
@@ -186,6 +215,10 @@ class LoraPatcher:
         self._units_memo: dict[str, tuple[float, float]] = {}
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # In half precision a merged weight round(W + dW) is not what diffusers computes (PEFT's
+        # unfused round(W x) + round(B (A x)) * s): measured 10/255 from it in bf16 after 6 steps,
+        # against 0 with terms. Such models serve adapters as terms only, float32 ones choose.
+        self.merge_allowed = p.dtype not in HALF
         # Both costs are FLOP counts turned into seconds by rates measured here (one prior for both).
         self.merge_rate = _Rate(2e-10)
         self.term_rate = _Rate(2e-10)
@@ -269,7 +302,10 @@ class LoraPatcher:
         return sum(g.tokens * self._units(i)[0] for g in groups for i, _ in self.diff(g.adapters, merged))
 
     def choose(self, groups: Sequence[GroupDemand], ready_only: bool = False) -> AdapterSet:
-        """The merged set for this step (module doc): least predicted seconds over the horizon."""
+        """The merged set for this step (module doc): least predicted seconds over the horizon.
+        Half-precision models never merge (``merge_allowed``)."""
+        if not self.merge_allowed:
+            return ()
         if not groups:
             return self.merged
         sets = list(dict.fromkeys(g.adapters for g in groups))
@@ -329,12 +365,18 @@ class LoraPatcher:
             self.stats.term_seconds += self.term_seconds
         self._predicted_units = 0.0
 
-    def _group_terms(self, diff: AdapterSet) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per module: A = [A_1; A_2; ...], B = [c_1 s_1 B_1, c_2 s_2 B_2, ...] (one matmul pair)."""
+    def _group_terms(self, diff: AdapterSet) -> dict[str, GroupTerms]:
+        """Per module: A = [A_1; A_2; ...], B = [c_1 s_1 B_1, c_2 s_2 B_2, ...] (one matmul pair);
+        in half precision the adapters one by one, unscaled, with their scales (``GroupTerms``)."""
         paths: set[str] = set()
         for i, _ in diff:
             paths.update(self._mods(i))
-        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        out: dict[str, GroupTerms] = {}
+        if self.dtype in HALF:
+            for path in paths:
+                out[path] = [(m.down, m.up, c * m.scaling) for i, c in diff
+                             if (m := self._mods(i).get(path)) is not None]
+            return out
         for path in paths:
             ab = self._term_cache.get((path, diff))
             if ab is None:
@@ -350,6 +392,21 @@ class LoraPatcher:
                 self._term_cache[(path, diff)] = ab
             out[path] = ab
         return out
+
+    def apply(self, adapters: AdapterSet) -> None:
+        """The whole model serves ``adapters`` (one job at a time: a CPU worker's text encoder):
+        merged where merging is exact (float32), else as terms on every row."""
+        if self.merge_allowed:
+            self.merge(adapters)
+            return
+        self.clear()
+        self.merge(())
+        active: dict[str, _Terms] = {}
+        for path, ab in (self._group_terms(adapters) if adapters else {}).items():
+            terms = active[path] = _Terms(self, f"{self.component}.{path}")
+            terms.by_group[ALL_ROWS] = ab
+            self.modules[path]._stencil_terms = terms
+        self._active = active
 
     def clear(self) -> None:
         """No terms (between steps, or a step without adapters); the merged set stays."""

@@ -77,14 +77,17 @@ def residuals(get: Callable[[str], torch.nn.Module], sample: torch.Tensor, times
                                       encoder_hidden_states=embeds.index_select(0, idx),
                                       controlnet_cond=torch.cat([u.image for u in group]), conditioning_scale=1.0,
                                       return_dict=False)
-            factor = torch.cat([torch.full((u.rows,), u.factor, dtype=m.dtype) for u in group]).to(m.device)
+            # The factor stays float32 and each product is rounded once to the residual's dtype, as
+            # the stock ``sample * conditioning_scale`` (a Python float) is: a bf16 factor (0.8 ->
+            # 0.80078125) moved bf16 edits 6/255 from the stock pipeline.
+            factor = torch.cat([torch.full((u.rows,), u.factor, dtype=torch.float32) for u in group]).to(m.device)
             factor = factor.view(-1, 1, 1, 1)
             if down is None:
                 down = [torch.zeros((sample.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device) for x in d]
                 mid = torch.zeros((sample.shape[0], *m.shape[1:]), dtype=m.dtype, device=m.device)
             for acc, x in zip(down, d):
-                acc.index_add_(0, idx, x * factor)
-            mid.index_add_(0, idx, m * factor)  # type: ignore[union-attr]
+                acc.index_add_(0, idx, (x * factor).to(x.dtype))
+            mid.index_add_(0, idx, (m * factor).to(m.dtype))  # type: ignore[union-attr]
     assert down is not None and mid is not None
     return down, mid
 
