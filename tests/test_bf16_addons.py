@@ -12,7 +12,6 @@ import logging
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from PIL import Image
 

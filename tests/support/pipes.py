@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from diffusers import ControlNetModel, StableDiffusionControlNetInpaintPipeline, StableDiffusionInpaintPipeline
 
 
