@@ -173,6 +173,14 @@ def size_slack_setting() -> float:
     return Settings.from_env().routing_size_slack
 
 
+def cache_steps_setting() -> int:
+    """``STENCIL_CACHE_STEPS``: steps a template cache stores (its fetch moves that many), for the
+    UNets cost models describe (``UNetArch``)."""
+    from app.settings import Settings
+
+    return Settings.from_env().cache_steps_for("sd")
+
+
 class RoutingPolicy(Protocol):
     name: str
 
@@ -266,9 +274,10 @@ class MaskAwareRouter:
     name = "mask_aware"
 
     def __init__(self, model: CostModel, *, fetch_tier: str = "local", externality: float = 0.0,
-                 size_slack: float = 0.0) -> None:
+                 size_slack: float = 0.0, cache_steps: int = 0) -> None:
         self.model = model
         self.size_slack = size_slack
+        self.cache_steps = cache_steps  # steps a template cache stores (STENCIL_CACHE_STEPS; 0 = all)
         self.fetch_tier = fetch_tier
         # Weight of the delay the new job adds to the worker's other jobs (0 = the paper's cost).
         self.externality = externality
@@ -356,6 +365,13 @@ class MaskAwareRouter:
                 t += self.model.load_seconds(cold, self.fetch_tier) if self.fetch_tier in self.model.tiers else 0.0
         return t
 
+    def template_fetch_s(self, job: JobDemand) -> float:
+        """Predicted fetch of the job's template cache from the store: the steps it stores."""
+        if not job.template_id:
+            return 0.0
+        stored = min(job.steps, self.cache_steps) if self.cache_steps > 0 else job.steps
+        return self.model.template_fetch_seconds(stored, self.fetch_tier)
+
     def choose(self, job: JobDemand, view: WorkerView) -> str:
         """The lowest (cost, jobs), first in the rotating order among equals.
 
@@ -366,7 +382,7 @@ class MaskAwareRouter:
         """
         load = JobLoad.from_demand(job)
         mine_s, steps = self.job_seconds(load), load.remaining
-        fetch_s = self.model.template_fetch_seconds(job.steps, self.fetch_tier) if job.template_id else 0.0
+        fetch_s = self.template_fetch_s(job)
         addon_bytes = dict(zip(job.addons, job.addon_bytes)) if job.addons else None
         order = self._rot.order(size_affine(view.candidates(), job, self.size_slack))
         bounds: list[tuple[float, int]] = []
@@ -406,12 +422,12 @@ def make_policy(name: str, model: CostModel | None = None, *, size_slack: float 
             raise ValueError("mask_aware routing needs a cost model (run `python -m ops.bench.profile`)")
         return MaskAwareRouter(model, fetch_tier=os.environ.get("STENCIL_CACHE_TIER", "local"),
                                externality=float(os.environ.get("STENCIL_ROUTING_EXTERNALITY", "0")),
-                               size_slack=slack)
+                               size_slack=slack, cache_steps=cache_steps_setting())
     if name == "mask_aware_marginal":
         if model is None:
             raise ValueError("mask_aware routing needs a cost model (run `python -m ops.bench.profile`)")
         router = MaskAwareRouter(model, fetch_tier=os.environ.get("STENCIL_CACHE_TIER", "local"), externality=1.0,
-                                 size_slack=slack)
+                                 size_slack=slack, cache_steps=cache_steps_setting())
         router.name = name
         return router
     raise ValueError(f"unknown routing policy {name!r}; known: {list(POLICIES)}")

@@ -25,6 +25,12 @@ def default_home() -> Path:
 DTYPES = ("float32", "float16", "bfloat16")
 
 
+# STENCIL_CACHE_STEPS=auto per model family: the fewest stored steps whose edits stay within SSIM
+# 0.005 of every-step caches for every measured model, schedule and policy of the family, else every
+# step (docs/bench/cache_steps.md; a test ties this table to docs/bench/cache_steps.json).
+AUTO_CACHE_STEPS = {"sd": 2, "flux": 0}
+
+
 @dataclass(frozen=True)
 class Settings:
     """Process configuration. Every field maps to ``STENCIL_<FIELD_NAME_UPPER>``."""
@@ -123,6 +129,10 @@ class Settings:
     # 16-bit). Exact-region warm-ups are always stored losslessly (float32). Default: the most
     # compact codec whose SSIM loss vs float32 caches is <= 0.005 (docs/bench/cache_bytes.md).
     cache_dtype: str = "int8"
+    # Steps of its schedule a template warm-up stores (workers/engine/template_cache.py): the middle
+    # step of each of n equal segments serves the whole segment; 0 = every step; "auto" = the
+    # measured default of the model family (AUTO_CACHE_STEPS). Exact-region caches store every step.
+    cache_steps: str = "auto"
     # Bandwidth (GB/s, 1e9 bytes/s) from the cache store to the device that warm-ups plan for:
     # a warm-up stores only the plan units whose load at this speed the load/compute plan
     # (workers/engine/plan.py) would take over recomputing them; edits compute the rest fully.
@@ -244,10 +254,19 @@ class Settings:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"STENCIL_DTYPE must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        steps = str(self.cache_steps).strip().lower()
+        if steps != "auto" and not steps.isdigit():
+            raise ValueError(f"STENCIL_CACHE_STEPS must be auto or a step count >= 0 (0 = every step), "
+                             f"got {self.cache_steps!r}")
         if self.store_dir == Path():
             object.__setattr__(self, "store_dir", self.home / "store")
         if self.activations_dir == Path():
             object.__setattr__(self, "activations_dir", self.store_dir)
+
+    def cache_steps_for(self, family: str) -> int:
+        """Steps a template warm-up of a ``family`` model (``sd`` | ``flux``) stores; 0 = every step."""
+        steps = str(self.cache_steps).strip().lower()
+        return AUTO_CACHE_STEPS.get(family, 0) if steps == "auto" else int(steps)
 
     @property
     def celery_broker(self) -> str:
@@ -292,4 +311,4 @@ class Settings:
         return env
 
 
-__all__ = ["DTYPES", "Settings", "default_home"]
+__all__ = ["AUTO_CACHE_STEPS", "DTYPES", "Settings", "default_home"]

@@ -201,3 +201,28 @@ def test_bf16_flux_mixed_adapter_batch_equals_diffusers_lora_in_bf16(tmp_path: P
                 ref.load_lora_weights(str(files[lora_id].parent), adapter_name=lora_id)
             ref.set_adapters([i for i, _ in params.loras], [s for _, s in params.loras])
         _check(f"Flux LoRA {params.loras}", ours, _stock(ref, img, _pil(mask), params))
+
+
+def test_a_step_with_adapter_terms_leaves_no_layout_demand_behind(tmp_path: Path) -> None:
+    """The patcher's demand for row layouts is thread-local: after the step it must be withdrawn,
+    or every other model stepped later on this thread runs its eager, layout-declaring path (the
+    compiled kernels of STENCIL_COMPILE silently unused)."""
+    from workers.adapters import layout
+    from workers.adapters.bank import AdapterBank
+    from workers.adapters.patcher import LoraPatcher
+    from workers.engine.sd_runner import SDRunner
+    from workers.sd_inputs import prepare_job_tensors
+
+    files = {"a": save_sd_lora(sd_pipe(SD_DIR), tmp_path / "a", rank=4, seed=1)}
+    world = World(files, SD_DIR)
+    cpu = sd_pipe(SD_DIR, BF16)
+    unet = copy.deepcopy(cpu.unet).eval()
+    bank = AdapterBank(world.read, budget_bytes=1 << 30)
+    lora = LoraPatcher(unet, "unet", bank.get)
+    runner = SDRunner(unet, scheduler_config(SD_DIR), lora=lora, adapters=bank)
+    params = JobParams(prompt="a cat", steps=2, guidance=7.5, seed=1, loras=(("a", 1.0),))
+    mask = _pil(make_mask(0.25, (SIZE, SIZE), "blob", seed=1))
+    prep = prepare_job_tensors(cpu, scheduler_config(SD_DIR), _image(1), mask, params, SIZE, SIZE)
+    run_engine(runner, [(prep.tensors, dict(prep.meta, loras=[["a", 1.0]], cache_mode="full"))])
+    assert lora.stats.steps_terms > 0
+    assert not layout.wanted()

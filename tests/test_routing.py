@@ -182,7 +182,7 @@ def test_mask_aware_pruned_choice_equals_evaluating_every_worker(policy: str) ->
         d = JobDemand(f"new{step}", rnd.choice([10, 20]), rnd.choice([0.02, 0.1, 0.3]),
                       template_id=rnd.choice(["", "t0", "t1"]))
         mine = JobLoad.from_demand(d)
-        fetch_s = model.template_fetch_seconds(d.steps, brute.fetch_tier) if d.template_id else 0.0
+        fetch_s = brute.template_fetch_s(d)
         order = brute._rot.order(v.candidates())
         expected = min(order, key=lambda w: (brute.cost(mine, w, fetch_s), w.n_jobs)).worker_id
         got = router.choose(d, v)
@@ -193,7 +193,7 @@ def test_mask_aware_pruned_choice_equals_evaluating_every_worker(policy: str) ->
 def test_mask_aware_cache_affinity() -> None:
     """Identical load: the worker that holds the template (or has a job of it coming) wins by the
     predicted fetch time; without a template both tie and rotation spreads the choice."""
-    model = small_model(fetch_bw=1e6)
+    model = small_model(fetch_bw=1e5)  # a slow link: the fetch dominates whatever steps a cache stores
     a = WorkerState("a", running=[job("1", 0.2)])
     b = WorkerState("b", running=[job("2", 0.2)], templates=frozenset({"tpl"}))
     router = make_policy("mask_aware", model)
@@ -204,6 +204,20 @@ def test_mask_aware_cache_affinity() -> None:
     picks = {router.choose(demand(0.2), view(WorkerState("a", running=[job("1", 0.2)]),
                                                WorkerState("b", running=[job("2", 0.2)]))) for _ in range(4)}
     assert picks == {"a", "b"}
+
+
+def test_mask_aware_charges_a_cold_template_the_steps_its_cache_stores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A template cache of n stored steps (STENCIL_CACHE_STEPS) moves n steps of bytes, not the job's
+    20: a worker with two more jobs but the template resident wins against a 20-step fetch, and
+    loses against a 2-step one."""
+    model = small_model(fetch_bw=1e6)
+    warm = WorkerState("warm", running=[job(str(i), 0.2) for i in range(3)], templates=frozenset({"tpl"}))
+    cold = WorkerState("cold", running=[job("c", 0.2)], templates=frozenset())
+    picks = {}
+    for setting in ("0", "2"):
+        monkeypatch.setenv("STENCIL_CACHE_STEPS", setting)
+        picks[setting] = make_policy("mask_aware", model).choose(demand(0.2, template="tpl"), view(warm, cold))
+    assert picks == {"0": "warm", "2": "cold"}
 
 
 def test_mask_aware_cache_is_invalidated_by_state_changes() -> None:

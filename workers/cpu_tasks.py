@@ -231,12 +231,16 @@ def template_cache_key(params: JobParams, meta: dict[str, Any], noise_seed: int 
     warm-up (no mask) is keyed by its noise seed and its add-ons (``addons``, default the job's
     ``meta["addons"]``: adapters and ControlNets change every token's activations); a region
     warm-up (recorded with a mask) by ``region``, the digest of everything that makes an edit
-    exact (``region_digest``)."""
+    exact (``region_digest``). A template warm-up that stores only ``STENCIL_CACHE_STEPS`` steps
+    says so (``/steps-<n>``): caches of different stored steps are different caches."""
     from workers.maskaware.activation_store import TemplateCacheKey
 
     seed = params.seed if noise_seed is None else noise_seed
     extra = meta.get("addons", "") if addons is None else addons
     suffix = f"exact-{region}" if region else f"noise-{seed}" + (f"/with-{extra}" if extra else "")
+    stored = ctx.settings().cache_steps_for(ctx.model_family())
+    if not region and 0 < stored < params.steps:  # a template warm-up stores that many steps
+        suffix += f"/steps-{stored}"
     return TemplateCacheKey(
         model_id=ctx.model_id(), template_id=params.template_id, height=int(meta["height"]),
         width=int(meta["width"]), scheduler=str(ctx.scheduler_config()["_class_name"]), steps=params.steps,
@@ -340,6 +344,8 @@ def _use_cache(job_id: str, meta: dict[str, Any], key: Any, refresh: list[int],
     fields = {**fields, "cache_codec": str(manifest.get("codec", "float32"))}  # as the cache was stored
     if manifest.get("units") is not None:
         fields["cache_units_stored"] = str(len(manifest["units"]))  # type: ignore[arg-type]
+    if manifest.get("stored_steps") is not None:  # STENCIL_CACHE_STEPS: each serves its segment
+        fields["cache_steps_stored"] = str(len(manifest["stored_steps"]))  # type: ignore[arg-type]
     _send_prefetch(job_id, key.to_dict(), min(int(meta["num_steps"]), ctx.settings().prefetch_steps))
     return {"cache_mode": "masked", "cache_digest": key.digest(), **fields}
 

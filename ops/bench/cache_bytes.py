@@ -24,8 +24,14 @@ Parts (``--parts``, all by default):
   ahead of an emulated GPU-speed step loop; stall time and host hits per codec.
 - ``link``: warm-ups at a link speed storing only the units worth loading
   (``STENCIL_CACHE_LINK_GBPS``): stored bytes and edit step time behind that link, vs storing all.
+- ``steps`` (not in the default set; its own report): template caches storing n steps of the
+  schedule (``STENCIL_CACHE_STEPS``) vs every step, on the three trained models at 20 and 50 steps
+  under the ``fast`` and ``balanced`` policies; selects the per-family ``auto`` default (fewest
+  stored steps with loss <= 0.005) and prices SDXL's template at it.
 
     python -m ops.bench.cache_bytes --out docs/bench/cache_bytes.md
+    python -m ops.bench.cache_bytes --parts steps --threads 1 --edits 6 --out docs/bench/cache_steps.md \
+        --json docs/bench/cache_steps.json
 """
 
 from __future__ import annotations
@@ -326,6 +332,144 @@ def part_fidelity(args: argparse.Namespace, state: dict) -> list[str]:
     return lines
 
 
+# -- stored steps --------------------------------------------------------------------------------
+
+
+STEPS_MODELS = {"sd": ("sd", "tiny-sd-inpaint-trained"), "sdxl-layout": ("sd", "tiny-sd-sdxl-layout-trained"),
+                "flux": ("flux", "tiny-flux-fill-trained")}
+
+
+def steps_rows(label: str, steps: int, counts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per (edit, policy, stored-step count): the edit from a cache storing that many steps vs the same
+    edit from an every-step cache of the same template (same codec), and vs full compute."""
+    import dataclasses
+
+    from app.demo import demo_templates
+    from app.jobs import JobParams
+    from app.maskgen import SHAPES, make_mask
+    from app.settings import Settings
+    from ops.bench.harness.edits import EDIT_PROMPTS, OPTIONS, Family, edit, metrics, record
+    from workers.engine.template_cache import CacheRecorder
+
+    family, model = STEPS_MODELS[label]
+    fam = Family(family, model=model)
+    if family == "sd":  # the service's coarse-level pooling (the harness class default is OR)
+        fam.ctrl.pool_threshold = Settings().mask_pool_threshold  # type: ignore[union-attr]
+    templates = [img.resize((fam.size, fam.size)) for _n, img in demo_templates(128)][:args.templates]
+    empty = np.zeros((fam.size, fam.size), bool)
+    warm_params = JobParams(prompt="", seed=0, steps=steps, guidance=args.guidance)
+    keys: dict[tuple[int, int], Any] = {}
+    acts = fam.runner_ma.recorder.activations  # type: ignore[union-attr]
+    # The reference stores every step losslessly (float32); n-step caches with ``--steps-codec``.
+    recorders = {"float32": fam.runner_ma.recorder, args.steps_codec: CacheRecorder(acts, codec=args.steps_codec)}
+    for i, img in enumerate(templates):
+        tensors, meta = fam.prepare(img, empty, warm_params)
+        base = fam.key(f"t{i}-s{steps}", warm_params, meta)
+        for n in [0, *counts]:  # 0: every step
+            key = keys[(i, n)] = base if n == 0 else dataclasses.replace(base, layout=f"{base.layout}/steps-{n}")
+            assert key.stored_step_count == n
+            fam.runner_ma.recorder = recorders["float32" if n == 0 else args.steps_codec]
+            record(fam.runner_ma, dict(tensors), dict(meta), key)
+    fam.runner_ma.recorder = recorders["float32"]
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for i, img in enumerate(templates):
+        for k in range(args.edits):
+            ratio = float(rng.choice([0.05, 0.1, 0.2, 0.35]))
+            mask = make_mask(ratio, (fam.size, fam.size), SHAPES[(i + k) % len(SHAPES)],
+                             seed=int(rng.integers(1 << 30)))
+            if mask.mean() in (0, 1):
+                continue
+            params = JobParams(prompt=str(rng.choice(EDIT_PROMPTS)), seed=int(rng.integers(1 << 30)),
+                               steps=steps, guidance=args.guidance)
+            tensors, meta = fam.prepare(img, mask, params)
+            full = fam.full(tensors, meta)
+            pm = tensors["pixel_mask"].bool().numpy()
+            for policy in args.steps_policies.split(","):
+                outs = {}
+                for n in [0, *counts]:
+                    out = edit(fam, OPTIONS[policy], img, mask, params, keys[(i, n)])
+                    if out["fallback_steps"] or out["masked_steps"] + out["refresh_steps"] != steps:
+                        raise RuntimeError(f"{label} n={n}: {out['fallback_steps']} steps fell back to full compute")
+                    outs[n] = fam.decode(out["latents"])
+                for n in counts:
+                    vs_all = metrics(outs[0], outs[n], pm)
+                    rows.append({"model": label, "steps": steps, "policy": policy, "stored": n,
+                                 "loss": 1 - vs_all["ssim"], "loss_mask": 1 - vs_all.get("ssim_masked", 1.0),
+                                 "ssim_vs_full": metrics(full, outs[n], pm)["ssim"],
+                                 "ssim_vs_full_all": metrics(full, outs[0], pm)["ssim"]})
+    return rows
+
+
+def part_steps(args: argparse.Namespace, state: dict) -> list[str]:
+    """Template caches storing n steps of the schedule (``STENCIL_CACHE_STEPS``) vs every step."""
+    import json
+
+    from workers.engine.template_cache import stored_steps
+
+    counts = sorted({int(c) for c in args.cache_steps_list.split(",")})
+    rows: list[dict[str, Any]] = []
+    for label in args.steps_models.split(","):
+        for steps in (int(x) for x in args.steps_schedules.split(",")):
+            rows += steps_rows(label, steps, counts, args)
+    lines = ["## Stored steps: template caches storing n steps vs every step\n",
+             f"Trained models (`{'`, `'.join(STEPS_MODELS[m][1] for m in args.steps_models.split(','))}`, 128 px; "
+             "SD models at the service's coarse-level pooling), guidance "
+             f"{args.guidance}, schedules of {args.steps_schedules} steps, policies "
+             + ", ".join(f"`{p}`" for p in args.steps_policies.split(","))
+             + f", {args.templates} templates x {args.edits} edits (masks at ratios 0.05-0.35, random prompts and "
+             "seeds). Each template is warmed once storing every step (float32) and once per n (the middle step of "
+             f"each of n equal segments, `workers/engine/template_cache.py`; codec `{args.steps_codec}`); each edit "
+             "runs from each. Loss = 1 - SSIM(edit "
+             "from the n-step cache, same edit from the every-step cache), whole image and in the mask; drop = "
+             "SSIM vs full compute (every-step cache) minus the same from the n-step cache.\n",
+             "| model | steps | policy | n stored | stored steps | edits | mean loss | in-mask loss | max loss | "
+             "SSIM vs full | drop |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    families = sorted({STEPS_MODELS[m][0] for m in args.steps_models.split(",")})
+    worst: dict[str, dict[int, float]] = {f: {n: 0.0 for n in counts} for f in families}
+    for label in args.steps_models.split(","):
+        for steps in (int(x) for x in args.steps_schedules.split(",")):
+            for policy in args.steps_policies.split(","):
+                for n in counts:
+                    sel = [r for r in rows
+                           if (r["model"], r["steps"], r["policy"], r["stored"]) == (label, steps, policy, n)]
+                    if not sel:
+                        continue
+                    loss = statistics.mean(r["loss"] for r in sel)
+                    loss_mask = statistics.mean(r["loss_mask"] for r in sel)
+                    vs_full = statistics.mean(r["ssim_vs_full"] for r in sel)
+                    drop = statistics.mean(r["ssim_vs_full_all"] for r in sel) - vs_full
+                    fam_worst = worst[STEPS_MODELS[label][0]]
+                    fam_worst[n] = max(fam_worst[n], loss, loss_mask, drop)
+                    lines.append(f"| {label} | {steps} | {policy} | {n} | {stored_steps(steps, n)} | {len(sel)} | "
+                                 f"{loss:.5f} | {loss_mask:.5f} | {max(r['loss'] for r in sel):.5f} | "
+                                 f"{vs_full:.4f} | {drop:+.5f} |")
+    passing = {f: [n for n in counts if worst[f][n] <= SSIM_LOSS_MAX] for f in families}
+    default = {f: min(passing[f]) if passing[f] else 0 for f in families}
+    state["cache_steps_default"] = default
+    sdxl = step_bytes("SDXL inpainting", SDXL_INPAINT, 1024, "int8", shared_rows=True)
+    lines += ["", f"Criterion, per model family (`sd`: the UNets, both layouts; `flux`): mean loss, in-mask loss "
+              f"and drop <= {SSIM_LOSS_MAX} for every model, schedule and policy of the family; the default is the "
+              "fewest passing stored steps, else every step (0)."]
+    for f in families:
+        lines.append(f"- `{f}`: worst per n: " + ", ".join(f"n={n}: {worst[f][n]:.5f}" for n in counts)
+                     + "; passing: " + (", ".join(map(str, passing[f])) or "none")
+                     + f"; selected default **{default[f]}**" + (" (every step)" if default[f] == 0 else "") + ".")
+    lines.append("" if not args.quick else "\n(quick run: a smoke test, not the measurement)\n")
+    if default.get("sd"):
+        per_template = sdxl * default["sd"]
+        lines += ["", f"SDXL inpainting at 1024 px with the default codec (int8, shared CFG rows, {sdxl / MiB:.0f} MiB "
+                  f"per stored step): {per_template / GiB:.2f} GiB per template whatever its step count "
+                  f"({per_template / MiB:.0f} MiB; {STEPS}-step template before: {sdxl * STEPS / GiB:.1f} GiB); "
+                  f"FlashPS's figure 2.6 GiB, the target a quarter of it, {FLASHPS_SDXL_BYTES / 4 / GiB:.2f} GiB: "
+                  + ("**met**" if per_template <= FLASHPS_SDXL_BYTES / 4 else "**not met**") + ".\n"]
+    if args.json:
+        Path(args.json).write_text(json.dumps({"criterion": SSIM_LOSS_MAX, "counts": counts, "worst": worst,
+                                               "passing": passing, "default": default, "rows": rows,
+                                               "quick": bool(args.quick)}, indent=1))
+    return lines
+
+
 # -- host tier -------------------------------------------------------------------------------------
 
 
@@ -488,7 +632,7 @@ def _timed(fn: Any, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-PARTS = {"formula": part_formula, "recorded": part_recorded, "fidelity": part_fidelity,
+PARTS = {"formula": part_formula, "recorded": part_recorded, "fidelity": part_fidelity, "steps": part_steps,
          "hosttier": part_hosttier, "link": part_link}
 
 
@@ -501,6 +645,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--guidance", type=float, default=7.5)
     p.add_argument("--policies", default="fast,cache-as-is")
+    p.add_argument("--steps-models", default="sd,sdxl-layout,flux", help=f"of {', '.join(STEPS_MODELS)}")
+    p.add_argument("--steps-schedules", default="20,50", help="schedule lengths of the stored-steps part")
+    p.add_argument("--steps-policies", default="fast,balanced")
+    p.add_argument("--cache-steps-list", default="2,3,5", help="stored-step counts to measure")
+    p.add_argument("--steps-codec", default="float32", choices=CODECS,
+                   help="codec of the n-step caches (the every-step reference is float32)")
+    p.add_argument("--json", default="", help="the stored-steps part's results as JSON")
     p.add_argument("--replay-steps", type=int, default=5)
     p.add_argument("--replay-templates", type=int, default=3)
     p.add_argument("--replay-budget-templates", type=float, default=4.0)
@@ -509,6 +660,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link-model", default="tiny-sd-inpaint-trained")
     p.add_argument("--link-speeds", type=lambda s: [float(x) for x in s.split(",")], default=[2000.0, 500.0, 100.0, 20.0])
     run = cli.start(p, argv, __file__, quick=dict(families="sd", templates=1, edits=1, steps=3, policies="fast", replay_steps=2,
+                                                   steps_models="sd", steps_schedules="6", steps_policies="fast",
+                                                   cache_steps_list="2",
                                                    replay_templates=2, link_speeds=[10.0]))
     state: dict[str, Any] = {}
     lines = ["# True-size: cache bytes per template\n", f"Command: `{run.command}`.\n"]

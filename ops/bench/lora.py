@@ -180,14 +180,20 @@ def part_step(args: Any, model_dir: Path, work: Path) -> list[str]:
     adapters = Adapters(model_dir, work / "loras-step", store, args.rank)
     for k in range(1, 5):
         adapters.get(f"step-{k}")
-    svc = InProcess(model_dir, store)
+    dtype = getattr(torch, args.dtype)
+    svc = InProcess(model_dir, store, dtype=dtype)
     svc.engine.stop()  # stepped by hand below
     latent = args.step_size // 8
     text = (77, svc.runner.unet.config.cross_attention_dim)
+    half = not svc.lora.merge_allowed
+    kinds = ["none", "mixed", "uniform"] + (["uniform-merged"] if half else [])
 
     def step_seconds(kind: str) -> float:
+        # Half precision serves adapters as terms (PEFT's roundings); "uniform-merged" lifts that
+        # for one configuration to show what exactness costs against merging.
+        svc.lora.merge_allowed = not half or kind == "uniform-merged"
         jobs = []
-        for k, adapter_set in enumerate(_sets(kind)):
+        for k, adapter_set in enumerate(_sets(kind.removesuffix("-merged"))):
             tensors, meta = cfg_job(pixel_mask(args.step_size, 0.25, "blob", k), latent, 50, text, k)
             jobs.append((tensors, dict(meta, loras=[list(a) for a in adapter_set])))
         engine = Engine(svc.runner, BatchScheduler(max_batch=4))
@@ -208,20 +214,24 @@ def part_step(args: Any, model_dir: Path, work: Path) -> list[str]:
             engine.scheduler.remove(job.job_id)
         return statistics.median(times)
 
-    samples = interleave(args.rounds, ["none", "mixed", "uniform"], step_seconds, rng=random.Random(args.seed),
-                         label="step ")
+    samples = interleave(args.rounds, kinds, step_seconds, rng=random.Random(args.seed), label="step ")
+    svc.lora.merge_allowed = not half
     none = median(samples["none"])
     args.results["mixed_step_ratio"] = median(samples["mixed"]) / none
     rows = ["| batch of 4 CFG jobs | step (CPU s) | vs no adapters |", "|---|---|---|"]
-    for kind, text_ in (("none", "no adapters"), ("mixed", "4 different sets (per-row terms)"),
-                        ("uniform", "one shared set of 2 (merged)")):
-        rows.append(f"| {text_} | {median(samples[kind]):.3f} | {median(samples[kind]) / none:.3f}x |")
+    labels = {"none": "no adapters", "mixed": "4 different sets (per-row terms)",
+              "uniform": "one shared set of 2 (" + ("per-row terms: half precision never merges" if half else
+                                                    "merged") + ")",
+              "uniform-merged": "one shared set of 2, merged (not the service's path in half precision: "
+                                "10/255 from diffusers' LoRA forward)"}
+    for kind in kinds:
+        rows.append(f"| {labels[kind]} | {median(samples[kind]):.3f} | {median(samples[kind]) / none:.3f}x |")
     svc.close()
     return ["## A batch step with mixed adapters\n",
-            f"UNet {args.hidden} at {args.step_size} px (latent {latent}), 4 jobs with CFG (8 rows), adapters rank "
-            f"{args.rank} on every attention projection; medians of {args.step_repeats} steps per configuration and "
-            f"round, {args.rounds} interleaved rounds, thread CPU time (1 torch thread). Last choice of the patcher: "
-            f"merged {svc.lora.stats.last_merged or '()'}.\n", *rows, ""]
+            f"UNet {args.hidden} at {args.step_size} px (latent {latent}), {args.dtype}, 4 jobs with CFG (8 rows), "
+            f"adapters rank {args.rank} on every attention projection; medians of {args.step_repeats} steps per "
+            f"configuration and round, {args.rounds} interleaved rounds, thread CPU time (1 torch thread). Last "
+            f"choice of the patcher: merged {svc.lora.stats.last_merged or '()'}.\n", *rows, ""]
 
 
 def trace_jobs(n: int, pool: int, zipf: float, seed: int) -> list[tuple[tuple[str, float], ...]]:
@@ -332,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool", type=int, default=1000)
     p.add_argument("--zipf", type=float, default=1.0)
     p.add_argument("--cache-mib", type=int, default=256)
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                   help="weights and compute of the step part (STENCIL_DTYPE)")
     p.add_argument("--mixed-step-ratio", type=float, default=float("nan"),
                    help="projection without the step part: the mixed-adapter step ratio of an earlier run")
     run = cli.start(p, argv, __file__, quick=dict(hidden="32,64", rank=4, size=64, steps=2, step_size=64,

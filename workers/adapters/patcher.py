@@ -359,11 +359,14 @@ class LoraPatcher:
         return merged
 
     def finish(self) -> None:
-        """After the step's forward: calibrate the term rate (predicted units vs measured seconds)."""
+        """After the step's forward: calibrate the term rate (predicted units vs measured seconds),
+        and withdraw the step's demand for row layouts (a thread-local flag: left set, it would make
+        any other model stepped later on this thread take its eager, layout-declaring path)."""
         if self._predicted_units > 0 and self.term_seconds > 0:
             self.term_rate.observe(self._predicted_units, self.term_seconds)
             self.stats.term_seconds += self.term_seconds
         self._predicted_units = 0.0
+        layout.set_wanted(False)
 
     def _group_terms(self, diff: AdapterSet) -> dict[str, GroupTerms]:
         """Per module: A = [A_1; A_2; ...], B = [c_1 s_1 B_1, c_2 s_2 B_2, ...] (one matmul pair);

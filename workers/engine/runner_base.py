@@ -591,10 +591,12 @@ class BaseRunner(ABC):
                     group.full_units = frozenset(group.full_units) | absent
         self.last_ctx = None
         rows = layout.rows((g, job.state.rows) for g, job in enumerate(batch)) if layout.wanted() else None
-        with layout.use(rows):
-            output, recorded = self._forward(batch, groups)
-        if self.lora is not None:
-            self.lora.finish()
+        try:
+            with layout.use(rows):
+                output, recorded = self._forward(batch, groups)
+        finally:
+            if self.lora is not None:
+                self.lora.finish()  # also ends the step's layout demand (thread-local)
         if self._units_on:
             self._observe_units()
             took = time.monotonic() - started

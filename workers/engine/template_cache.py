@@ -46,6 +46,16 @@ that decodes each tensor on first access into ``dtype`` on ``device`` (float32 s
 float32 model: the stored tensors themselves). Units a warm-up did not store (manifest ``units``)
 are never fetched or waited for; the runner computes them fully.
 
+Stored steps (``STENCIL_CACHE_STEPS`` = n, ``stored_steps``). A template warm-up may store only n
+steps of its schedule (its key's layout says so, ``/steps-<n>``, so warm-up and edits agree and a
+cache of another count is another cache): the schedule is cut into n equal segments and the middle step of each is
+stored (manifest ``stored_steps``); an edit's step is served by its segment's stored step. K/V of
+the unmasked tokens change slowly from step to step (and the refresh steps' offset re-anchors them
+to the edit's own), so a template costs n steps of bytes whatever its step count; measured against
+every-step caches in ``docs/bench/cache_bytes.md``. Exact-region caches store every step. The
+provider maps steps at its public methods, so the host tier, prefetch queue and plan see stored
+steps only (one copy serves a whole segment).
+
 Shared CFG rows (``cache_codec.share_rows``). The recorder stores a tensor whose rows are bit-equal
 (template warm-ups: prompt "" and negative prompt "") with one row and records the cache's row
 count (manifest ``rows``) and the names stored so in every step (``shared_rows``). Host RAM, the
@@ -55,6 +65,7 @@ link and the store carry the one row; the decoding view expands it back to the r
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -79,6 +90,27 @@ log = logging.getLogger(__name__)
 
 StepTensors = dict[str, torch.Tensor]
 Slot = tuple[str, int]
+
+
+def stored_steps(steps: int, n: int) -> list[int]:
+    """The steps a warm-up of ``steps`` steps stores when it stores ``n`` (module doc): the middle
+    step of each of ``n`` equal segments; every step when ``n`` is 0 or at least ``steps``."""
+    return list(_stored_steps(steps, n))
+
+
+@functools.lru_cache(maxsize=256)
+def _stored_steps(steps: int, n: int) -> tuple[int, ...]:
+    if n <= 0 or n >= steps:
+        return tuple(range(steps))
+    segments: dict[int, list[int]] = {}
+    for s in range(steps):
+        segments.setdefault(s * n // steps, []).append(s)
+    return tuple(members[len(members) // 2] for _, members in sorted(segments.items()))
+
+
+def serving_step(step: int, stored: Sequence[int], steps: int) -> int:
+    """The stored step that serves ``step`` of a ``steps``-step schedule: its segment's."""
+    return int(stored[step * len(stored) // steps])
 
 
 @dataclass
@@ -190,6 +222,15 @@ class StepCacheProvider:
             return frozenset(self.activations.cached_manifest(key).get("shared_rows", ()))  # type: ignore[arg-type]
         except Exception:
             return frozenset()
+
+    @staticmethod
+    def stored_step(key: TemplateCacheKey, step: int) -> int:
+        """The step whose stored tensors serve ``step`` (the key's ``stored_step_count``, module
+        doc; computed, no I/O); ``step`` itself when the warm-up stored every step."""
+        n = key.stored_step_count
+        if n <= 0 or not 0 <= step < key.steps:
+            return step
+        return serving_step(step, _stored_steps(key.steps, n), key.steps)
 
     def _present(self, key: TemplateCacheKey) -> list[str]:
         """This cache's stored units, in execution order."""
@@ -518,7 +559,7 @@ class StepCacheProvider:
 
     def unit_status(self, key: TemplateCacheKey, step: int) -> tuple[set[str], bool]:
         """(units resident in host RAM now, whether the step is known to be unavailable)."""
-        slot = (key.digest(), step)
+        slot = (key.digest(), self.stored_step(key, step))
         if slot in self.host:
             return set(self._units or {}), False
         with self._lock:
@@ -533,6 +574,7 @@ class StepCacheProvider:
         ``complete`` the rest of the step follows in the background, after the queued loads."""
         if self._units is None:
             raise RuntimeError("load_units needs set_units")
+        step = self.stored_step(key, step)
         fill = self._fill_for(key, step)
         for unit in units:
             with self._lock:
@@ -556,7 +598,7 @@ class StepCacheProvider:
 
     def forget(self, key: TemplateCacheKey, step: int) -> None:
         """Drop a step from host RAM and any partial fill (benchmarks: a cold start each trial)."""
-        slot = (key.digest(), step)
+        slot = (key.digest(), self.stored_step(key, step))
         self.host.invalidate(slot)
         with self._cond:
             self._fills.pop(slot, None)
@@ -565,7 +607,7 @@ class StepCacheProvider:
     def acquire(self, key: TemplateCacheKey, step: int, unit: str, deadline: float) -> StepTensors | None:
         """One unit's tensors, waiting until ``deadline`` (``time.monotonic``); None = not in time
         (or not stored by the cache's warm-up: never waited for)."""
-        slot = (key.digest(), step)
+        slot = (key.digest(), self.stored_step(key, step))
         if self._units is not None and unit in self._units and unit not in self._present(key):
             return None
         with self._cond:
@@ -599,7 +641,7 @@ class StepCacheProvider:
         self._templates[digest] = key.template_id
         self._steps[digest] = key.steps
         start_at = time.monotonic() + max(0.0, start_in_s)
-        for step in steps:
+        for step in dict.fromkeys(self.stored_step(key, s) for s in steps):
             if not 0 <= step < key.steps:
                 continue
             slot = (digest, step)
@@ -622,6 +664,7 @@ class StepCacheProvider:
         """The step's tensors if resident (never blocks); otherwise start fetching them (unless
         ``fetch`` is False: the caller's plan queues unit loads first, then completes the step).
         Also tells the fetch order that a job of this template is at ``step`` now."""
+        step = self.stored_step(key, step)
         self._advance(key.digest(), step)
         value = self.host.peek((key.digest(), step))
         metrics.observe_cache("host", value is not None, 0)
@@ -725,7 +768,9 @@ class CacheRecorder:
     these plan units' tensors (the rest is computed fully by edits); recorded in the manifest.
     ``share_rows`` (on by default: lossless): a tensor whose rows are bit-equal after encoding is
     stored with one row (``cache_codec.share_rows``); the manifest records the row count
-    (``rows``) and the names stored so in every step (``shared_rows``)."""
+    (``rows``) and the names stored so in every step (``shared_rows``). A key whose layout
+    names a step count (``/steps-<n>``, ``TemplateCacheKey.stored_step_count``) stores only those
+    steps (``stored_steps``; manifest ``stored_steps``)."""
 
     def __init__(self, activations: ActivationStore, codec: str = "float32", share_rows: bool = True) -> None:
         self.activations = activations
@@ -743,11 +788,23 @@ class CacheRecorder:
             return cache_codec.lossless_codec(key.layout)
         return self.codec
 
+    @staticmethod
+    def stored_steps_for(key: TemplateCacheKey) -> list[int] | None:
+        """The steps a cache under ``key`` stores (its ``stored_step_count``, module doc); None =
+        every step."""
+        n = key.stored_step_count
+        return None if n <= 0 else stored_steps(key.steps, n)
+
     def set_units(self, key: TemplateCacheKey, units: Sequence[str]) -> None:
         """Record that this warm-up stores only ``units`` (goes into the manifest at commit)."""
         self._units[key.digest()] = list(units)
 
     def put(self, key: TemplateCacheKey, step: int, tensors: StepTensors) -> Future:
+        keep = self.stored_steps_for(key)
+        if keep is not None and step not in keep:  # served by its segment's stored step
+            skipped: Future = Future()
+            skipped.set_result(0)
+            return skipped
         # Copy out of the batch's buffers now: the loop reuses nothing, but be explicit.
         owned = {k: v.detach().to("cpu").clone() for k, v in tensors.items()}
         codec = self.codec_for(key)
@@ -777,6 +834,9 @@ class CacheRecorder:
     def commit(self, key: TemplateCacheKey) -> Future:
         """Runs after every ``put`` submitted before it (single ordered worker)."""
         extra: dict[str, object] = {"codec": self.codec_for(key)}
+        keep = self.stored_steps_for(key)
+        if keep is not None:
+            extra["stored_steps"] = keep
         units = self._units.pop(key.digest(), None)
         if units is not None:
             extra["units"] = units

@@ -67,6 +67,18 @@ class TemplateCacheKey:
         own recording, which must stay lossless and complete so that edit equals the stock pipeline."""
         return "/exact-" in self.layout
 
+    @property
+    def stored_step_count(self) -> int:
+        """Steps a template warm-up stores (layout segment ``steps-<n>``, ``STENCIL_CACHE_STEPS``,
+        ``workers/engine/template_cache.py``); 0 = every step. Exact-region caches store every step."""
+        if self.exact_region:
+            return 0
+        for part in self.layout.split("/"):
+            if part.startswith("steps-") and part[6:].isdigit():
+                n = int(part[6:])
+                return n if n < self.steps else 0
+        return 0
+
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> "TemplateCacheKey":
         names = {f.name for f in fields(cls)}

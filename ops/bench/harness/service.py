@@ -47,12 +47,12 @@ def add_lora(store: ObjectStore, model_dir: Path, lora_id: str, file: Path) -> L
 class InProcess:
     def __init__(self, model_dir: Path, store: ObjectStore, *, max_batch: int = 4, lora_cache_bytes: int = 1 << 30,
                  controlnet_cache_bytes: int = 1 << 32, controlnet_parallel: bool = True,
-                 merge_buffers: int = 2, mask_aware: bool = False) -> None:
+                 merge_buffers: int = 2, mask_aware: bool = False, dtype: torch.dtype = torch.float32) -> None:
         self.model_dir = model_dir
         self.store = store
         self.cfg = scheduler_config(model_dir)
-        self.cpu = load_cpu_pipeline(model_dir)
-        unet = load_unet(model_dir, "cpu")
+        self.cpu = load_cpu_pipeline(model_dir, dtype=dtype)
+        unet = load_unet(model_dir, "cpu", dtype)
         read = lambda i: LoraWeights.from_bytes(store.get(lora_weights_key(i)))  # noqa: E731
         self.bank = AdapterBank(read, lora_cache_bytes)
         self.text = LoraPatcher(self.cpu.text_encoder, "text_encoder", read)  # the CPU worker's text adapters
@@ -82,7 +82,7 @@ class InProcess:
     def prepare(self, image: Image.Image, mask: np.ndarray, params: JobParams,
                 controls: list[Image.Image] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
         h, w = mask.shape
-        self.text.merge(tuple((i, sc) for i, sc in params.loras if self.text._mods(i)))
+        self.text.apply(tuple((i, sc) for i, sc in params.loras if self.text._mods(i)))
         prep = prepare_job_tensors(self.cpu, self.cfg, image, Image.fromarray(mask.astype(np.uint8) * 255), params,
                                    h, w)
         tensors = dict(prep.tensors, **prepare_control_images(self.cpu, list(controls), h, w,
