@@ -47,6 +47,9 @@ class ClusterConfig:
     noise: float = 0.03  # lognormal sigma of a step's duration around the prediction
     host_templates: int = 32  # host-RAM LRU capacity, in templates
     fetch_tier: str = "local"
+    # steps a template cache stores (STENCIL_CACHE_STEPS for the UNets cost models describe): a
+    # fetch moves that many steps, as the mask_aware router prices it
+    cache_steps: int = Settings().cache_steps_for("sd")
     prepare_s: float = 0.0
     finalize_s: float = 0.0
     # 0: the dispatcher sees every publish at once; > 0: it re-reads the workers' state at most this
@@ -179,7 +182,8 @@ class Cluster:
         if job.cached:
             usable = w.templates.get(job.template_id)
             if usable is None:
-                usable = self.now + self.model.template_fetch_seconds(job.steps, self.cfg.fetch_tier)
+                stored = min(job.steps, self.cfg.cache_steps) if self.cfg.cache_steps > 0 else job.steps
+                usable = self.now + self.model.template_fetch_seconds(stored, self.cfg.fetch_tier)
                 w.templates[job.template_id] = usable
                 while len(w.templates) > self.cfg.host_templates:
                     w.templates.popitem(last=False)
