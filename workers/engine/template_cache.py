@@ -47,14 +47,14 @@ float32 model: the stored tensors themselves). Units a warm-up did not store (ma
 are never fetched or waited for; the runner computes them fully.
 
 Stored steps (``STENCIL_CACHE_STEPS`` = n, ``stored_steps``). A template warm-up may store only n
-steps of its schedule (its key's layout says so, ``/steps-<n>``, so warm-up and edits agree and a
-cache of another count is another cache): the schedule is cut into n equal segments and the middle step of each is
-stored (manifest ``stored_steps``); an edit's step is served by its segment's stored step. K/V of
-the unmasked tokens change slowly from step to step (and the refresh steps' offset re-anchors them
-to the edit's own), so a template costs n steps of bytes whatever its step count; measured against
-every-step caches in ``docs/bench/cache_bytes.md``. Exact-region caches store every step. The
-provider maps steps at its public methods, so the host tier, prefetch queue and plan see stored
-steps only (one copy serves a whole segment).
+steps of its schedule (its key's layout says so, ``/steps-<n>``: warm-up and edits agree, and a
+cache of another count is another cache). The schedule is cut into n equal segments, the middle
+step of each is stored (manifest ``stored_steps``), and an edit's step is served by its segment's
+stored step. K/V of the unmasked tokens change slowly from step to step (and the refresh steps'
+offset re-anchors them to the edit's own), so a template costs n steps of bytes whatever its step
+count; measured against every-step caches in ``docs/bench/cache_steps.md``. Exact-region caches
+store every step. The provider maps steps at its public methods, so the host tier, prefetch queue
+and plan see stored steps only (one copy serves a whole segment).
 
 Shared CFG rows (``cache_codec.share_rows``). The recorder stores a tensor whose rows are bit-equal
 (template warm-ups: prompt "" and negative prompt "") with one row and records the cache's row
