@@ -181,6 +181,11 @@ def cache_steps_setting() -> int:
     return Settings.from_env().cache_steps_for("sd")
 
 
+def fetched_steps(steps: int, cache_steps: int) -> int:
+    """Steps a cold template's cache fetch moves: what its cache stores (``cache_steps``; 0 = all)."""
+    return min(steps, cache_steps) if cache_steps > 0 else steps
+
+
 class RoutingPolicy(Protocol):
     name: str
 
@@ -369,8 +374,7 @@ class MaskAwareRouter:
         """Predicted fetch of the job's template cache from the store: the steps it stores."""
         if not job.template_id:
             return 0.0
-        stored = min(job.steps, self.cache_steps) if self.cache_steps > 0 else job.steps
-        return self.model.template_fetch_seconds(stored, self.fetch_tier)
+        return self.model.template_fetch_seconds(fetched_steps(job.steps, self.cache_steps), self.fetch_tier)
 
     def choose(self, job: JobDemand, view: WorkerView) -> str:
         """The lowest (cost, jobs), first in the rotating order among equals.

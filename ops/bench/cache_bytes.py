@@ -340,8 +340,9 @@ STEPS_MODELS = {"sd": ("sd", "tiny-sd-inpaint-trained"), "sdxl-layout": ("sd", "
 
 
 def steps_rows(label: str, steps: int, counts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Per (edit, policy, stored-step count): the edit from a cache storing that many steps vs the same
-    edit from an every-step cache of the same template (same codec), and vs full compute."""
+    """Per (edit, policy, stored-step count): the edit from a cache storing that many steps (codec
+    ``--steps-codec``) vs the same edit from a float32 every-step cache of the same template, and vs
+    full compute."""
     import dataclasses
 
     from app.demo import demo_templates
@@ -361,16 +362,19 @@ def steps_rows(label: str, steps: int, counts: list[int], args: argparse.Namespa
     keys: dict[tuple[int, int], Any] = {}
     acts = fam.runner_ma.recorder.activations  # type: ignore[union-attr]
     # The reference stores every step losslessly (float32); n-step caches with ``--steps-codec``.
-    recorders = {"float32": fam.runner_ma.recorder, args.steps_codec: CacheRecorder(acts, codec=args.steps_codec)}
+    reference = fam.runner_ma.recorder  # float32
+    n_step = reference if args.steps_codec == "float32" else CacheRecorder(acts, codec=args.steps_codec)
     for i, img in enumerate(templates):
         tensors, meta = fam.prepare(img, empty, warm_params)
         base = fam.key(f"t{i}-s{steps}", warm_params, meta)
         for n in [0, *counts]:  # 0: every step
             key = keys[(i, n)] = base if n == 0 else dataclasses.replace(base, layout=f"{base.layout}/steps-{n}")
             assert key.stored_step_count == n
-            fam.runner_ma.recorder = recorders["float32" if n == 0 else args.steps_codec]
+            fam.runner_ma.recorder = reference if n == 0 else n_step
             record(fam.runner_ma, dict(tensors), dict(meta), key)
-    fam.runner_ma.recorder = recorders["float32"]
+    fam.runner_ma.recorder = reference
+    if n_step is not reference:
+        n_step.close()
     rng = np.random.default_rng(args.seed)
     rows = []
     for i, img in enumerate(templates):

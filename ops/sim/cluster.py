@@ -32,7 +32,7 @@ import numpy as np
 
 from app.calibration import calibrated
 from app.costmodel import CostModel, min_service_seconds, step_time_predictor
-from app.routing import JobDemand, JobLoad, RoutingPolicy, WorkerState, WorkerView
+from app.routing import JobDemand, JobLoad, RoutingPolicy, WorkerState, WorkerView, fetched_steps
 from app.settings import Settings
 from ops.sim.workload import SimJob
 from workers.engine.job import EngineJob
@@ -182,7 +182,7 @@ class Cluster:
         if job.cached:
             usable = w.templates.get(job.template_id)
             if usable is None:
-                stored = min(job.steps, self.cfg.cache_steps) if self.cfg.cache_steps > 0 else job.steps
+                stored = fetched_steps(job.steps, self.cfg.cache_steps)
                 usable = self.now + self.model.template_fetch_seconds(stored, self.cfg.fetch_tier)
                 w.templates[job.template_id] = usable
                 while len(w.templates) > self.cfg.host_templates:

@@ -55,12 +55,25 @@ AdapterSet = tuple[tuple[str, float], ...]
 Resolver = Callable[[str], LoraWeights]
 
 
-# A module's terms for one group: fused (A_cat, B_cat) in float32, or in half precision one
-# (A, B, scale) per adapter, applied as PEFT does (``result + lora_B(lora_A(x)) * scaling``, one
-# adapter after the other): the same roundings as diffusers' own LoRA path.
-GroupTerms = tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor, float]]
+# A module's terms for one group, added one after the other: ``(A, B, scale)`` adds
+# ``B (A x) * scale`` (``scale`` None: already folded into B). float32: one fused pair (all the
+# group's adapters concatenated, scales in B); half precision: one per adapter, unscaled, as PEFT
+# computes ``result + lora_B(lora_A(x)) * scaling``: the same roundings as diffusers' LoRA path.
+GroupTerms = list[tuple[torch.Tensor, torch.Tensor, float | None]]
 HALF = (torch.float16, torch.bfloat16)
 ALL_ROWS = -1  # the group of ``LoraPatcher.apply``: every row of every call
+
+
+def _add_linear(xs: torch.Tensor, ys: torch.Tensor, terms: GroupTerms) -> None:
+    for a, b, scale in terms:
+        d = F.linear(F.linear(xs, a), b)
+        ys.add_(d if scale is None else d * scale)
+
+
+def _add_conv(mod: torch.nn.Conv2d, x: torch.Tensor, y: torch.Tensor, terms: GroupTerms) -> None:
+    for a, b, scale in terms:
+        d = F.conv2d(F.conv2d(x, a, None, mod.stride, mod.padding, mod.dilation, mod.groups), b)
+        y.add_(d if scale is None else d * scale)
 
 
 class _Terms:
@@ -76,9 +89,7 @@ class _Terms:
     def linear(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         every = self.by_group.get(ALL_ROWS)
         if every is not None:  # ``LoraPatcher.apply``: no layout, every row
-            xs, ys = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-            for a, b, scale in every:  # type: ignore[misc]
-                ys.add_(F.linear(F.linear(xs, a), b) * scale)
+            _add_linear(x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1]), every)
             return y
         lay = layout.current()
         if lay is None:
@@ -91,32 +102,25 @@ class _Terms:
         if xs.shape[0] != lay.total:
             raise ValueError(f"{self.name}: input has {xs.shape[0]} rows, the row layout declares {lay.total}")
         for g, lo, hi in lay.spans:
-            ab = self.by_group.get(g)
-            if isinstance(ab, list):
-                for a, b, scale in ab:
-                    ys[lo:hi].add_(F.linear(F.linear(xs[lo:hi], a), b) * scale)
-            elif ab is not None:
-                ys[lo:hi].add_(F.linear(F.linear(xs[lo:hi], ab[0]), ab[1]))
+            terms = self.by_group.get(g)
+            if terms:
+                _add_linear(xs[lo:hi], ys[lo:hi], terms)
         self.patcher.term_seconds += time.perf_counter() - t0
         return y
 
     def conv(self, mod: torch.nn.Conv2d, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         every = self.by_group.get(ALL_ROWS)
         if every is not None:  # ``LoraPatcher.apply``: no layout, every row
-            for a, b, scale in every:  # type: ignore[misc]
-                h = F.conv2d(x, a, None, mod.stride, mod.padding, mod.dilation, mod.groups)
-                y.add_(F.conv2d(h, b) * scale)
+            _add_conv(mod, x, y, every)
             return y
         lay = layout.current()
         if lay is None or lay.flat or x.shape[0] != lay.total:
             raise ValueError(f"{self.name}: conv adapter terms need a batch-row layout of {x.shape[0]} rows")
         t0 = time.perf_counter()
         for g, lo, hi in lay.spans:
-            ab = self.by_group.get(g)
-            for a, b, scale in (ab if isinstance(ab, list) else [] if ab is None else [(ab[0], ab[1], None)]):
-                h = F.conv2d(x[lo:hi], a, None, mod.stride, mod.padding, mod.dilation, mod.groups)
-                h = F.conv2d(h, b)
-                y[lo:hi].add_(h if scale is None else h * scale)
+            terms = self.by_group.get(g)
+            if terms:
+                _add_conv(mod, x[lo:hi], y[lo:hi], terms)
         self.patcher.term_seconds += time.perf_counter() - t0
         return y
 
@@ -393,7 +397,7 @@ class LoraPatcher:
                 if len(self._term_cache) >= self._max_term_cache:
                     self._term_cache.pop(next(iter(self._term_cache)))
                 self._term_cache[(path, diff)] = ab
-            out[path] = ab
+            out[path] = [(ab[0], ab[1], None)]
         return out
 
     def apply(self, adapters: AdapterSet) -> None:

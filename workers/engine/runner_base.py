@@ -60,7 +60,7 @@ import torch
 from workers.adapters import layout
 from workers.engine.job import EngineJob
 from workers.engine.plan import RESIDENT, UNAVAILABLE, BlockCost, StepPlan, Tier, UnitCostModel, plan_optimal
-from workers.engine.template_cache import CacheRecorder, StepCacheProvider, UnitCache
+from workers.engine.template_cache import CacheRecorder, StepCacheProvider, UnitCache, key_stored_steps
 from workers.maskaware.activation_store import TemplateCacheKey
 
 log = logging.getLogger(__name__)
@@ -388,8 +388,9 @@ class BaseRunner(ABC):
 
     def _group(self, job: EngineJob) -> Any:
         st: JobState = job.state
-        if st.mode == "record":
-            return self._row_group(st.rows, "record")
+        if st.mode == "record":  # steps its cache does not store (STENCIL_CACHE_STEPS) capture nothing
+            keep = key_stored_steps(st.cache_key) if st.cache_key is not None else None
+            return self._row_group(st.rows, "record" if keep is None or job.steps_done in keep else "full")
         if st.mode == "masked" and job.steps_done in st.refresh:
             return self._row_group(st.rows, "record")  # full compute; its activations re-anchor
         if st.mode == "masked" and not self._resolve(st):
@@ -652,12 +653,13 @@ class BaseRunner(ABC):
                 else:
                     st.masked_steps += 1
                 self.prefetch(job)
-            elif st.mode == "record" and recorded and recorded[i] is not None:
+            elif st.mode == "record":
                 assert self.recorder is not None and st.cache_key is not None
                 step_index = int(job.steps_done)
-                keep = st.extra.get("store_names")
-                tensors = recorded[i] if keep is None else {n: t for n, t in recorded[i].items() if n in keep}
-                self.recorder.put(st.cache_key, step_index, tensors)
+                if recorded and recorded[i] is not None:  # a step its cache stores (``_group``)
+                    keep = st.extra.get("store_names")
+                    tensors = recorded[i] if keep is None else {n: t for n, t in recorded[i].items() if n in keep}
+                    self.recorder.put(st.cache_key, step_index, tensors)
                 if step_index + 1 == len(st.timesteps):
                     st.commit = self.recorder.commit(st.cache_key)
 

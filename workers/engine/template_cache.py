@@ -113,6 +113,13 @@ def serving_step(step: int, stored: Sequence[int], steps: int) -> int:
     return int(stored[step * len(stored) // steps])
 
 
+def key_stored_steps(key: TemplateCacheKey) -> tuple[int, ...] | None:
+    """The steps a cache under ``key`` stores (its ``stored_step_count``, module doc); None = every
+    step. Computed from the key: no I/O, cheap enough for the step loop."""
+    n = key.stored_step_count
+    return None if n <= 0 else _stored_steps(key.steps, n)
+
+
 @dataclass
 class _Fill:
     """A step being fetched unit by unit: what has arrived so far."""
@@ -227,10 +234,10 @@ class StepCacheProvider:
     def stored_step(key: TemplateCacheKey, step: int) -> int:
         """The step whose stored tensors serve ``step`` (the key's ``stored_step_count``, module
         doc; computed, no I/O); ``step`` itself when the warm-up stored every step."""
-        n = key.stored_step_count
-        if n <= 0 or not 0 <= step < key.steps:
+        stored = key_stored_steps(key)
+        if stored is None or not 0 <= step < key.steps:
             return step
-        return serving_step(step, _stored_steps(key.steps, n), key.steps)
+        return serving_step(step, stored, key.steps)
 
     def _present(self, key: TemplateCacheKey) -> list[str]:
         """This cache's stored units, in execution order."""
@@ -788,19 +795,12 @@ class CacheRecorder:
             return cache_codec.lossless_codec(key.layout)
         return self.codec
 
-    @staticmethod
-    def stored_steps_for(key: TemplateCacheKey) -> list[int] | None:
-        """The steps a cache under ``key`` stores (its ``stored_step_count``, module doc); None =
-        every step."""
-        n = key.stored_step_count
-        return None if n <= 0 else stored_steps(key.steps, n)
-
     def set_units(self, key: TemplateCacheKey, units: Sequence[str]) -> None:
         """Record that this warm-up stores only ``units`` (goes into the manifest at commit)."""
         self._units[key.digest()] = list(units)
 
     def put(self, key: TemplateCacheKey, step: int, tensors: StepTensors) -> Future:
-        keep = self.stored_steps_for(key)
+        keep = key_stored_steps(key)
         if keep is not None and step not in keep:  # served by its segment's stored step
             skipped: Future = Future()
             skipped.set_result(0)
@@ -834,9 +834,9 @@ class CacheRecorder:
     def commit(self, key: TemplateCacheKey) -> Future:
         """Runs after every ``put`` submitted before it (single ordered worker)."""
         extra: dict[str, object] = {"codec": self.codec_for(key)}
-        keep = self.stored_steps_for(key)
+        keep = key_stored_steps(key)
         if keep is not None:
-            extra["stored_steps"] = keep
+            extra["stored_steps"] = list(keep)
         units = self._units.pop(key.digest(), None)
         if units is not None:
             extra["units"] = units
