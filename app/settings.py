@@ -79,6 +79,12 @@ class Settings:
     # reference; half precision on CPU is for memory, bfloat16 is the one CPUs run natively); on
     # CUDA set float16 or bfloat16 (the recommended setting: half the weight and cache bytes, tensor cores).
     dtype: str = "float32"
+    # Batch invariance: each job's rows of every token-wise matmul (nn.Linear) multiplied on their
+    # own, so a job's result does not depend on what it was batched with (workers/adapters/layout.py:
+    # GEMM kernels sum a row differently with the number of rows and its place in them; in half
+    # precision that last bit reached 7/255 after 5 Flux steps). auto = on in float16/bfloat16,
+    # off in float32 (where it never reaches a pixel) | on | off. Cost: BENCHMARKS.md, batch invariance.
+    batch_invariant: str = "auto"
 
     # Stages outside the denoising loop (text encoders, VAE encode and decode: the prepare and
     # finalize tasks). stage_placement: cpu = the shared ``cpu`` queue, served by the CPU worker pool |
@@ -254,6 +260,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"STENCIL_DTYPE must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.batch_invariant.strip().lower() not in ("auto", "on", "off"):
+            raise ValueError(f"STENCIL_BATCH_INVARIANT must be auto, on or off, got {self.batch_invariant!r}")
         steps = str(self.cache_steps).strip().lower()
         if steps != "auto" and not steps.isdigit():
             raise ValueError(f"STENCIL_CACHE_STEPS must be auto or a step count >= 0 (0 = every step), "
@@ -262,6 +270,11 @@ class Settings:
             object.__setattr__(self, "store_dir", self.home / "store")
         if self.activations_dir == Path():
             object.__setattr__(self, "activations_dir", self.store_dir)
+
+    def batch_invariant_for(self, dtype: str) -> bool:
+        """Whether engines of models in ``dtype`` (a STENCIL_DTYPE name) multiply job by job."""
+        mode = self.batch_invariant.strip().lower()
+        return mode == "on" or (mode == "auto" and dtype in ("float16", "bfloat16"))
 
     def cache_steps_for(self, family: str) -> int:
         """Steps a template warm-up of a ``family`` model (``sd`` | ``flux``) stores; 0 = every step."""

@@ -69,6 +69,10 @@ def test_the_template_warm_up_serves_other_edits_approximately_and_says_so(stack
     mask = make_mask(0.2, (SIZE, SIZE), "blob", seed=4)
     tid = client.add_template(image)
     warm(client, tid, seed=stack.settings.warm_seed, steps=10)
+    # A first edit brings the template's cache into the worker's host tier, so the edit checked
+    # below reads it on its steps instead of computing them fully while a load from the store lags
+    # (a loaded CI machine: with only the last steps masked, the picture rounds to the full one).
+    assert client.submit(template=tid, mask=mask, prompt="a scarf", seed=6, steps=10).wait(120).status == JobStatus.DONE
     masked = client.submit(template=tid, mask=mask, prompt="a hat", seed=5, steps=10)
     exact = client.submit(template=tid, mask=mask, prompt="a hat", seed=5, steps=10, fidelity="exact")
     rec_m, rec_f = masked.wait(120), exact.wait(120)
@@ -79,7 +83,7 @@ def test_the_template_warm_up_serves_other_edits_approximately_and_says_so(stack
     assert rec_m.fields["refresh_plan"] == ",".join(map(str, schedule))
     assert int(rec_m.fields["refresh_steps"]) == len(schedule)
     assert int(rec_m.fields["masked_steps"]) + int(rec_m.fields["fallback_steps"]) + len(schedule) == 10
-    assert int(rec_m.fields["masked_steps"]) > 0
+    assert int(rec_m.fields["masked_steps"]) >= (10 - len(schedule)) // 2, rec_m.fields  # the cache was used
     assert rec_f.fields["approximate"] == "0" and rec_f.fields["cache_note"] == "no exact cache for this edit"
     assert np.abs(result_array(masked) - result_array(exact)).max() > 1
 

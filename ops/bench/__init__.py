@@ -21,5 +21,6 @@ with the exact command line that produced it. ``--quick`` is a smoke run in seco
   costs at true sizes, published GPU costs, latency per placement), ``compiled`` (``torch.compile``
   vs eager denoising steps, full and mask-aware);
 - precision: ``precision`` (float32 vs bfloat16 vs float16: exactness against the stock pipeline in
-  each dtype, drift from float32, step time and cache bytes).
+  each dtype, drift from float32, step time and cache bytes), ``batch_invariance`` (half-precision
+  batches: what batched GEMMs change in a job's picture, and what multiplying job by job costs).
 """

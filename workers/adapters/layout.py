@@ -11,7 +11,17 @@ Two kinds:
 - ``flat``: spans over the flattened leading dims (``x.reshape(-1, x.shape[-1])``): token packs.
 
 Building layouts costs a little Python per call, so the controllers only build them while some
-job of the step has terms (``wanted``); otherwise every ``use`` is a no-op.
+job of the step has terms or the step computes its GEMMs job by job (``wanted``); otherwise every
+``use`` is a no-op.
+
+Job-by-job GEMMs (``invariant``): a batched matmul does not compute a row the way the same row
+alone is computed. The kernel a library picks, and the order in which it sums, depends on the
+number of rows and on where a row falls in its tiles (oneDNN's AMX bf16 kernels here: the same row
+at rows 64-127 of a 128-row product and at rows 0-63 of a 64-row one differ in the last bit). In
+float32 that last bit never reaches a pixel; in half precision, 5 Flux steps amplify it to 7/255.
+With ``invariant`` set, the row-aware ``nn.Linear`` of ``workers/adapters/patcher.py`` multiplies
+each job's rows on their own, in the order the stock pipeline feeds them: a job's result no longer
+depends on what it was batched with.
 """
 
 from __future__ import annotations
@@ -61,12 +71,24 @@ def flat(pairs: Iterable[tuple[int, int]]) -> Layout:
 
 
 def wanted() -> bool:
-    """Whether any module needs layouts now (some job of the current step has adapter terms)."""
-    return bool(getattr(_local, "wanted", False))
+    """Whether any module needs layouts now: some job of the current step has adapter terms, or the
+    step computes its GEMMs job by job (``invariant``)."""
+    return bool(getattr(_local, "wanted", False) or getattr(_local, "invariant", False))
 
 
 def set_wanted(value: bool) -> None:
+    """The adapter patcher's demand (its terms need the rows of each job)."""
     _local.wanted = value
+
+
+def invariant() -> bool:
+    """Whether row-aware modules multiply each job's rows on their own (module doc)."""
+    return bool(getattr(_local, "invariant", False))
+
+
+def set_invariant(value: bool) -> None:
+    """Set by the runner around a batched step of a half-precision model (``STENCIL_BATCH_INVARIANT``)."""
+    _local.invariant = value
 
 
 def current() -> Layout | None:
@@ -90,4 +112,5 @@ def use(layout: Layout | None) -> Iterator[None]:
         stack.pop()
 
 
-__all__ = ["Layout", "current", "flat", "row_groups", "rows", "set_wanted", "use", "wanted"]
+__all__ = ["Layout", "current", "flat", "invariant", "row_groups", "rows", "set_invariant", "set_wanted", "use",
+           "wanted"]

@@ -29,11 +29,15 @@ How terms reach the computation: ``install`` gives every ``nn.Linear`` / ``nn.Co
 model a forward that adds the module's terms, if any. It must run before the mask-aware hooks are
 installed, so that hooks calling a module's original forward on a token pack (diffusers
 ``ModelHook.fn_ref.original_forward``) still get the terms, and capture hooks record activations
-that include them. With no terms the forward is the stock one plus one attribute check.
+that include them. With no terms the forward is the stock one plus one attribute check. The same
+row-aware ``nn.Linear`` multiplies each job's rows on their own when the runner asks for batch
+invariance (half precision: ``workers/adapters/layout.py``), so the mask-aware controllers install
+it too, adapters or not.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import statistics
@@ -125,13 +129,70 @@ class _Terms:
         return y
 
 
+@functools.lru_cache(maxsize=256)
+def _job_spans(lay: layout.Layout) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each job's row spans of a layout, jobs in order of first appearance (cached: a step reuses
+    a handful of layouts across every module)."""
+    by_group: dict[int, list[tuple[int, int]]] = {}
+    for g, lo, hi in lay.spans:
+        by_group.setdefault(g, []).append((lo, hi))
+    return tuple(tuple(spans) for spans in by_group.values())
+
+
+def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``out[:] = F.linear(x, weight, bias)`` without the intermediate: the product ``F.linear``
+    computes for a contiguous input (``addmm``/``mm`` over its rows, leading dims folded), written in
+    place."""
+    if not (x.is_contiguous() and out.is_contiguous()):
+        out.copy_(F.linear(x, weight, bias))
+        return
+    x2, o2 = x.view(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+    if bias is None:
+        torch.mm(x2, weight.t(), out=o2)
+    else:
+        torch.addmm(bias, x2, weight.t(), out=o2)
+
+
+def _linear_job_by_job(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` with each job's rows multiplied on their own (``layout.invariant``): a job's rows,
+    gathered in layout order when they lie in several spans (the single Flux blocks' pack: its
+    text, then its image tokens, as the stock block concatenates them), make one product of the
+    shape the stock pipeline computes for that job alone. Any other input (no layout, one job, rows
+    that do not match the layout) is one product."""
+    lay = layout.current()
+    if lay is None or len(lay.spans) < 2:
+        return F.linear(x, weight, bias)
+    xs = x.reshape(-1, x.shape[-1]) if lay.flat else x
+    if xs.shape[0] != lay.total:
+        return F.linear(x, weight, bias)
+    jobs = _job_spans(lay)
+    if len(jobs) < 2:
+        return F.linear(x, weight, bias)
+    out = xs.new_empty((*xs.shape[:-1], weight.shape[0]))
+    for spans in jobs:
+        if len(spans) == 1:
+            lo, hi = spans[0]
+            _linear_into(out[lo:hi], xs[lo:hi], weight, bias)
+            continue
+        y = F.linear(torch.cat([xs[lo:hi] for lo, hi in spans]), weight, bias)
+        row = 0
+        for lo, hi in spans:
+            out[lo:hi] = y[row:row + hi - lo]
+            row += hi - lo
+    return out.view(*x.shape[:-1], weight.shape[0]) if lay.flat else out
+
+
 class LoraLinear(torch.nn.Linear):
-    """``nn.Linear`` that adds its current adapter terms (``install``)."""
+    """``nn.Linear`` that adds its current adapter terms, and multiplies job by job when the step
+    asks for batch invariance (``install``)."""
 
     _stencil_terms: _Terms | None = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        y = F.linear(input, self.weight, self.bias)
+        if layout.invariant():
+            y = _linear_job_by_job(input, self.weight, self.bias)
+        else:
+            y = F.linear(input, self.weight, self.bias)
         terms = self._stencil_terms
         return y if terms is None else terms.linear(input, y)
 

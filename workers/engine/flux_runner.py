@@ -46,6 +46,7 @@ class FluxRunner(BaseRunner):
         super().__init__(maskaware, **cache_options)
         self.transformer = transformer
         self.dtype = transformer.dtype
+        self._init_invariance(transformer, transformer.dtype)
         # STENCIL_COMPILE: the full forward compiled (steps without mask-aware work; workers/compiled.py)
         self.forward = Compiled(transformer, "Flux transformer forward", compile)
         self.scheduler_config = scheduler_config

@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from workers.adapters import layout
+from workers.adapters.patcher import install as install_row_aware
 from workers.engine.job import EngineJob
 from workers.engine.plan import RESIDENT, UNAVAILABLE, BlockCost, StepPlan, Tier, UnitCostModel, plan_optimal
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider, UnitCache, key_stored_steps
@@ -188,10 +189,13 @@ class BaseRunner(ABC):
     def __init__(self, maskaware: Any = None, caches: StepCacheProvider | None = None,
                  recorder: CacheRecorder | None = None, dilation: int = 0, prefetch_steps: int = 4,
                  cache_plan: str = "plan", max_wait_s: float = 5.0, lora: Any = None, adapters: Any = None,
-                 lora_late_max_fraction: float = 0.3, link_gbps: float = 0.0) -> None:
+                 lora_late_max_fraction: float = 0.3, link_gbps: float = 0.0,
+                 batch_invariant: bool | None = None) -> None:
         if cache_plan not in CACHE_PLANS:
             raise ValueError(f"cache_plan must be one of {CACHE_PLANS}, got {cache_plan!r}")
         self.lora = lora  # workers.adapters.patcher.LoraPatcher (installed before the mask-aware hooks)
+        self._batch_invariant = batch_invariant  # None: by the model's dtype (``_init_invariance``)
+        self.batch_invariant = False
         self.adapters = adapters  # workers.adapters.bank.AdapterBank
         self.lora_late_max_fraction = lora_late_max_fraction
         self.maskaware = maskaware
@@ -214,6 +218,15 @@ class BaseRunner(ABC):
                           and hasattr(caches, "set_units") and hasattr(caches, "unit_status"))
         if self._units_on:
             caches.set_units({u: maskaware.unit_tensor_names(u) for u in maskaware.units})  # type: ignore[union-attr]
+
+    def _init_invariance(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        """Batched steps multiply each job's rows on their own (``workers/adapters/layout.py``): asked
+        for, or by default in half precision. Needs the row-aware modules (installed here if the
+        mask-aware controller has not)."""
+        wanted = self._batch_invariant
+        self.batch_invariant = dtype in (torch.float16, torch.bfloat16) if wanted is None else wanted
+        if self.batch_invariant:
+            install_row_aware(model)
 
     # -- family-specific -------------------------------------------------------------------------
     @abstractmethod
@@ -591,11 +604,13 @@ class BaseRunner(ABC):
                 if absent and getattr(group, "mode", "") == "masked":
                     group.full_units = frozenset(group.full_units) | absent
         self.last_ctx = None
+        layout.set_invariant(self.batch_invariant and len(batch) > 1)
         rows = layout.rows((g, job.state.rows) for g, job in enumerate(batch)) if layout.wanted() else None
         try:
             with layout.use(rows):
                 output, recorded = self._forward(batch, groups)
         finally:
+            layout.set_invariant(False)
             if self.lora is not None:
                 self.lora.finish()  # also ends the step's layout demand (thread-local)
         if self._units_on:

@@ -70,6 +70,7 @@ class SDRunner(BaseRunner):
         self.scheduler_config = scheduler_config
         self.device = torch.device(device)
         self.dtype = unet.dtype
+        self._init_invariance(unet, unet.dtype)
         self.text_time = unet.config.addition_embed_type == "text_time"  # SDXL's added conditioning
         if unet.config.addition_embed_type not in (None, "text_time"):
             raise ValueError(f"unsupported UNet addition_embed_type {unet.config.addition_embed_type!r}")
@@ -202,14 +203,19 @@ class SDRunner(BaseRunner):
         else:
             for gid, grp in enumerate(groups):
                 grp.gid = gid
-            wanted, rows = layout.wanted(), layout.current()
+            wanted, invariant, rows = layout.wanted(), layout.invariant(), layout.current()
 
             def call(idx: list[int]):  # type: ignore[no-untyped-def]
                 def run():  # type: ignore[no-untyped-def]
-                    layout.set_wanted(wanted)
+                    layout.set_wanted(wanted)  # thread-local: the step's flags, on this thread too
+                    layout.set_invariant(invariant)
                     sub = layout.row_groups(g for i in idx for g in [i] * batch[i].state.rows) if rows else None
-                    with layout.use(sub):
-                        return self._call([batch[i] for i in idx], [groups[i] for i in idx], lockstep=True)
+                    try:
+                        with layout.use(sub):
+                            return self._call([batch[i] for i in idx], [groups[i] for i in idx], lockstep=True)
+                    finally:
+                        layout.set_wanted(False)
+                        layout.set_invariant(False)
                 return run
 
             results = Lockstep(self._lockstep_pool()).run([call(idx) for idx in parts])

@@ -93,6 +93,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
 from workers.adapters import layout
+from workers.adapters.patcher import install as install_row_aware
 from workers.compiled import Compiled
 from workers.maskaware.flux_tokens import pixel_to_token_mask
 
@@ -747,6 +748,7 @@ class MaskAwareFlux:
         for blk in transformer.transformer_blocks:
             if getattr(blk.norm1, "emb", None) is not None:
                 raise NotImplementedError("AdaLayerNormZero with its own embedding is not a Flux block")
+        install_row_aware(transformer)  # adapter terms, job-by-job GEMMs: before any hook captures a forward
         self._install()
 
     @property

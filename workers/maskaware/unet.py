@@ -91,6 +91,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor, AttnP
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
 from workers.adapters import layout
+from workers.adapters.patcher import install as install_row_aware
 from workers.compiled import BlockKernels
 from workers.maskaware.lockstep import Lockstep
 from workers.maskaware.tokens import TokenMasks, build_token_masks
@@ -340,6 +341,8 @@ class MaskAwareUNet:
             raise ValueError(f"kv_source must be 'cache' or 'recompute', got {kv_source!r}")
         self.unet = unet
         self.kv_source: KVSource = kv_source
+        # Row-aware Linear/Conv2d (adapter terms, job-by-job GEMMs) before any hook captures a forward.
+        install_row_aware(unet)
         # STENCIL_COMPILE: the packed path's token-wise layers compiled (workers/compiled.py); eager
         # while per-row adapter layouts are in use (their Python bookkeeping is not graph material).
         self.kernels = BlockKernels(compile)

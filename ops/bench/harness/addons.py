@@ -26,9 +26,11 @@ def lora_state(model: torch.nn.Module, *, rank: int, seed: int, targets: list[st
     model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=targets,
                                  init_lora_weights="gaussian"), adapter_name=name)
     gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
+    with torch.no_grad():  # both factors from ``seed``: PEFT's own init draws on the global RNG
         for pname, p in model.named_parameters():
-            if "lora_B" in pname:
+            if "lora_A" in pname:  # PEFT's "gaussian" init: std 1/r
+                p.copy_(torch.randn(p.shape, generator=gen) / rank)
+            elif "lora_B" in pname:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
     state = get_peft_model_state_dict(model, adapter_name=name)
     (model.delete_adapters if hasattr(model, "delete_adapters") else model.delete_adapter)(name)

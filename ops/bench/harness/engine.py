@@ -30,14 +30,21 @@ from workers.sd_inputs import prepare_job_tensors
 log = logging.getLogger(__name__)
 
 
-def run(runner: Any, jobs: list[tuple[dict, dict]]) -> list[dict]:
-    """Run jobs to completion in one continuous-batching engine (in process)."""
+def run(runner: Any, jobs: list[tuple[dict, dict]], timeout_s: float = 600.0) -> list[dict]:
+    """Run jobs to completion in one continuous-batching engine (in process). An idle step is not
+    the end: a job can wait for its adapters, fetched in the background (``AdapterBank``)."""
     engine = Engine(runner, BatchScheduler(max_batch=4))
     handles = [engine.submit(f"j{i}", t, m, total_steps=int(m["num_steps"])) for i, (t, m) in enumerate(jobs)]
-    engine._drain_inbox(block=False)
-    while engine.step_once():
+    deadline = time.monotonic() + timeout_s
+    while True:
         engine._drain_inbox(block=False)
-    return [h.future.result() for h in handles]
+        if engine.step_once():
+            continue
+        if all(h.future.done() for h in handles):
+            return [h.future.result() for h in handles]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"jobs not done after {timeout_s:.0f} s")
+        time.sleep(0.002)
 
 
 def record(runner: Any, tensors: dict, meta: dict, key: TemplateCacheKey, resident_steps: int = 0) -> dict:
