@@ -36,7 +36,7 @@ from ops.bench.harness import cli
 from ops.bench.harness.addons import save_flux_lora
 from ops.bench.harness.engine import record, run, step_costs
 from ops.bench.harness.models import saved_sd_pipeline
-from ops.bench.harness.timing import interleave, median, paired, uptime
+from ops.bench.harness.timing import interleave, median, paired
 from workers.adapters.bank import AdapterBank
 from workers.adapters.convert import canonical_lora
 from workers.adapters.patcher import LoraPatcher
@@ -229,13 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     run_ = cli.start(p, argv, __file__, quick=dict(fidelity_steps=2, adapter_seeds="3", steps=3, rounds=1,
                                                               hidden="32,64", size=128))
     work = Path(tempfile.mkdtemp(prefix="stencil-inv-home-"))
-    parts = {"fidelity": part_fidelity, "speed": part_speed}
-    lines = ["# Batch invariance in half precision (STENCIL_BATCH_INVARIANT)\n",
-             f"Command: `{run_.command}` ({run_.args.threads} torch thread(s)). Load at start: {uptime()}.\n"]
-    for name in run_.args.parts.split(","):
-        lines += parts[name](run_.args, work)
-    lines.append(f"Total {run_.elapsed():.0f} s; load at end: {uptime()}.")
-    run_.write(lines)
+    cli.report_parts(run_, f"Batch invariance in half precision (STENCIL_BATCH_INVARIANT, {run_.args.threads} "
+                     "torch thread(s))", {"fidelity": part_fidelity, "speed": part_speed}, work)
     return 0
 
 
