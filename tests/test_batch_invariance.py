@@ -9,7 +9,6 @@ for bit, and so equal the stock pipeline, which computes one job."""
 from __future__ import annotations
 
 import copy
-import logging
 from pathlib import Path
 
 import pytest
@@ -28,11 +27,8 @@ from workers.adapters.bank import AdapterBank
 from workers.adapters.patcher import LoraLinear, LoraPatcher, install
 from workers.models.loader import scheduler_config
 
-log = logging.getLogger(__name__)
 BF16 = torch.bfloat16
 PROMPTS = ["a cat", "grass", "the moon"]
-
-
 SETS = [(("a", 0.9),), (("a", 0.4), ("b", 1.0)), ()]  # a mixed batch, as production sends them
 ORDERS = ([0, 1], [1, 0], [0, 2], [2, 0], [1, 2], [2, 1], [0, 1, 2], [2, 1, 0])
 
@@ -49,22 +45,16 @@ def _meta(meta: dict, params: JobParams) -> dict:
 
 def _assert_invariant(make_runner, prepared: list[tuple[dict, dict]]) -> None:  # type: ignore[no-untyped-def]
     """Each job batched with others (every pair in both orders, all three in two orders) equals the
-    job alone, bit for bit."""
-    alone = [run_engine(make_runner(None), [p])[0][0]["latents"] for p in prepared]
+    job alone, bit for bit. What plain batched GEMMs give instead is measured, not tested: it depends
+    on the kernels (``ops/bench/batch_invariance.py``; without this, the Flux case fails here)."""
+    alone = [run_engine(make_runner(), [p])[0][0]["latents"] for p in prepared]
     for order in ORDERS:
-        results, engine = run_engine(make_runner(None), [prepared[i] for i in order])
+        results, engine = run_engine(make_runner(), [prepared[i] for i in order])
         assert any(len(rec.job_ids) == len(order) for rec in engine.stats.history), "the jobs were not batched"
         for i, out in zip(order, results):
             assert torch.equal(out["latents"], alone[i]), \
                 f"job {i} batched (order {order}) differs from the job alone by " \
                 f"{(out['latents'].float() - alone[i].float()).abs().max().item()}"
-    # For the record: what plain batched GEMMs give (hardware-dependent: AMX kernels differ here).
-    moved = 0.0
-    for order in ORDERS:
-        results, _ = run_engine(make_runner(False), [prepared[i] for i in order])
-        moved = max([moved] + [(o["latents"].float() - alone[i].float()).abs().max().item()
-                               for i, o in zip(order, results)])
-    log.info("batched GEMMs without batch invariance: largest latent change %.4g", moved)
 
 
 def test_bf16_flux_jobs_batched_equal_the_jobs_alone(tmp_path: Path) -> None:
@@ -80,13 +70,12 @@ def test_bf16_flux_jobs_batched_equal_the_jobs_alone(tmp_path: Path) -> None:
                    "b": save_flux_lora(maker, tmp_path / "b", rank=8, seed=4)}, FLUX_DIR)
     pipe = FluxFillPipeline.from_pretrained(FLUX_DIR, dtype=BF16)
 
-    def make_runner(invariant: bool | None) -> FluxRunner:
+    def make_runner() -> FluxRunner:
         model = copy.deepcopy(pipe.transformer).eval()
         bank = AdapterBank(world.read, 1 << 30)
         runner = FluxRunner(model, scheduler_config(FLUX_DIR), pipe.vae_scale_factor, maskaware=MaskAwareFlux(model),
-                            lora=LoraPatcher(model, "transformer", bank.get), adapters=bank,
-                            batch_invariant=invariant)
-        assert runner.batch_invariant is (invariant is not False)  # default (None): on in bf16
+                            lora=LoraPatcher(model, "transformer", bank.get), adapters=bank)
+        assert runner.batch_invariant  # the default in half precision
         return runner
 
     prepared = []
@@ -106,11 +95,13 @@ def test_bf16_sd_jobs_batched_equal_the_jobs_alone(tmp_path: Path) -> None:
                    "b": save_sd_lora(maker, tmp_path / "b", rank=8, seed=2, alpha=16)}, SD_DIR)
     cpu = sd_pipe(SD_DIR, BF16)
 
-    def make_runner(invariant: bool | None) -> SDRunner:
+    def make_runner() -> SDRunner:
         unet = copy.deepcopy(cpu.unet).eval()
         bank = AdapterBank(world.read, 1 << 30)
-        return SDRunner(unet, scheduler_config(SD_DIR), maskaware=MaskAwareUNet(unet),
-                        lora=LoraPatcher(unet, "unet", bank.get), adapters=bank, batch_invariant=invariant)
+        runner = SDRunner(unet, scheduler_config(SD_DIR), maskaware=MaskAwareUNet(unet),
+                          lora=LoraPatcher(unet, "unet", bank.get), adapters=bank)
+        assert runner.batch_invariant  # the default in half precision
+        return runner
 
     prepared = []
     for img, mask, params in _jobs(steps=6, guidance=7.5):
