@@ -57,6 +57,23 @@ def _assert_invariant(make_runner, prepared: list[tuple[dict, dict]]) -> None:  
                 f"{(out['latents'].float() - alone[i].float()).abs().max().item()}"
 
 
+def _prepared(prepare, steps: int, guidance: float) -> list[tuple[dict, dict]]:  # type: ignore[no-untyped-def]
+    """The jobs' tensors as the CPU task prepares them (``prepare(image, mask, params)``)."""
+    out = []
+    for img, mask, params in _jobs(steps, guidance):
+        prep = prepare(img, _pil(mask), params)
+        out.append((prep.tensors, _meta(prep.meta, params)))
+    return out
+
+
+def _runner(cls, model, component: str, world: World, *args, maskaware):  # type: ignore[no-untyped-def]
+    """An engine runner as a worker builds it in bf16: adapters and mask-aware hooks, default settings."""
+    bank = AdapterBank(world.read, 1 << 30)
+    runner = cls(model, *args, maskaware=maskaware, lora=LoraPatcher(model, component, bank.get), adapters=bank)
+    assert runner.batch_invariant  # the default in half precision
+    return runner
+
+
 def test_bf16_flux_jobs_batched_equal_the_jobs_alone(tmp_path: Path) -> None:
     from diffusers import FluxFillPipeline
 
@@ -72,16 +89,11 @@ def test_bf16_flux_jobs_batched_equal_the_jobs_alone(tmp_path: Path) -> None:
 
     def make_runner() -> FluxRunner:
         model = copy.deepcopy(pipe.transformer).eval()
-        bank = AdapterBank(world.read, 1 << 30)
-        runner = FluxRunner(model, scheduler_config(FLUX_DIR), pipe.vae_scale_factor, maskaware=MaskAwareFlux(model),
-                            lora=LoraPatcher(model, "transformer", bank.get), adapters=bank)
-        assert runner.batch_invariant  # the default in half precision
-        return runner
+        return _runner(FluxRunner, model, "transformer", world, scheduler_config(FLUX_DIR), pipe.vae_scale_factor,
+                       maskaware=MaskAwareFlux(model))
 
-    prepared = []
-    for img, mask, params in _jobs(steps=5, guidance=30.0):
-        prep = prepare_flux_job_tensors(pipe, scheduler_config(FLUX_DIR), img, _pil(mask), params, SIZE, SIZE)
-        prepared.append((prep.tensors, _meta(prep.meta, params)))
+    prepared = _prepared(lambda img, mask, params: prepare_flux_job_tensors(
+        pipe, scheduler_config(FLUX_DIR), img, mask, params, SIZE, SIZE), steps=5, guidance=30.0)
     _assert_invariant(make_runner, prepared)
 
 
@@ -97,16 +109,10 @@ def test_bf16_sd_jobs_batched_equal_the_jobs_alone(tmp_path: Path) -> None:
 
     def make_runner() -> SDRunner:
         unet = copy.deepcopy(cpu.unet).eval()
-        bank = AdapterBank(world.read, 1 << 30)
-        runner = SDRunner(unet, scheduler_config(SD_DIR), maskaware=MaskAwareUNet(unet),
-                          lora=LoraPatcher(unet, "unet", bank.get), adapters=bank)
-        assert runner.batch_invariant  # the default in half precision
-        return runner
+        return _runner(SDRunner, unet, "unet", world, scheduler_config(SD_DIR), maskaware=MaskAwareUNet(unet))
 
-    prepared = []
-    for img, mask, params in _jobs(steps=6, guidance=7.5):
-        prep = prepare_job_tensors(cpu, scheduler_config(SD_DIR), img, _pil(mask), params, SIZE, SIZE)
-        prepared.append((prep.tensors, _meta(prep.meta, params)))
+    prepared = _prepared(lambda img, mask, params: prepare_job_tensors(
+        cpu, scheduler_config(SD_DIR), img, mask, params, SIZE, SIZE), steps=6, guidance=7.5)
     _assert_invariant(make_runner, prepared)
 
 
