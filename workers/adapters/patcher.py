@@ -160,13 +160,11 @@ def _linear_job_by_job(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     shape the stock pipeline computes for that job alone. Any other input (no layout, one job, rows
     that do not match the layout) is one product."""
     lay = layout.current()
-    if lay is None or len(lay.spans) < 2:
-        return F.linear(x, weight, bias)
-    xs = x.reshape(-1, x.shape[-1]) if lay.flat else x
-    if xs.shape[0] != lay.total:
+    if lay is None or len(_job_spans(lay)) < 2:
         return F.linear(x, weight, bias)
     jobs = _job_spans(lay)
-    if len(jobs) < 2:
+    xs = x.reshape(-1, x.shape[-1]) if lay.flat else x
+    if xs.shape[0] != lay.total:
         return F.linear(x, weight, bias)
     out = xs.new_empty((*xs.shape[:-1], weight.shape[0]))
     for spans in jobs:
