@@ -31,10 +31,14 @@ BF16 = torch.bfloat16
 PROMPTS = ["a cat", "grass", "the moon"]
 SETS = [(("a", 0.9),), (("a", 0.4), ("b", 1.0)), ()]  # a mixed batch, as production sends them
 ORDERS = ([0, 1], [1, 0], [0, 2], [2, 0], [1, 2], [2, 1], [0, 1, 2], [2, 1, 0])
+# The SD UNet in bf16 is slow on CPUs without bf16 instructions (AVX2: about 1 s a 128 px CFG call,
+# 14x fp32): SD jobs at 64 px, every job first and second in a pair, and all three.
+SD_ORDERS = ([0, 1], [2, 0], [1, 2], [2, 1, 0])
+SD_SIZE = 64
 
 
-def _jobs(steps: int, guidance: float) -> list[tuple]:
-    return [(_image(20 + i), make_mask(0.3, (SIZE, SIZE), "blob", seed=i),
+def _jobs(steps: int, guidance: float, size: int) -> list[tuple]:
+    return [(_image(20 + i), make_mask(0.3, (size, size), "blob", seed=i),
              JobParams(prompt=p, steps=steps, guidance=guidance, seed=i, loras=s))
             for i, (p, s) in enumerate(zip(PROMPTS, SETS))]
 
@@ -43,12 +47,14 @@ def _meta(meta: dict, params: JobParams) -> dict:
     return dict(meta, loras=[[i, s] for i, s in params.loras], cache_mode="full")
 
 
-def _assert_invariant(make_runner, prepared: list[tuple[dict, dict]]) -> None:  # type: ignore[no-untyped-def]
-    """Each job batched with others (every pair in both orders, all three in two orders) equals the
-    job alone, bit for bit. What plain batched GEMMs give instead is measured, not tested: it depends
-    on the kernels (``ops/bench/batch_invariance.py``; without this, the Flux case fails here)."""
+def _assert_invariant(make_runner, prepared: list[tuple[dict, dict]],  # type: ignore[no-untyped-def]
+                      orders: tuple[list[int], ...] = ORDERS) -> None:
+    """Each job batched with others (by default every pair in both orders, all three in two orders)
+    equals the job alone, bit for bit. What plain batched GEMMs give instead is measured, not tested:
+    it depends on the kernels (``ops/bench/batch_invariance.py``; without this, the Flux case fails
+    on a CPU with AMX)."""
     alone = [run_engine(make_runner(), [p])[0][0]["latents"] for p in prepared]
-    for order in ORDERS:
+    for order in orders:
         results, engine = run_engine(make_runner(), [prepared[i] for i in order])
         assert any(len(rec.job_ids) == len(order) for rec in engine.stats.history), "the jobs were not batched"
         for i, out in zip(order, results):
@@ -57,10 +63,10 @@ def _assert_invariant(make_runner, prepared: list[tuple[dict, dict]]) -> None:  
                 f"{(out['latents'].float() - alone[i].float()).abs().max().item()}"
 
 
-def _prepared(prepare, steps: int, guidance: float) -> list[tuple[dict, dict]]:  # type: ignore[no-untyped-def]
+def _prepared(prepare, steps: int, guidance: float, size: int = SIZE) -> list[tuple[dict, dict]]:  # type: ignore[no-untyped-def]
     """The jobs' tensors as the CPU task prepares them (``prepare(image, mask, params)``)."""
     out = []
-    for img, mask, params in _jobs(steps, guidance):
+    for img, mask, params in _jobs(steps, guidance, size):
         prep = prepare(img, _pil(mask), params)
         out.append((prep.tensors, _meta(prep.meta, params)))
     return out
@@ -112,8 +118,8 @@ def test_bf16_sd_jobs_batched_equal_the_jobs_alone(tmp_path: Path) -> None:
         return _runner(SDRunner, unet, "unet", world, scheduler_config(SD_DIR), maskaware=MaskAwareUNet(unet))
 
     prepared = _prepared(lambda img, mask, params: prepare_job_tensors(
-        cpu, scheduler_config(SD_DIR), img, mask, params, SIZE, SIZE), steps=6, guidance=7.5)
-    _assert_invariant(make_runner, prepared)
+        cpu, scheduler_config(SD_DIR), img, mask, params, SD_SIZE, SD_SIZE), steps=3, guidance=7.5, size=SD_SIZE)
+    _assert_invariant(make_runner, prepared, SD_ORDERS)
 
 
 def test_job_by_job_linear_gathers_a_jobs_spans_in_layout_order() -> None:

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ratio", type=float, default=0.2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dtypes", default="float32,bfloat16,float16")
-    run_ = cli.start(p, argv, __file__, quick=dict(steps=3, rounds=1, hidden="", size=128, dtypes="float32,bfloat16"))
+    run_ = cli.start(p, argv, __file__, quick=dict(steps=3, rounds=1, hidden="", size=64, dtypes="float32,bfloat16"))
     args = run_.args
     if args.dtypes.split(",")[0] != "float32":
         p.error("--dtypes must start with float32 (the reference)")
