@@ -160,9 +160,9 @@ def _linear_job_by_job(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     shape the stock pipeline computes for that job alone. Any other input (no layout, one job, rows
     that do not match the layout) is one product."""
     lay = layout.current()
-    if lay is None or len(_job_spans(lay)) < 2:
+    jobs = _job_spans(lay) if lay is not None else ()
+    if len(jobs) < 2:
         return F.linear(x, weight, bias)
-    jobs = _job_spans(lay)
     xs = x.reshape(-1, x.shape[-1]) if lay.flat else x
     if xs.shape[0] != lay.total:
         return F.linear(x, weight, bias)
