@@ -86,3 +86,26 @@ def test_priority_and_user_deadlines_are_not_overtaken() -> None:
     s2 = _crowded(affinity=20)
     s2.waiting[0].deadline = 10_000.0  # b0 with a user (hard) deadline keeps its place
     assert _ids(_step(s2)) == ["b0"]
+
+
+def test_a_passed_over_job_opens_its_size_for_the_jobs_behind_it() -> None:
+    """Once a passed-over job of another size gets in, free slots go to its size first: the batch
+    switches size as a group instead of carrying one job of another size (one more call) at a time."""
+    s = BatchScheduler(2, "continuous", size_affinity_steps=2)
+    s.add(sized("long", A, 0, steps=100))
+    s.add(sized("b0", B, 1, steps=1))
+    s.add(sized("a1", A, 2, steps=1))
+    assert _ids(_step(s)) == ["long", "a1"]  # crowded: a1 joins the batch's size over the older b0
+    arrival = 3
+    for _ in range(10):
+        s.add(sized(f"a{arrival}", A, arrival, steps=1))
+        arrival += 1
+        if _ids(_step(s)) == ["b0"]:
+            break
+    else:
+        raise AssertionError("b0 was never admitted")
+    s.add(sized(f"a{arrival}", A, arrival, steps=1))
+    s.add(sized("b1", B, arrival + 1, steps=1))  # younger than the A job waiting beside it
+    assert _ids(_step(s)) == ["b1"], "b0's size-mate must follow it before jobs of the batch's other size"
+    assert [j.latent_hw for j in _step(s)] == [A]  # no B job waits: the target is dropped, A goes on
+    assert s._target_hw is None

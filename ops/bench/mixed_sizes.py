@@ -352,20 +352,36 @@ def run_real(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: li
     for load in args.loads:
         arrivals = mixed_arrivals(sizes, weights, args.trace, load * cap, args.jobs, args.seed)
         jobs = bench.jobs(arrivals, predictor, cost)
-        per: dict[str, Any] = {}
-        for system in args.systems:  # the same prepared jobs for every system, one after the other
-            stats = bench.replay(system, jobs, predict)
-            per[system] = summarize(stats)
-            if stats.step_meas:
-                meas, pred = np.array(stats.step_meas), np.array(stats.step_pred)
-                per[system]["step_mape"] = float(np.mean(np.abs(pred - meas) / meas))
-                per[system]["step_bias"] = float(np.mean((pred - meas) / meas))  # < 0: steps slower than predicted
-                per[system]["step_points"] = len(meas)
-            if stats.calibration is not None:
-                per[system]["calibration"] = stats.calibration
-            log.info("real load %.2f %s: %s", load, system, {k: round(v, 3) for k, v in per[system].items()})
+        rounds: dict[str, list[dict[str, float]]] = {s: [] for s in args.systems}
+        for r in range(args.rounds):  # the same prepared jobs for every system, one after the other
+            order = args.systems if r % 2 == 0 else args.systems[::-1]  # drift of the machine hits both alike
+            for system in order:
+                rounds[system].append(_measured(bench.replay(system, jobs, predict)))
+                log.info("real load %.2f %s round %d: %s", load, system, r,
+                         {k: round(v, 3) for k, v in rounds[system][-1].items()})
+        per = {s: _mean_of_rounds(rs) for s, rs in rounds.items()}
         results["loads"][str(load)] = per
     return results
+
+
+def _measured(stats: RunStats) -> dict[str, float]:
+    """One replay's summary, with the predictor's error on its steps and (d)'s calibration factor."""
+    out = summarize(stats)
+    if stats.step_meas:
+        meas, pred = np.array(stats.step_meas), np.array(stats.step_pred)
+        out["step_mape"] = float(np.mean(np.abs(pred - meas) / meas))
+        out["step_bias"] = float(np.mean((pred - meas) / meas))  # < 0: steps slower than predicted
+        out["step_points"] = len(meas)
+    if stats.calibration is not None:
+        out["calibration"] = stats.calibration
+    return out
+
+
+def _mean_of_rounds(rounds: list[dict[str, float]]) -> dict[str, Any]:
+    """Every number averaged over the rounds; each round's throughput kept (paired ratios)."""
+    out: dict[str, Any] = {k: float(np.mean([r[k] for r in rounds])) for k in rounds[0]}
+    out["throughput_rounds"] = [r["throughput"] for r in rounds]
+    return out
 
 
 # -- simulation -----------------------------------------------------------------------------------
@@ -532,6 +548,24 @@ def claims(per_load: dict[str, Any], throughput_target: float, versus_b: bool = 
     return out
 
 
+def paired_rounds(per_load: dict[str, Any]) -> list[str]:
+    """With ``--rounds`` > 1: (c)/(b) throughput of each round (the same jobs, back to back, the order
+    alternating), so that drift of a shared machine is not mistaken for a difference of systems."""
+    out = []
+    for ld, per in per_load.items():
+        b, c = per.get("bucketed", {}), per.get("mixed", {})
+        if len(b.get("throughput_rounds", [])) < 2 or "throughput_rounds" not in c:
+            continue
+        ratios = [cr / br for cr, br in zip(c["throughput_rounds"], b["throughput_rounds"])]
+        out.append(f"- Paired rounds at load {float(ld):.2f}: (c) / (b) = "
+                   + ", ".join(f"{x:.3f}" for x in ratios)
+                   + f" (order alternating); mean {np.mean(ratios):.3f}, min {min(ratios):.3f}, "
+                   f"max {max(ratios):.3f}; "
+                   f"(b)'s own spread over its rounds {min(b['throughput_rounds']):.3f}-"
+                   f"{max(b['throughput_rounds']):.3f} jobs/s.")
+    return out
+
+
 def plot(results: dict[str, Any], out: Path) -> str:
     parts = [("real run (this CPU)", results["real"])] if results.get("real") else []
     parts += [(f"simulated, {k}", v) for k, v in (results.get("sim") or {}).items()]
@@ -565,7 +599,9 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
         lines += ["## Real run on this machine", "",
                   f"The service's engine in process on the embedded `{args.model}` (one engine = one GPU worker), "
                   f"{'CPU time of the process (1 torch thread)' if args.clock == 'cpu' else 'wall time'} as the clock "
-                  "(module docstring), all four systems on the same prepared jobs, one after the other, after "
+                  "(module docstring), all four systems on the same prepared jobs, one after the other"
+                  + (f" ({args.rounds} rounds, the order reversed every other round; means over the rounds)"
+                     if args.rounds > 1 else "") + ", after "
                   f"{r.get('warmup_jobs', 0)} warm-up jobs through each (not recorded); predicted "
                   f"capacity of (c) {r['capacity']:.2f} jobs/s. Load average {results['loadavg_before']} before, "
                   f"{results['loadavg_after']} after; {results['real_seconds']:.0f} s. Predictor bias on each "
@@ -578,7 +614,8 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
                   "of each load: " + ", ".join(f"{ld}: {per['mixed-slo']['calibration']:.3f}"
                                               for ld, per in r["loads"].items()
                                               if "calibration" in per.get("mixed-slo", {})) + ".", "",
-                  *table(r["loads"], args.systems, with_mape=True), "", *claims(r["loads"], 1.0), ""]
+                  *table(r["loads"], args.systems, with_mape=True), "", *claims(r["loads"], 1.0),
+                  *paired_rounds(r["loads"]), ""]
     for name, res in (results.get("sim") or {}).items():
         lines += [f"## Simulation, {name} step cost", "",
                   f"`ops/sim/cluster.py`, {args.sim_workers} workers, least-requests routing with size affinity (slack "
@@ -626,6 +663,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="continuous batching's size affinity (STENCIL_SIZE_AFFINITY_STEPS; 0 = strict FCFS)")
     p.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.1, 1.4])
     p.add_argument("--jobs", type=int, default=320, help="jobs per load (real run)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="real run: replay every system this many times per load, the order reversed every other "
+                        "round (ABBA), and report the mean (and the paired (c)/(b) ratio of each round)")
     p.add_argument("--warmup-jobs", type=int, default=24,
                    help="jobs replayed through every system before the measured loads, not recorded")
     p.add_argument("--systems", default=",".join(SYSTEMS))

@@ -35,7 +35,11 @@ slot goes to the earliest waiting job of the size most represented in the batch,
 jobs of other sizes (minority sizes drain out: the batch converges to one size under load).
 Every size in a step costs one denoiser call of its own (a fixed cost per call), so under
 overload FCFS mixing of sizes buys nothing and costs calls; with spare slots everybody is admitted
-anyway. A job passed over for ``size_affinity_steps`` steps goes first regardless (no starvation);
+anyway. A job passed over for ``size_affinity_steps`` steps goes first regardless (no starvation),
+and its size becomes the batch's target: later free slots go to that size first while jobs of it
+wait, so the batch switches size as a group (as a bucket would) instead of carrying the passed-over
+job alone beside the others: its size's call is one more call every step for one job (on a GPU
+a call at the small-batch floor; on this CPU 0-11 ms per step, ``ops/bench/mixing_cost.py``).
 0 = strict FCFS.
 
 Readiness (the runner's, injected): a waiting job is admitted only when ``ready(job)`` (e.g. its
@@ -90,6 +94,7 @@ class BatchScheduler:
             raise ValueError("size_affinity_steps must be >= 0")
         self.size_affinity_steps = size_affinity_steps
         self._passed_over: dict[str, int] = {}  # job id -> steps a later job of another size went first
+        self._target_hw: tuple[int, int] | None = None  # size affinity: the size a passed-over job opened
         self.waiting: list[EngineJob] = []
         self.running: list[EngineJob] = []
         self.expired: list[EngineJob] = []  # since the last ``pop_expired`` (last 1000 at most)
@@ -159,14 +164,19 @@ class BatchScheduler:
                 bucket = job.latent_hw
         return self._batch(), admitted
 
+    def _starved(self, job: EngineJob) -> bool:
+        return self._passed_over.get(job.job_id, 0) >= self.size_affinity_steps
+
     def _affinity_rank(self, job: EngineJob, counts: dict) -> tuple[int, int]:
         """Admission rank under size affinity (lower first, FCFS within a rank): jobs passed over
         long enough and jobs with a user deadline (which plain admission orders by) keep their
-        place; then jobs of the size most represented in the batch (minority sizes drain out, so
-        the batch converges to fewer denoiser calls); then the rest."""
-        if self._passed_over.get(job.job_id, 0) >= self.size_affinity_steps or (
-                job.deadline is not None and job.hard_deadline):
+        place; then jobs of the target size (the size a passed-over job opened); then jobs of the
+        size most represented in the batch (minority sizes drain out, so the batch converges to
+        fewer denoiser calls); then the rest."""
+        if self._starved(job) or (job.deadline is not None and job.hard_deadline):
             return (0, 0)
+        if job.latent_hw == self._target_hw:
+            return (1, -self.max_batch - 1)
         if job.latent_hw in counts:
             return (1, -counts[job.latent_hw])
         return (2, 0)
@@ -177,6 +187,8 @@ class BatchScheduler:
         counts: dict = {}
         for job in self.running:
             counts[job.latent_hw] = counts.get(job.latent_hw, 0) + 1
+        if not any(j.latent_hw == self._target_hw for j in self.waiting):
+            self._target_hw = None  # the target size's queue drained: back to the batch's majority
         admitted: list[EngineJob] = []
         while len(self.running) < self.max_batch and self.waiting:
             prefs = list(self.waiting)
@@ -185,6 +197,8 @@ class BatchScheduler:
             pick = next((j for j in prefs if self._is_ready(j)), None)
             if pick is None:
                 break
+            if counts and self._starved(pick) and pick.latent_hw != max(counts, key=counts.__getitem__):
+                self._target_hw = pick.latent_hw  # its size-mates follow it: the batch switches as a group
             self.waiting.remove(pick)
             self.running.append(pick)
             admitted.append(pick)
