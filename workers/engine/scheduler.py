@@ -39,7 +39,7 @@ anyway. A job passed over for ``size_affinity_steps`` steps goes first regardles
 and its size becomes the batch's target: later free slots go to that size first while jobs of it
 wait, so the batch switches size as a group (as a bucket would) instead of carrying the passed-over
 job alone beside the others: its size's call is one more call every step for one job (on a GPU
-a call at the small-batch floor; on this CPU 0-11 ms per step, ``ops/bench/mixing_cost.py``).
+a call at the small-batch floor; on this CPU 0-7 ms per step, ``ops/bench/mixing_cost.py``).
 0 = strict FCFS.
 
 Readiness (the runner's, injected): a waiting job is admitted only when ``ready(job)`` (e.g. its
@@ -165,6 +165,7 @@ class BatchScheduler:
         return self._batch(), admitted
 
     def _starved(self, job: EngineJob) -> bool:
+        """Passed over ``size_affinity_steps`` times: size affinity may not pass it over again."""
         return self._passed_over.get(job.job_id, 0) >= self.size_affinity_steps
 
     def _affinity_rank(self, job: EngineJob, counts: dict) -> tuple[int, int]:
