@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from ops.bench.harness import cli
-from ops.bench.profile import JobSpec, RunnerTimer, load_model
+from ops.bench.harness.runner_timing import JobSpec, RunnerTimer, load_model
 
 BIG, OTHER = (16, 16), (16, 12)  # latent (h, w): 128x128 and 96x128 (width x height) pictures
 THIRD, FOURTH = (12, 16), (8, 16)  # 128x96 and 128x64: the mixed-size benchmark's four sizes

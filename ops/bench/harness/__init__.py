@@ -3,8 +3,9 @@
 ``cli``: shared options, logging, threads, the command line a report cites; ``timing``: clocks,
 the side-by-side runner, medians, paired ratios, fits; ``report``: Markdown files, sections, plots;
 ``models``: benchmark-size models, masks, inputs; ``engine``: jobs through the engine in process,
-per-step costs, the batch curve; ``edits``: model families, warm-ups, edits per fidelity option,
-image metrics. Traces: ``ops.sim.traces`` (``ops/data/mask_ratios``), re-exported here.
+per-step costs, the batch curve; ``runner_timing``: the runner's step on composed batches (the
+model under test, in-RAM template caches); ``edits``: model families, warm-ups, edits per fidelity
+option, image metrics. Traces: ``ops.sim.traces`` (``ops/data/mask_ratios``), re-exported here.
 """
 
 from ops.sim.traces import TRACES, load_trace
