@@ -103,7 +103,8 @@ class Settings:
     batching: str = "continuous"
     # Continuous batching under a queue: a free slot goes first to the earliest waiting job of a size
     # already in the batch (each size in a step is a denoiser call of its own); a job passed over
-    # this many steps goes first regardless. 0 = strict FCFS. BENCHMARKS.md, mixed sizes.
+    # this many steps goes first regardless, and its size-mates follow it (the batch changes size as
+    # a group). 0 = strict FCFS. BENCHMARKS.md, mixed sizes.
     size_affinity_steps: int = 50
     engine_idle_sleep: float = 0.005
 
