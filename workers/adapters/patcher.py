@@ -160,8 +160,7 @@ def _linear_job_by_job(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     shape the stock pipeline computes for that job alone. Any other input (no layout, one job, rows
     that do not match the layout) is one product."""
     lay = layout.current()
-    jobs = _job_spans(lay) if lay is not None else ()
-    if len(jobs) < 2:
+    if lay is None or len(jobs := _job_spans(lay)) < 2:
         return F.linear(x, weight, bias)
     xs = x.reshape(-1, x.shape[-1]) if lay.flat else x
     if xs.shape[0] != lay.total:
