@@ -23,6 +23,8 @@ def default_home() -> Path:
 
 # Precisions STENCIL_DTYPE accepts (names of torch dtypes; ``workers.models.loader.torch_dtype``).
 DTYPES = ("float32", "float16", "bfloat16")
+# STENCIL_MIXED_SIZE_CALLS (``workers.engine.sd_runner.mixed_size_calls``).
+MIXED_SIZE_CALLS = ("auto", "lockstep", "sequential")
 
 
 # STENCIL_CACHE_STEPS=auto per model family: the fewest stored steps whose edits stay within SSIM
@@ -106,6 +108,12 @@ class Settings:
     # this many steps goes first regardless, and its size-mates follow it (the batch changes size as
     # a group). 0 = strict FCFS. BENCHMARKS.md, mixed sizes.
     size_affinity_steps: int = 50
+    # How a step with several image sizes makes its UNet calls (one per size; workers/engine/sd_runner.py):
+    # lockstep (threads meeting at every transformer block to pack all sizes' tokens: fewer, larger
+    # kernels) | sequential (one size after the other on the engine's thread) | auto (lockstep on
+    # CUDA, sequential elsewhere: on this CPU a two-size step cost 3 ms less sequential, a four-size
+    # step 2 ms more; docs/bench/mixing_cost.md).
+    mixed_size_calls: str = "auto"
     engine_idle_sleep: float = 0.005
 
     # Compiled denoising steps (workers/compiled.py): torch.compile (dynamic shapes) of the full
@@ -263,6 +271,9 @@ class Settings:
             raise ValueError(f"STENCIL_DTYPE must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.batch_invariant.strip().lower() not in ("auto", "on", "off"):
             raise ValueError(f"STENCIL_BATCH_INVARIANT must be auto, on or off, got {self.batch_invariant!r}")
+        if self.mixed_size_calls not in MIXED_SIZE_CALLS:
+            raise ValueError(f"STENCIL_MIXED_SIZE_CALLS must be one of {', '.join(MIXED_SIZE_CALLS)}, "
+                             f"got {self.mixed_size_calls!r}")
         steps = str(self.cache_steps).strip().lower()
         if steps != "auto" and not steps.isdigit():
             raise ValueError(f"STENCIL_CACHE_STEPS must be auto or a step count >= 0 (0 = every step), "

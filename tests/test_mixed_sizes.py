@@ -15,7 +15,8 @@ from PIL import Image
 
 from app.jobs import JobParams
 from app.maskgen import make_mask
-from tests.test_lora_engine import FLUX_DIR, SD_DIR, _flux_pipe, _sd_pipe, run_engine
+from tests.support.loras import save_sd_lora
+from tests.test_lora_engine import FLUX_DIR, SD_DIR, World, _flux_pipe, _sd_pipe, run_engine
 from workers.models.loader import scheduler_config
 
 SD_SIZES = [(128, 128), (128, 96), (96, 128), (64, 128)]  # (width, height): square, 4:3, 3:4, 1:2
@@ -36,7 +37,7 @@ def _mask(seed: int, size: tuple[int, int], ratio: float) -> Image.Image:
 
 
 class SD:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, mixed_sizes: str = "auto") -> None:
         from app.storage.local import LocalStore
         from workers.engine.sd_runner import SDRunner
         from workers.engine.template_cache import CacheRecorder, StepCacheProvider
@@ -47,7 +48,8 @@ class SD:
         unet = copy.deepcopy(self.cpu.unet).eval()
         store = ActivationStore(LocalStore(tmp))
         self.runner = SDRunner(unet, scheduler_config(SD_DIR), maskaware=MaskAwareUNet(unet),
-                               caches=StepCacheProvider(store, 1 << 30), recorder=CacheRecorder(store))
+                               caches=StepCacheProvider(store, 1 << 30), recorder=CacheRecorder(store),
+                               mixed_sizes=mixed_sizes)
 
     def prepare(self, seed: int, size: tuple[int, int], ratio: float, steps: int, **meta):  # type: ignore[no-untyped-def]
         from workers.sd_inputs import prepare_job_tensors
@@ -60,17 +62,34 @@ class SD:
         return prep.tensors, {**prep.meta, "cache_mode": "full", **meta}
 
 
+def test_mixed_size_calls_default_per_device_and_reject_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.settings import Settings
+    from workers.engine.sd_runner import mixed_size_calls
+
+    assert Settings().mixed_size_calls == "auto"
+    assert mixed_size_calls("auto", torch.device("cpu")) == "sequential"
+    assert mixed_size_calls("auto", torch.device("cuda")) == "lockstep"
+    assert mixed_size_calls("lockstep", torch.device("cpu")) == "lockstep"
+    monkeypatch.setenv("STENCIL_MIXED_SIZE_CALLS", "threads")
+    with pytest.raises(ValueError, match="STENCIL_MIXED_SIZE_CALLS must be one of auto, lockstep, sequential"):
+        Settings.from_env()
+    with pytest.raises(ValueError, match="'threads'"):
+        mixed_size_calls("threads", torch.device("cpu"))
+
+
 def _no_retry(caplog: pytest.LogCaptureFixture) -> None:
     retries = [r.getMessage() for r in caplog.records if "retrying job by job" in r.getMessage()]
     assert not retries, f"the engine fell back to job-by-job steps: {retries[:1]}"
 
 
-def test_sd_mixed_sizes_share_steps_and_equal_each_job_alone(tmp_path: Path,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("calls", ["lockstep", "sequential"])  # STENCIL_MIXED_SIZE_CALLS
+def test_sd_mixed_sizes_share_steps_and_equal_each_job_alone(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                            calls: str) -> None:
     from workers.maskaware.activation_store import TemplateCacheKey
     from workers.sd_inputs import decode_latents
 
-    sd = SD(tmp_path)
+    sd = SD(tmp_path, calls)
+    assert sd.runner.mixed_sizes == calls
     # A cached (mask-aware) job too: record its exact region cache first, at its own size.
     key = TemplateCacheKey("m", "t", 96, 128, "DDIMScheduler", 6, 1.0, "cfg2", "kv+y/exact-x")
     rec, _ = run_engine(sd.runner, [sd.prepare(9, (128, 96), 0.2, 6, cache_mode="record", cache_key=key.to_dict())])
@@ -101,6 +120,49 @@ def test_sd_mixed_sizes_share_steps_and_equal_each_job_alone(tmp_path: Path,
                        generator=torch.Generator("cpu").manual_seed(1)).images[0]
     ours = np.asarray(decode_latents(sd.cpu, together[1]["latents"]), dtype=np.int16)
     assert np.abs(ours - np.asarray(stock, dtype=np.int16)).max() <= 1
+
+
+@pytest.fixture(scope="module")
+def lora_world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    pipe = _sd_pipe()
+    root = tmp_path_factory.mktemp("sd-loras")
+    return World({"a": save_sd_lora(pipe, root / "a", rank=4, seed=1),
+                  "b": save_sd_lora(pipe, root / "b", rank=8, seed=2, alpha=16)}, SD_DIR)
+
+
+@pytest.mark.parametrize("calls", ["lockstep", "sequential"])
+def test_sd_mixed_sizes_with_per_job_adapters_equal_each_job_alone(lora_world: World, calls: str,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Adapters applied per row (low-rank terms, a row layout per size's call) on the mask-aware
+    runner: each size's call sees only its own jobs' rows, in either way of making the calls."""
+    from workers.adapters.bank import AdapterBank
+    from workers.adapters.patcher import LoraPatcher
+    from workers.engine.sd_runner import SDRunner
+    from workers.maskaware.unet import MaskAwareUNet
+    from workers.sd_inputs import prepare_job_tensors
+
+    cpu = _sd_pipe()
+    unet = copy.deepcopy(cpu.unet).eval()
+    bank = AdapterBank(lora_world.read, budget_bytes=1 << 30)
+    lora = LoraPatcher(unet, "unet", bank.get)
+    runner = SDRunner(unet, scheduler_config(SD_DIR), maskaware=MaskAwareUNet(unet), lora=lora, adapters=bank,
+                      mixed_sizes=calls)
+    sets = [(("a", 0.8),), (("a", 0.5), ("b", 1.0)), (), (("b", 0.7),)]
+    jobs = []
+    for i, (size, adapters) in enumerate(zip(SD_SIZES, sets)):
+        w, h = size
+        params = JobParams(prompt="a cat", steps=4, guidance=7.5, seed=i, loras=adapters)
+        prep = prepare_job_tensors(cpu, scheduler_config(SD_DIR), _image(i, size), _mask(i, size, 0.3), params, h, w)
+        jobs.append((prep.tensors, dict(prep.meta, loras=[[a, s] for a, s in adapters], cache_mode="full")))
+    alone = [run_engine(runner, [job])[0][0] for job in jobs]
+    with caplog.at_level(logging.WARNING):
+        together, engine = run_engine(runner, jobs)
+    _no_retry(caplog)
+    assert any(len(r.job_ids) == 4 for r in engine.stats.history), "the four sizes never shared a step"
+    assert lora.stats.steps_terms > 0, "no step applied adapters as per-row terms"
+    for i, (a, b) in enumerate(zip(alone, together)):
+        err = (a["latents"] - b["latents"]).abs().max().item()
+        assert err <= 1e-4, f"job {i} ({sets[i]}): latents differ by {err} in the mixed batch"
 
 
 def test_flux_mixed_sizes_share_steps_and_equal_each_job_alone(tmp_path: Path,

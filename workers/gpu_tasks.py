@@ -225,7 +225,7 @@ def get_engine() -> Engine:
                                              s.controlnet_cache_bytes)
                 runner = SDRunner(unet, ctx.scheduler_config(), s.device, maskaware=maskaware, lora=lora, compile=s.compile,
                                   controlnets=controlnets, controlnet_parallel=s.controlnet_parallel == "thread",
-                                  **cache_options)
+                                  mixed_sizes=s.mixed_size_calls, **cache_options)
             caches = cache_options.get("caches")
             if caches is not None:
                 from workers.engine.host_budget import host_cache_budget

@@ -6,7 +6,8 @@ Systems (the engine's settings that select them):
 - ``bucketed``: batches of one image size only (``STENCIL_BATCHING=bucketed``: when a batch drains,
   the next bucket is the first waiting job's size);
 - ``mixed``: Stencil's continuous batching, every size in one batch (exact: one denoiser call per
-  size in lockstep, transformer blocks packing all sizes' tokens), first come first served with
+  size, ``STENCIL_MIXED_SIZE_CALLS``, ``--mixed-size-calls``: in lockstep, transformer blocks packing
+  all sizes' tokens, or one after the other), first come first served with
   size affinity (``STENCIL_SIZE_AFFINITY_STEPS``, ``--size-affinity-steps``: under a queue, free slots
   go first to sizes already in the batch, a job passed over that many steps goes first; 0 = strict FCFS);
 - ``mixed-slo``: the same with SLO-aware admission (``STENCIL_SLO_ADMISSION=1``: slack order,
@@ -67,7 +68,7 @@ from app.demo import demo_templates
 from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
 from app.routing import make_policy, size_slack_setting
-from app.settings import Settings
+from app.settings import MIXED_SIZE_CALLS, Settings
 from app.steptime import BatchPredictor, JobShape
 from app.storage import LocalStore
 from ops.bench.harness import cli
@@ -210,7 +211,7 @@ def summarize(stats: RunStats) -> dict[str, float]:
 
 
 class RealBench:
-    """The embedded trained SD model behind the service's runner, a template cache per size."""
+    """The embedded trained SD model behind the service's runner, template caches per size."""
 
     def __init__(self, args: argparse.Namespace, sizes: list[tuple[int, int]]) -> None:
         self.args = args
@@ -220,20 +221,21 @@ class RealBench:
         store = ActivationStore(LocalStore(tempfile.mkdtemp(prefix="stencil-mixed-acts-")))
         self.runner = SDRunner(unet, self.sched_cfg, maskaware=MaskAwareUNet(unet),
                                caches=StepCacheProvider(store, 1 << 30), recorder=CacheRecorder(store),
-                               prefetch_steps=args.steps)
+                               prefetch_steps=args.steps, mixed_sizes=args.mixed_size_calls)
         base = demo_templates(256)
         self.templates = {}
         self.keys = {}
         params = JobParams(prompt="", seed=0, steps=args.steps, guidance=args.guidance)
         for k, (w, h) in enumerate(sizes):
-            image = base[k % len(base)][1].resize((w, h))
-            tensors, meta = self.prepare(image, np.zeros((h, w), bool), params, (w, h))
-            key = TemplateCacheKey(model_id="bench-mixed", template_id=f"t{w}x{h}", height=h, width=w,
-                                   scheduler=self.sched_cfg["_class_name"], steps=args.steps, strength=1.0,
-                                   guidance="cfg2", layout=self.runner.maskaware.cache_layout)
-            record(self.runner, tensors, meta, key, resident_steps=args.steps)
-            self.templates[(w, h)], self.keys[(w, h)] = image, key
-        log.info("warmed a template cache per size: %s", sorted(self.keys))
+            for t in range(args.templates_per_size):
+                image = base[(k + t * len(sizes)) % len(base)][1].resize((w, h))
+                tensors, meta = self.prepare(image, np.zeros((h, w), bool), params, (w, h))
+                key = TemplateCacheKey(model_id="bench-mixed", template_id=f"t{w}x{h}" + (f"-{t}" if t else ""),
+                                       height=h, width=w, scheduler=self.sched_cfg["_class_name"], steps=args.steps,
+                                       strength=1.0, guidance="cfg2", layout=self.runner.maskaware.cache_layout)
+                record(self.runner, tensors, meta, key, resident_steps=args.steps)
+                self.templates[(w, h, t)], self.keys[(w, h, t)] = image, key
+        log.info("warmed %d template cache(s) per size: %s", args.templates_per_size, sorted(self.keys))
 
     def prepare(self, image: Image.Image, mask: np.ndarray, params: JobParams, size: tuple[int, int]
                 ) -> tuple[dict, dict]:
@@ -250,9 +252,10 @@ class RealBench:
             mask = make_mask(a.ratio, (w, h), SHAPES[a.seed % len(SHAPES)], seed=a.seed)
             params = JobParams(prompt=PROMPTS[a.seed % len(PROMPTS)], seed=a.seed % 100_000, steps=self.args.steps,
                                guidance=self.args.guidance)
-            tensors, meta = self.prepare(self.templates[(w, h)], mask, params, (w, h))
+            template = (w, h, a.seed % self.args.templates_per_size)
+            tensors, meta = self.prepare(self.templates[template], mask, params, (w, h))
             if a.ratio < 0.999 and mask.any() and not mask.all():
-                meta = dict(meta, cache_mode="masked", cache_key=self.keys[(w, h)].to_dict())
+                meta = dict(meta, cache_mode="masked", cache_key=self.keys[template].to_dict())
             shape = job_shape(a, mask, predictor, cost) if meta.get("cache_mode") == "masked" else \
                 JobShape(predictor.latent_hw(h, w), None, 2)
             alone = predictor.alone_seconds(shape, self.args.steps)
@@ -652,6 +655,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="128x128:0.4,96x128:0.25,128x96:0.15,128x64:0.2",
                    help="WxH:weight,... (the sizes the cost model was profiled on)")
     p.add_argument("--trace", default="spring")
+    p.add_argument("--templates-per-size", type=int, default=1,
+                   help="real run: templates per image size, each job's drawn uniformly (a template cache each)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--guidance", type=float, default=7.5)
     p.add_argument("--max-batch", type=int, default=Settings().max_batch)
@@ -661,6 +666,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(STENCIL_STEP_TIME_CALIBRATION; 0 = off)")
     p.add_argument("--size-affinity-steps", type=int, default=Settings().size_affinity_steps,
                    help="continuous batching's size affinity (STENCIL_SIZE_AFFINITY_STEPS; 0 = strict FCFS)")
+    p.add_argument("--mixed-size-calls", default=Settings().mixed_size_calls, choices=MIXED_SIZE_CALLS,
+                   help="real run: how a step makes its per-size UNet calls (STENCIL_MIXED_SIZE_CALLS)")
     p.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.1, 1.4])
     p.add_argument("--jobs", type=int, default=320, help="jobs per load (real run)")
     p.add_argument("--rounds", type=int, default=1,

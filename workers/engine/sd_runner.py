@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from diffusers import UNet2DConditionModel
 
+from app.settings import MIXED_SIZE_CALLS
 from workers.adapters import layout
 from workers.compiled import Compiled
 from workers.controlnets.step import Concurrent, JobControl, Use, residuals
@@ -37,6 +38,19 @@ from workers.maskaware.unet import MaskAwareUNet, RowGroup
 from workers.models.loader import make_scheduler
 
 log = logging.getLogger(__name__)
+
+
+def mixed_size_calls(mode: str, device: torch.device) -> str:
+    """How a step runs its per-size UNet calls (``STENCIL_MIXED_SIZE_CALLS``): ``lockstep`` packs
+    every call's transformer-block tokens into one pass (fewer, larger kernels: what a GPU wants),
+    ``sequential`` runs the calls one after the other on the engine's thread (no thread hand-offs at
+    every block: cheaper where a batch costs the sum of its jobs, as on CPU; docs/bench/mixing_cost.md).
+    ``auto``: lockstep on CUDA, sequential elsewhere."""
+    if mode not in MIXED_SIZE_CALLS:
+        raise ValueError(f"mixed-size calls must be one of {MIXED_SIZE_CALLS}, got {mode!r}")
+    if mode == "auto":
+        return "lockstep" if device.type == "cuda" else "sequential"
+    return mode
 
 
 @dataclass
@@ -60,7 +74,8 @@ class SDRunner(BaseRunner):
 
     def __init__(self, unet: UNet2DConditionModel, scheduler_config: dict[str, Any], device: str = "cpu",
                  *, maskaware: MaskAwareUNet | None = None, controlnets: Any = None,
-                 controlnet_parallel: bool = False, compile: str = "off", **cache_options: Any) -> None:
+                 controlnet_parallel: bool = False, compile: str = "off", mixed_sizes: str = "auto",
+                 **cache_options: Any) -> None:
         if unet.config.in_channels != 9:
             raise ValueError(f"an inpainting UNet has 9 input channels, this one has {unet.config.in_channels}")
         super().__init__(maskaware, **cache_options)
@@ -77,6 +92,7 @@ class SDRunner(BaseRunner):
         self.controlnets = controlnets  # workers.controlnets.bank.ControlNetBank
         self.concurrent = Concurrent(unet) if controlnets is not None and controlnet_parallel else None
         self._pool: ThreadPoolExecutor | None = None  # threads of lockstep calls (mixed sizes)
+        self.mixed_sizes = mixed_size_calls(mixed_sizes, self.device)
 
     def init_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> SDJobState:
         """Build a job's state from its prepared tensors (validated against the model)."""
@@ -188,9 +204,9 @@ class SDRunner(BaseRunner):
         return RowGroup(rows, mode, token_mask=token_mask, cache=cache)  # type: ignore[arg-type]
 
     def _forward(self, batch: list[EngineJob], groups: list[Any] | None) -> tuple[Any, list[Any]]:
-        """One UNet call for the batch; jobs of different latent sizes: one call per size, run in
-        lockstep so that the transformer blocks still pack every job's tokens (exact, nothing
-        padded or cropped: ``workers/maskaware/lockstep.py``)."""
+        """One UNet call for the batch; jobs of different latent sizes: one call per size (exact,
+        nothing padded or cropped), run in lockstep so that the transformer blocks still pack every
+        job's tokens (``workers/maskaware/lockstep.py``) or one after the other (``mixed_sizes``)."""
         shapes: dict[tuple[int, ...], list[int]] = {}
         for i, job in enumerate(batch):
             shapes.setdefault(tuple(job.state.latents.shape[-2:]), []).append(i)
@@ -205,21 +221,29 @@ class SDRunner(BaseRunner):
                 grp.gid = gid
             wanted, invariant, rows = layout.wanted(), layout.invariant(), layout.current()
 
+            def sub_layout(idx: list[int]) -> Any:
+                return layout.row_groups(g for i in idx for g in [i] * batch[i].state.rows) if rows else None
+
             def call(idx: list[int]):  # type: ignore[no-untyped-def]
                 def run():  # type: ignore[no-untyped-def]
                     layout.set_wanted(wanted)  # thread-local: the step's flags, on this thread too
                     layout.set_invariant(invariant)
-                    sub = layout.row_groups(g for i in idx for g in [i] * batch[i].state.rows) if rows else None
                     try:
-                        with layout.use(sub):
+                        with layout.use(sub_layout(idx)):
                             return self._call([batch[i] for i in idx], [groups[i] for i in idx], lockstep=True)
                     finally:
                         layout.set_wanted(False)
                         layout.set_invariant(False)
                 return run
 
-            results = Lockstep(self._lockstep_pool()).run([call(idx) for idx in parts])
-        self.last_ctx = None  # per-unit timings of lockstep calls include waits: not for the cost model
+            if self.mixed_sizes == "lockstep":
+                results = Lockstep(self._lockstep_pool()).run([call(idx) for idx in parts])
+            else:  # one size after the other on this thread: no thread hand-offs; token work per size
+                results = []
+                for idx in parts:
+                    with layout.use(sub_layout(idx)):
+                        results.append(self._call([batch[i] for i in idx], [groups[i] for i in idx]))
+        self.last_ctx = None  # per-unit timings of one size's call (lockstep: with waits): not the step's
         per_job: dict[int, tuple[torch.Tensor, Any]] = {}
         for idx, (out, recorded) in zip(parts, results):
             row = 0
