@@ -111,8 +111,8 @@ class Settings:
     # How a step with several image sizes makes its UNet calls (one per size; workers/engine/sd_runner.py):
     # lockstep (threads meeting at every transformer block to pack all sizes' tokens: fewer, larger
     # kernels) | sequential (one size after the other on the engine's thread) | auto (lockstep on
-    # CUDA, sequential elsewhere: on this CPU a two-size step cost 3 ms less sequential, a four-size
-    # step 2 ms more; docs/bench/mixing_cost.md).
+    # CUDA, sequential elsewhere: on this CPU a two-size step of 8 jobs cost 4-5 ms less sequential,
+    # a four-size step 1 ms more; docs/bench/mixing_cost.md).
     mixed_size_calls: str = "auto"
     engine_idle_sleep: float = 0.005
 
@@ -221,12 +221,12 @@ class Settings:
     # resolution-aware batch predictor is fitted (``stencil profile --sizes``), because that is where
     # it helps (BENCHMARKS.md, mixed sizes): at loads up to 0.7 it meets as many deadlines as
     # continuous batching with size affinity or more, at equal throughput; above saturation it meets
-    # +69% to 10x more in every run (real and both simulators), +13% to +43% at the first load where
-    # the latter meets 80% or fewer (real runs, GPU-shaped simulator; +35% CPU-fitted), for 0-1% less
-    # throughput below saturation and 10-38% less under sustained overload; a burst where every job is late (a catalog)
-    # batches like FCFS while new on-time jobs go first. Off without it: a single-size linear
-    # model mispredicts mixed-size batches. on = with any fitted model; off = never (highest peak
-    # throughput under overload).
+    # +69% to 18x more in every run (real and both simulators), +13% to +60% at the first load where
+    # the latter meets 80% or fewer (real runs and both simulators; where it lands just under 80%, +30%
+    # is out of reach), for 0-1% less throughput below saturation and 7-38% less under sustained
+    # overload; a burst where every job is late (a catalog) batches like FCFS while new on-time jobs
+    # go first. Off without it: a single-size linear model mispredicts mixed-size batches. on = with
+    # any fitted model; off = never (highest peak throughput under overload).
     slo_admission: str = "auto"
     # SLO admission's step-time predictor is corrected online by the engine's measured steps: x an
     # EWMA (this weight per step; 0 = the fit as is) of measured / predicted (app/calibration.py).

@@ -228,7 +228,7 @@ class RealBench:
         params = JobParams(prompt="", seed=0, steps=args.steps, guidance=args.guidance)
         for k, (w, h) in enumerate(sizes):
             for t in range(args.templates_per_size):
-                image = base[(k + t * len(sizes)) % len(base)][1].resize((w, h))
+                image = base[(k + t) % len(base)][1].resize((w, h))  # t = 0: as with one template per size
                 tensors, meta = self.prepare(image, np.zeros((h, w), bool), params, (w, h))
                 key = TemplateCacheKey(model_id="bench-mixed", template_id=f"t{w}x{h}" + (f"-{t}" if t else ""),
                                        height=h, width=w, scheduler=self.sched_cfg["_class_name"], steps=args.steps,
@@ -656,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="WxH:weight,... (the sizes the cost model was profiled on)")
     p.add_argument("--trace", default="spring")
     p.add_argument("--templates-per-size", type=int, default=1,
-                   help="real run: templates per image size, each job's drawn uniformly (a template cache each)")
+                   help="real run: templates per image size (pictures of the demo set, up to 4 different), each "
+                        "job's drawn uniformly; a template cache each")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--guidance", type=float, default=7.5)
     p.add_argument("--max-batch", type=int, default=Settings().max_batch)
@@ -692,6 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     args = run.args
     if args.clock == "cpu" and args.threads != 1:
         p.error("--clock cpu measures the process's CPU time: use --threads 1")
+    if args.templates_per_size < 1:
+        p.error("--templates-per-size must be at least 1")
     args.systems = [s for s in args.systems.split(",") if s]
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
