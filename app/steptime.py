@@ -1,10 +1,10 @@
 """Resolution-aware step time of a batch: an SVR on per-size job counts and token counts, kept as JSON.
 
-Why. A batch that mixes image sizes runs one denoiser call per size in lockstep, with the
-transformer blocks packing every size's tokens (``workers/maskaware/lockstep.py``), so its step
-time depends on how many jobs of each size it holds, how many tokens each computes per level
-(masked or full) and how many rows (CFG) each brings: a single-size linear model cannot say what
-such a batch costs. PatchedServe predicts step latency with an SVR on task counts per resolution
+Why. A batch that mixes image sizes runs one denoiser call per size (in lockstep, the transformer
+blocks packing every size's tokens, ``workers/maskaware/lockstep.py``, or one after the other:
+``STENCIL_MIXED_SIZE_CALLS``), so its step time depends on how many jobs of each size it holds,
+how many tokens each computes per level (masked or full) and how many rows (CFG) each brings: a
+single-size linear model cannot say what such a batch costs. PatchedServe predicts step latency with an SVR on task counts per resolution
 and token counts; this module does the same with features that know resolutions and sizes
 (``FeatureSpec``): per level the full-map tokens (convolutions), the computed tokens (token-wise
 layers) and query x key pairs (self-attention), the calls (one per distinct size), jobs and rows,
