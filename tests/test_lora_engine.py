@@ -54,13 +54,17 @@ class World:
         return self.weights[lora_id]
 
 
-@pytest.fixture(scope="module")
-def sd_world(tmp_path_factory: pytest.TempPathFactory) -> World:
+def sd_adapters(root: Path) -> World:
+    """Two SD LoRAs ("a": UNet, rank 4; "b": UNet and text encoder, rank 8, alpha 16) saved under ``root``."""
     pipe = _sd_pipe()
-    root = tmp_path_factory.mktemp("sd-loras")
     files = {"a": save_sd_lora(pipe, root / "a", rank=4, seed=1),
              "b": save_sd_lora(pipe, root / "b", rank=8, seed=2, text_encoder=True, alpha=16)}
     return World(files, SD_DIR)
+
+
+@pytest.fixture(scope="module")
+def sd_world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    return sd_adapters(tmp_path_factory.mktemp("sd-loras"))
 
 
 def stock_sd(world: World, image: Image.Image, mask: np.ndarray, params: JobParams) -> np.ndarray:

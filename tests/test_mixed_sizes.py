@@ -15,8 +15,7 @@ from PIL import Image
 
 from app.jobs import JobParams
 from app.maskgen import make_mask
-from tests.support.loras import save_sd_lora
-from tests.test_lora_engine import FLUX_DIR, SD_DIR, World, _flux_pipe, _sd_pipe, run_engine
+from tests.test_lora_engine import FLUX_DIR, SD_DIR, World, _flux_pipe, _sd_pipe, run_engine, sd_adapters
 from workers.models.loader import scheduler_config
 
 SD_SIZES = [(128, 128), (128, 96), (96, 128), (64, 128)]  # (width, height): square, 4:3, 3:4, 1:2
@@ -124,10 +123,7 @@ def test_sd_mixed_sizes_share_steps_and_equal_each_job_alone(tmp_path: Path, cap
 
 @pytest.fixture(scope="module")
 def lora_world(tmp_path_factory: pytest.TempPathFactory) -> World:
-    pipe = _sd_pipe()
-    root = tmp_path_factory.mktemp("sd-loras")
-    return World({"a": save_sd_lora(pipe, root / "a", rank=4, seed=1),
-                  "b": save_sd_lora(pipe, root / "b", rank=8, seed=2, alpha=16)}, SD_DIR)
+    return sd_adapters(tmp_path_factory.mktemp("sd-loras"))
 
 
 @pytest.mark.parametrize("calls", ["lockstep", "sequential"])

@@ -55,7 +55,8 @@ def measure(timer: RunnerTimer, comps: dict[str, list[JobSpec]], modes: list[str
     for _ in range(rounds):
         rng.shuffle(runs)
         for name, mode in runs:
-            timer.runner.mixed_sizes = mode or timer.runner.mixed_sizes
+            if mode:  # one size: no per-size calls to make
+                timer.runner.mixed_sizes = mode
             samples[(name, mode)] += timer.time_batch(comps[name], repeats)[1]
     return {(f"{name} [{mode}]" if mode else name): statistics.median(v) * 1e3
             for (name, mode), v in sorted(samples.items(), key=lambda kv: list(comps).index(kv[0][0]))}

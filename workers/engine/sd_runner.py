@@ -53,6 +53,11 @@ def mixed_size_calls(mode: str, device: torch.device) -> str:
     return mode
 
 
+def _rows_of(batch: list[EngineJob], idx: list[int]) -> Any:
+    """The row layout of the jobs ``idx`` of ``batch`` alone (one size's call of a mixed step)."""
+    return layout.row_groups(g for i in idx for g in [i] * batch[i].state.rows)
+
+
 @dataclass
 class SDJobState(JobState):
     mask: torch.Tensor | None = None
@@ -217,31 +222,15 @@ class SDRunner(BaseRunner):
         if groups is None:  # no mask-aware hooks: one call per size (batched within each size)
             results = [self._call([batch[i] for i in idx], None) for idx in parts]
         else:
-            for gid, grp in enumerate(groups):
+            for gid, grp in enumerate(groups):  # each job's key in its call's layouts: its batch index
                 grp.gid = gid
-            wanted, invariant, rows = layout.wanted(), layout.invariant(), layout.current()
-
-            def sub_layout(idx: list[int]) -> Any:
-                return layout.row_groups(g for i in idx for g in [i] * batch[i].state.rows) if rows else None
-
-            def call(idx: list[int]):  # type: ignore[no-untyped-def]
-                def run():  # type: ignore[no-untyped-def]
-                    layout.set_wanted(wanted)  # thread-local: the step's flags, on this thread too
-                    layout.set_invariant(invariant)
-                    try:
-                        with layout.use(sub_layout(idx)):
-                            return self._call([batch[i] for i in idx], [groups[i] for i in idx], lockstep=True)
-                    finally:
-                        layout.set_wanted(False)
-                        layout.set_invariant(False)
-                return run
-
             if self.mixed_sizes == "lockstep":
-                results = Lockstep(self._lockstep_pool()).run([call(idx) for idx in parts])
-            else:  # one size after the other on this thread: no thread hand-offs; token work per size
+                results = self._lockstep_calls(batch, groups, parts)
+            else:  # one size after the other on this thread: no thread hand-offs
+                rows = layout.current()
                 results = []
                 for idx in parts:
-                    with layout.use(sub_layout(idx)):
+                    with layout.use(_rows_of(batch, idx) if rows else None):
                         results.append(self._call([batch[i] for i in idx], [groups[i] for i in idx]))
         self.last_ctx = None  # per-unit timings of one size's call (lockstep: with waits): not the step's
         per_job: dict[int, tuple[torch.Tensor, Any]] = {}
@@ -253,6 +242,25 @@ class SDRunner(BaseRunner):
                 row += rows
         # Rows of different sizes do not stack: one output per job, in batch order.
         return [per_job[i][0] for i in range(len(batch))], [per_job[i][1] for i in range(len(batch))]
+
+    def _lockstep_calls(self, batch: list[EngineJob], groups: list[Any], parts: list[list[int]]) -> list[Any]:
+        """One call per size (``parts``: batch indices), each on a lockstep thread that carries the
+        step's layout flags and its own jobs' rows."""
+        wanted, invariant, rows = layout.wanted(), layout.invariant(), layout.current()
+
+        def call(idx: list[int]):  # type: ignore[no-untyped-def]
+            def run():  # type: ignore[no-untyped-def]
+                layout.set_wanted(wanted)  # thread-local: the step's flags, on this thread too
+                layout.set_invariant(invariant)
+                try:
+                    with layout.use(_rows_of(batch, idx) if rows else None):
+                        return self._call([batch[i] for i in idx], [groups[i] for i in idx], lockstep=True)
+                finally:
+                    layout.set_wanted(False)
+                    layout.set_invariant(False)
+            return run
+
+        return Lockstep(self._lockstep_pool()).run([call(idx) for idx in parts])
 
     def _lockstep_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
