@@ -25,6 +25,8 @@ def default_home() -> Path:
 DTYPES = ("float32", "float16", "bfloat16")
 # STENCIL_MIXED_SIZE_CALLS (``workers.engine.sd_runner.mixed_size_calls``).
 MIXED_SIZE_CALLS = ("auto", "lockstep", "sequential")
+# STENCIL_SIZE_SWITCH (``workers.engine.scheduler.size_switch_for``).
+SIZE_SWITCHES = ("auto", "mix", "drain")
 
 
 # STENCIL_CACHE_STEPS=auto per model family: the fewest stored steps whose edits stay within SSIM
@@ -108,6 +110,11 @@ class Settings:
     # this many steps goes first regardless, and its size-mates follow it (the batch changes size as
     # a group). 0 = strict FCFS. BENCHMARKS.md, mixed sizes.
     size_affinity_steps: int = 50
+    # How such a batch changes size under a queue: mix (the new size joins free slots beside the old:
+    # two calls a step until the old jobs finish) | drain (the batch takes no newcomers until its jobs
+    # finished, as a bucket: one call a step) | auto (mix on CUDA, where an empty slot is the dearer;
+    # drain elsewhere, where a batch costs the sum of its jobs; BENCHMARKS.md, mixed sizes).
+    size_switch: str = "auto"
     # How a step with several image sizes makes its UNet calls (one per size; workers/engine/sd_runner.py):
     # lockstep (threads meeting at every transformer block to pack all sizes' tokens: fewer, larger
     # kernels) | sequential (one size after the other on the engine's thread) | auto (lockstep on
@@ -274,6 +281,9 @@ class Settings:
         if self.mixed_size_calls not in MIXED_SIZE_CALLS:
             raise ValueError(f"STENCIL_MIXED_SIZE_CALLS must be one of {', '.join(MIXED_SIZE_CALLS)}, "
                              f"got {self.mixed_size_calls!r}")
+        if self.size_switch not in SIZE_SWITCHES:
+            raise ValueError(f"STENCIL_SIZE_SWITCH must be one of {', '.join(SIZE_SWITCHES)}, "
+                             f"got {self.size_switch!r}")
         steps = str(self.cache_steps).strip().lower()
         if steps != "auto" and not steps.isdigit():
             raise ValueError(f"STENCIL_CACHE_STEPS must be auto or a step count >= 0 (0 = every step), "

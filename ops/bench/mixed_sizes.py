@@ -9,7 +9,11 @@ Systems (the engine's settings that select them):
   size, ``STENCIL_MIXED_SIZE_CALLS``, ``--mixed-size-calls``: in lockstep, transformer blocks packing
   all sizes' tokens, or one after the other), first come first served with
   size affinity (``STENCIL_SIZE_AFFINITY_STEPS``, ``--size-affinity-steps``: under a queue, free slots
-  go first to sizes already in the batch, a job passed over that many steps goes first; 0 = strict FCFS);
+  go first to sizes already in the batch, a job passed over that many steps goes first; 0 = strict FCFS)
+  and the way the batch changes size (``STENCIL_SIZE_SWITCH``, ``--size-switch``: ``mix`` the new size
+  into free slots, ``drain`` the batch first as a bucket does; ``auto`` resolves as the service does
+  for the device each part models: drain for the real CPU run and the CPU-fitted simulation, mix for
+  the GPU-shaped one);
 - ``mixed-slo``: the same with SLO-aware admission (``STENCIL_SLO_ADMISSION=1``: slack order,
   admission refused when it would make a running job miss its deadline, late jobs last) fed by the
   resolution-aware batch step-time predictor (``app/steptime.py``, fitted by ``stencil profile --sizes``),
@@ -68,7 +72,7 @@ from app.demo import demo_templates
 from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
 from app.routing import make_policy, size_slack_setting
-from app.settings import MIXED_SIZE_CALLS, Settings
+from app.settings import MIXED_SIZE_CALLS, SIZE_SWITCHES, Settings
 from app.steptime import BatchPredictor, JobShape
 from app.storage import LocalStore
 from ops.bench.harness import cli
@@ -79,7 +83,7 @@ from ops.bench.harness.timing import loadavg
 from ops.sim.cluster import Cluster, ClusterConfig
 from ops.sim.workload import MixedArrival, SimJob, mixed_arrivals
 from workers.engine.engine import Engine
-from workers.engine.scheduler import BatchScheduler
+from workers.engine.scheduler import BatchScheduler, size_switch_for
 from workers.engine.sd_runner import SDRunner
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
@@ -272,7 +276,8 @@ class RealBench:
         sched = BatchScheduler(1 if system == "one" else self.args.max_batch,
                                "bucketed" if system == "bucketed" else "continuous",
                                step_time=step_time, clock=lambda: now[0],
-                               size_affinity_steps=self.args.size_affinity_steps)
+                               size_affinity_steps=self.args.size_affinity_steps,
+                               size_switch=size_switch_for(self.args.size_switch, "cpu"))
         engine = Engine(self.runner, sched, clock=clock_fn)  # steps measured on the run's clock
         inner, step_s = self.runner.step, [0.0]
 
@@ -442,6 +447,8 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
                                         batching="bucketed" if system == "bucketed" else "continuous",
                                         step_cost=step_cost, step_time=_scaled(step_cost, args.sim_predictor_scale),
                                         host_templates=64, size_affinity_steps=args.size_affinity_steps,
+                                        size_switch=size_switch_for(
+                                            args.size_switch, "cuda" if name == "gpu-shaped" else "cpu"),
                                         step_time_calibration=args.step_time_calibration)
                     cluster = Cluster(cost, cfg, make_policy("least_requests", cost))
                     cluster.run(jobs)
@@ -667,6 +674,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(STENCIL_STEP_TIME_CALIBRATION; 0 = off)")
     p.add_argument("--size-affinity-steps", type=int, default=Settings().size_affinity_steps,
                    help="continuous batching's size affinity (STENCIL_SIZE_AFFINITY_STEPS; 0 = strict FCFS)")
+    p.add_argument("--size-switch", default=Settings().size_switch, choices=SIZE_SWITCHES,
+                   help="how (c) changes a batch's size under a queue (STENCIL_SIZE_SWITCH; auto: drain "
+                        "on the CPU parts, mix on the GPU-shaped one)")
     p.add_argument("--mixed-size-calls", default=Settings().mixed_size_calls, choices=MIXED_SIZE_CALLS,
                    help="real run: how a step makes its per-size UNet calls (STENCIL_MIXED_SIZE_CALLS)")
     p.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.1, 1.4])

@@ -59,6 +59,7 @@ class ClusterConfig:
     seed: int = 0
     batching: str = "continuous"  # or "static": a batch is admitted only once the last one drained
     size_affinity_steps: int = Settings().size_affinity_steps  # the engine's (workers/engine/scheduler.py)
+    size_switch: str = "mix"  # mix | drain (``BatchScheduler``): the simulated device's, as auto resolves it
     # each worker corrects its SLO predictor online from its steps, as the engine does (app/calibration.py)
     step_time_calibration: float = Settings().step_time_calibration
     # Step cost of a batch of B jobs = intercept + (sum of their job seconds) * B ** (exponent - 1):
@@ -108,7 +109,8 @@ class Cluster:
         sched = BatchScheduler(self.cfg.max_batch, self.cfg.batching,
                                step_time=calibrated(predictor, self.cfg.step_time_calibration),
                                on_expire=self._on_expire, clock=lambda: self.now,
-                               size_affinity_steps=self.cfg.size_affinity_steps)
+                               size_affinity_steps=self.cfg.size_affinity_steps,
+                               size_switch=self.cfg.size_switch)
         return SimWorker(wid, sched, WorkerState(wid, max_batch=self.cfg.max_batch))
 
     # -- event queue ------------------------------------------------------------------------

@@ -42,6 +42,15 @@ job alone beside the others: its size's call is one more call every step for one
 a call at the small-batch floor; on this CPU 0-7 ms per step, ``ops/bench/mixing_cost.py``).
 0 = strict FCFS.
 
+How the batch changes size under a queue (``size_switch``): ``mix`` admits the new size's jobs into
+free slots beside the old size's (two calls a step until the old jobs finish: the right trade where
+an empty slot costs throughput, a GPU's sublinear batch); ``drain`` stops topping the batch up and
+opens the new size once the batch's jobs have finished, as a bucket does (one call a step
+throughout: the right trade where a batch costs the sum of its jobs, this CPU, where an empty slot
+costs nothing and a second call costs its fixed share; ops/bench/mixed_sizes). The batch changes size
+when a passed-over job's bound is up or no job of its sizes waits; jobs with a user deadline still
+go first, mixing. Without a queue both admit everybody.
+
 Readiness (the runner's, injected): a waiting job is admitted only when ``ready(job)`` (e.g. its
 LoRA adapters are resident: loading never stalls a step; jobs behind it may go first), and a
 running job takes a step only when ``runnable(job)``. A ``ready`` that raises fails that job.
@@ -61,6 +70,18 @@ from workers.engine.job import EngineJob, JobExpired
 log = logging.getLogger(__name__)
 
 MODES = ("continuous", "static", "bucketed")
+SIZE_SWITCHES = ("mix", "drain")
+
+
+def size_switch_for(mode: str, device: str) -> str:
+    """``STENCIL_SIZE_SWITCH``: ``auto`` drains on devices where a batch costs the sum of its jobs
+    (CPU: a second call a step is dearer than an empty slot) and mixes on CUDA (sublinear batches: an
+    empty slot is the dearer)."""
+    if mode == "auto":
+        return "mix" if str(device).split(":")[0] == "cuda" else "drain"
+    if mode not in SIZE_SWITCHES:
+        raise ValueError(f"size switch must be auto or one of {SIZE_SWITCHES}, got {mode!r}")
+    return mode
 
 StepTimePredictor = Callable[[Sequence[EngineJob]], float]
 # SLO admission's two tuning constants, chosen in the cluster simulator (ops/bench/mixed_sizes, BENCHMARKS.md):
@@ -78,7 +99,7 @@ class BatchScheduler:
     def __init__(self, max_batch: int, mode: str = "continuous", *, step_time: StepTimePredictor | None = None,
                  on_expire: ExpireCallback | None = None, clock: Callable[[], float] = time.time,
                  ready: JobPredicate | None = None, runnable: JobPredicate | None = None,
-                 size_affinity_steps: int = 0) -> None:
+                 size_affinity_steps: int = 0, size_switch: str = "mix") -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if mode not in MODES:
@@ -93,6 +114,9 @@ class BatchScheduler:
         if size_affinity_steps < 0:
             raise ValueError("size_affinity_steps must be >= 0")
         self.size_affinity_steps = size_affinity_steps
+        if size_switch not in SIZE_SWITCHES:
+            raise ValueError(f"size switch must be one of {SIZE_SWITCHES}, got {size_switch!r}")
+        self.size_switch = size_switch
         self._passed_over: dict[str, int] = {}  # job id -> steps a later job of another size went first
         self._target_hw: tuple[int, int] | None = None  # size affinity: the size a passed-over job opened
         self.waiting: list[EngineJob] = []
@@ -193,8 +217,15 @@ class BatchScheduler:
         admitted: list[EngineJob] = []
         while len(self.running) < self.max_batch and self.waiting:
             prefs = list(self.waiting)
-            if counts and len(prefs) > self.max_batch - len(self.running):  # crowded: sizes in the batch first
+            crowded = len(prefs) > self.max_batch - len(self.running)
+            drain = crowded and self.size_switch == "drain"
+            if drain:
+                self._drain_target(counts)
+            if crowded and (counts or (drain and self._target_hw is not None)):  # sizes in the batch first
                 prefs.sort(key=lambda j: (-j.priority, self._affinity_rank(j, counts)))
+            if drain and counts:  # the batch's own sizes top it up, none while it drains for the target
+                prefs = [j for j in prefs if (self._target_hw is None and j.latent_hw in counts)
+                         or (j.deadline is not None and j.hard_deadline)]
             pick = next((j for j in prefs if self._is_ready(j)), None)
             if pick is None:
                 break
@@ -212,6 +243,20 @@ class BatchScheduler:
         waiting = {j.job_id for j in self.waiting}
         self._passed_over = {k: v for k, v in self._passed_over.items() if k in waiting}
         return admitted
+
+    def _drain_target(self, counts: dict) -> None:
+        """``size_switch="drain"`` under a queue: the size the batch changes to once its jobs have
+        finished (nobody joins meanwhile, except jobs with a user deadline), set when a passed-over
+        job's bound is up or none of the batch's sizes waits; cleared once the batch runs it. An
+        empty batch opens with the target's jobs first, else the first ready job in order."""
+        if counts and set(counts) == {self._target_hw}:
+            self._target_hw = None  # the switch is done: the target is the batch's size now
+        if self._target_hw is None:
+            starved = next((j for j in self.waiting if self._starved(j) and j.latent_hw not in counts), None)
+            if starved is not None:
+                self._target_hw = starved.latent_hw
+            elif counts and not any(j.latent_hw in counts for j in self.waiting):
+                self._target_hw = self.waiting[0].latent_hw  # the oldest waiting job's size, as a bucket
 
     # -- SLO-aware admission ---------------------------------------------------------------------
     def alone_seconds(self, job: EngineJob) -> float:
