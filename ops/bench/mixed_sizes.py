@@ -277,7 +277,7 @@ class RealBench:
                                "bucketed" if system == "bucketed" else "continuous",
                                step_time=step_time, clock=lambda: now[0],
                                size_affinity_steps=self.args.size_affinity_steps,
-                               size_switch=size_switch_for(self.args.size_switch, "cpu"))
+                               size_switch=size_switch_for(self.args.size_switch, str(self.runner.device)))
         engine = Engine(self.runner, sched, clock=clock_fn)  # steps measured on the run's clock
         inner, step_s = self.runner.step, [0.0]
 
