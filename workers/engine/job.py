@@ -48,10 +48,15 @@ class EngineJob:
     def remaining(self) -> int:
         return max(0, self.total_steps - self.steps_done)
 
+    @property
+    def user_deadline(self) -> bool:
+        """A deadline the user set (hard), which plain batching orders by; a default one does not."""
+        return self.deadline is not None and self.hard_deadline
+
     def sort_key(self) -> tuple[float, float, float]:
         """Admission order: higher priority, then earlier (user) deadline, then earlier arrival.
         Default (soft) deadlines do not reorder plain FCFS batching: only SLO-aware admission uses them."""
-        deadline = self.deadline if self.deadline is not None and self.hard_deadline else float("inf")
+        deadline = self.deadline if self.user_deadline else float("inf")
         return (-self.priority, deadline, self.arrival)
 
     def slack(self, now: float, seconds_needed: float) -> float:

@@ -65,12 +65,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from app.costmodel import finish_times
+from app.settings import SIZE_SWITCHES
 from workers.engine.job import EngineJob, JobExpired
 
 log = logging.getLogger(__name__)
 
 MODES = ("continuous", "static", "bucketed")
-SIZE_SWITCHES = ("mix", "drain")
 
 
 def size_switch_for(mode: str, device: str) -> str:
@@ -80,7 +80,7 @@ def size_switch_for(mode: str, device: str) -> str:
     if mode == "auto":
         return "mix" if str(device).split(":")[0] == "cuda" else "drain"
     if mode not in SIZE_SWITCHES:
-        raise ValueError(f"size switch must be auto or one of {SIZE_SWITCHES}, got {mode!r}")
+        raise ValueError(f"size switch must be one of {SIZE_SWITCHES}, got {mode!r}")
     return mode
 
 StepTimePredictor = Callable[[Sequence[EngineJob]], float]
@@ -114,8 +114,8 @@ class BatchScheduler:
         if size_affinity_steps < 0:
             raise ValueError("size_affinity_steps must be >= 0")
         self.size_affinity_steps = size_affinity_steps
-        if size_switch not in SIZE_SWITCHES:
-            raise ValueError(f"size switch must be one of {SIZE_SWITCHES}, got {size_switch!r}")
+        if size_switch not in SIZE_SWITCHES or size_switch == "auto":  # resolved by ``size_switch_for``
+            raise ValueError(f"size switch must be mix or drain, got {size_switch!r}")
         self.size_switch = size_switch
         self._passed_over: dict[str, int] = {}  # job id -> steps a later job of another size went first
         self._target_hw: tuple[int, int] | None = None  # size affinity: the size a passed-over job opened
@@ -198,7 +198,7 @@ class BatchScheduler:
         place; then jobs of the target size (the size a passed-over job opened); then jobs of the
         size most represented in the batch (minority sizes drain out, so the batch converges to
         fewer denoiser calls); then the rest."""
-        if self._starved(job) or (job.deadline is not None and job.hard_deadline):
+        if self._starved(job) or job.user_deadline:
             return (0, 0)
         if job.latent_hw == self._target_hw:
             return (1, -self.max_batch - 1)
@@ -225,7 +225,7 @@ class BatchScheduler:
                 prefs.sort(key=lambda j: (-j.priority, self._affinity_rank(j, counts)))
             if drain and counts:  # the batch's own sizes top it up, none while it drains for the target
                 prefs = [j for j in prefs if (self._target_hw is None and j.latent_hw in counts)
-                         or (j.deadline is not None and j.hard_deadline)]
+                         or j.user_deadline]
             pick = next((j for j in prefs if self._is_ready(j)), None)
             if pick is None:
                 break
