@@ -20,3 +20,23 @@ def test_rounds_are_averaged_and_paired_round_by_round() -> None:
 def test_one_round_adds_no_paired_line() -> None:
     one = _mean_of_rounds([{"throughput": 8.0}])
     assert paired_rounds({"1.4": {"bucketed": one, "mixed": one}}) == []
+
+
+def test_rounds_pair_slo_of_c_and_d_with_each_replays_bias() -> None:
+    c = _mean_of_rounds([{"throughput": 4.0, "slo": 0.897, "step_bias": 0.003},
+                         {"throughput": 4.0, "slo": 0.80, "step_bias": -0.05}])
+    d = _mean_of_rounds([{"throughput": 4.0, "slo": 0.859, "step_bias": -0.143},
+                         {"throughput": 4.0, "slo": 0.969, "step_bias": -0.04}])
+    lines = paired_rounds({"0.7": {"mixed": c, "mixed-slo": d}})
+    assert lines == ["- SLO satisfaction by round at load 0.70, (c) / (d): 89.7% / 85.9%, bias (c) +0%, "
+                     "bias (d) -14%; 80.0% / 96.9%, bias (c) -5%, bias (d) -4%."]
+
+
+def test_a_miss_is_lost_to_the_queue_when_its_first_step_came_too_late_to_make_it_alone() -> None:
+    from ops.bench.mixed_sizes import Outcome
+
+    queued = Outcome(arrival=0.0, deadline=5.0, finish=6.0, start=4.5, alone=1.0)
+    in_batch = Outcome(arrival=0.0, deadline=5.0, finish=6.0, start=3.5, alone=1.0)
+    never = Outcome(arrival=0.0, deadline=5.0, alone=1.0)
+    met = Outcome(arrival=0.0, deadline=5.0, finish=4.9, start=4.5, alone=1.0)
+    assert [o.missed_queued for o in (queued, in_batch, never, met)] == [True, False, True, False]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -149,3 +150,28 @@ def test_slo_admission_is_on_by_default_only_with_the_batch_predictor() -> None:
     assert not slo_admission_on("off", with_batch) and not slo_admission_on("on", None)
     with pytest.raises(ValueError):
         slo_admission_on("sometimes", with_batch)
+
+
+def test_slo_admission_tries_the_queue_a_chunk_at_a_time_not_whole() -> None:
+    """Under a long queue a scheduling pass asks the predictor about the candidates it walks (in slack
+    order, stopping at the first it can take), not about every waiting job at every admission: that
+    made a pass cost as much as a step. The choice is the same as trying them all (test above)."""
+    fast = step_time_predictor(_cost_model())
+    asked: list[int] = []
+
+    def predictor(jobs: Any) -> float:
+        return fast(jobs)
+
+    def counting(jobs: Any, sets: Any) -> Any:
+        asked.append(len(sets))
+        return fast.predict_sets(jobs, sets)  # type: ignore[attr-defined]
+
+    predictor.predict_sets = counting  # type: ignore[attr-defined]
+    now = 100.0
+    s = BatchScheduler(8, step_time=predictor, clock=lambda: now)
+    for i in range(300):
+        s.add(EngineJob(f"j{i}", 10, latent_hw=SIZES[i % len(SIZES)], deadline=now + 1000.0 + 10.0 * i,
+                        arrival=float(i)))
+    _, admitted = s.schedule()
+    assert [j.job_id for j in admitted] == [f"j{i}" for i in range(8)]  # slack order: the earliest deadlines
+    assert sum(asked) < 300  # trying every candidate once would already ask 300 batches

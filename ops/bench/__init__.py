@@ -14,7 +14,8 @@ with the exact command line that produced it. ``--quick`` is a smoke run in seco
 - dispatch: ``profile`` (fits the cost model), ``simulate`` (8-64 worker cluster simulation),
   ``batching_sim`` (continuous vs static batching by batch-cost shape), ``mixed_sizes`` (mixed image
   sizes: one-at-a-time, bucketed, mixed and SLO-aware batching, real engine and simulator),
-  ``mixing_cost`` (what one more image size in a step costs: a denoiser call per size);
+  ``mixing_cost`` (what one more image size in a step costs: a denoiser call per size),
+  ``scheduler_cost`` (what an SLO-aware scheduling pass costs under a long queue);
 - add-ons: ``lora`` (adapters vs the stock per-request path), ``controlnet`` (ControlNets vs the stock
   pipeline, overlapped with the UNet, the resident LRU), ``addon_fidelity`` (late patching, add-ons
   with mask-aware caches).

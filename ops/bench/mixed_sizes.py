@@ -185,10 +185,18 @@ class Outcome:
     deadline: float
     finish: float | None = None
     size: tuple[int, int] = (0, 0)
+    start: float | None = None  # its first step
+    alone: float = 0.0  # its predicted standalone time
 
     @property
     def met(self) -> bool:
         return self.finish is not None and self.finish <= self.deadline
+
+    @property
+    def missed_queued(self) -> bool:
+        """Missed, and its first step came too late to make the deadline even alone: lost to the
+        queue (admission order, refusals), not to the batch it ran in."""
+        return not self.met and (self.start is None or self.start + self.alone > self.deadline)
 
 
 @dataclass
@@ -210,6 +218,7 @@ def summarize(stats: RunStats) -> dict[str, float]:
     span = max(o.finish for o in done) - min(o.arrival for o in stats.outcomes) if done else np.nan  # type: ignore[type-var]
     return {"jobs": len(stats.outcomes), "done": len(done), "throughput": len(done) / span if done else 0.0,
             "slo": float(np.mean([o.met for o in stats.outcomes])), "mean": float(lat.mean()),
+            "missed_queued": float(np.mean([o.missed_queued for o in stats.outcomes])),
             "p95": float(np.percentile(lat, 95)), "batch": stats.batch_jobs / max(stats.steps, 1),
             "steps": stats.steps, "mixed_steps": stats.mixed_steps, "refused": stats.refused, "yielded": stats.yielded}
 
@@ -296,7 +305,7 @@ class RealBench:
 
     def _replay(self, engine: Engine, sched: BatchScheduler, jobs: list[RealJob], predict: Any, clock_fn: Any,
                 now: list[float], step_s: list[float]) -> RunStats:
-        stats = RunStats([Outcome(j.arrival.arrival, j.deadline, size=j.arrival.size) for j in jobs])
+        stats = RunStats([Outcome(j.arrival.arrival, j.deadline, size=j.arrival.size, alone=j.alone) for j in jobs])
         pending = list(range(len(jobs)))
         live: dict[int, Any] = {}
         while pending or live:
@@ -322,6 +331,10 @@ class RealBench:
             rec = engine.stats.history[-1]
             stats.steps += 1
             stats.batch_jobs += len(rec.job_ids)
+            for job_id in rec.job_ids:
+                outcome = stats.outcomes[int(job_id[1:])]
+                if outcome.start is None:
+                    outcome.start = now[0] - elapsed
             batch = [j for j in sched.running + batch_before if j.job_id in rec.job_ids]
             batch = list({id(j): j for j in batch}.values())
             if len({j.latent_hw for j in batch}) > 1:
@@ -386,9 +399,12 @@ def _measured(stats: RunStats) -> dict[str, float]:
 
 
 def _mean_of_rounds(rounds: list[dict[str, float]]) -> dict[str, Any]:
-    """Every number averaged over the rounds; each round's throughput kept (paired ratios)."""
+    """Every number averaged over the rounds; each round's throughput, SLO satisfaction and predictor bias
+    kept (paired ratios, and drift between replays shown beside them)."""
     out: dict[str, Any] = {k: float(np.mean([r[k] for r in rounds])) for k in rounds[0]}
-    out["throughput_rounds"] = [r["throughput"] for r in rounds]
+    for key in ("throughput", "slo", "step_bias"):
+        if all(key in r for r in rounds):
+            out[f"{key}_rounds"] = [r[key] for r in rounds]
     return out
 
 
@@ -452,7 +468,8 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
                                         step_time_calibration=args.step_time_calibration)
                     cluster = Cluster(cost, cfg, make_policy("least_requests", cost))
                     cluster.run(jobs)
-                    stats = RunStats([Outcome(j.arrival, j.deadline, j.finish, j.latent_hw or (0, 0)) for j in jobs],
+                    stats = RunStats([Outcome(j.arrival, j.deadline, j.finish, j.latent_hw or (0, 0),
+                                              j.extra.get("start"), j.alone_s) for j in jobs],
                                      steps=cluster.steps, batch_jobs=sum(j.steps for j in jobs if j.finish is not None))
                     per[system].append(summarize(stats))
             res["loads"][str(load)] = {s: {k: float(np.mean([r[k] for r in rs])) for k in rs[0]}
@@ -510,9 +527,9 @@ def sim_jobs(arrivals: list[MixedArrival], predictor: BatchPredictor, cost: Cost
 
 
 def table(per_load: dict[str, Any], systems: list[str], with_mape: bool = False) -> list[str]:
-    lines = ["| load | system | throughput jobs/s | x (a) | x (b) | SLO satisfaction | mean s | P95 s | mean batch |"
-             + (" steps mixing sizes | predictor MAPE on its steps |" if with_mape else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if with_mape else "")]
+    lines = ["| load | system | throughput jobs/s | x (a) | x (b) | SLO satisfaction | missed in the queue | mean s "
+             "| P95 s | mean batch |" + (" steps mixing sizes | predictor MAPE on its steps |" if with_mape else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if with_mape else "")]
     for load, per in per_load.items():
         base = {k: per.get(k, {}).get("throughput") for k in ("one", "bucketed")}
         for s in systems:
@@ -521,7 +538,9 @@ def table(per_load: dict[str, Any], systems: list[str], with_mape: bool = False)
             extra = (f" {int(r['mixed_steps'])} / {int(r['steps'])} | "
                      + (f"{r['step_mape'] * 100:.1f}% |" if "step_mape" in r else "- |")) if with_mape else ""
             lines.append(f"| {float(load):.2f} | {LABELS[s]} | {r['throughput']:.3f} | {rel[0]} | {rel[1]} | "
-                         f"{r['slo'] * 100:.1f}% | {r['mean']:.2f} | {r['p95']:.2f} | {r['batch']:.2f} |" + extra)
+                         f"{r['slo'] * 100:.1f}% | "
+                         + (f"{r['missed_queued'] * 100:.1f}%" if "missed_queued" in r else "-")
+                         + f" | {r['mean']:.2f} | {r['p95']:.2f} | {r['batch']:.2f} |" + extra)
     return lines
 
 
@@ -559,20 +578,27 @@ def claims(per_load: dict[str, Any], throughput_target: float, versus_b: bool = 
 
 
 def paired_rounds(per_load: dict[str, Any]) -> list[str]:
-    """With ``--rounds`` > 1: (c)/(b) throughput of each round (the same jobs, back to back, the order
-    alternating), so that drift of a shared machine is not mistaken for a difference of systems."""
+    """With ``--rounds`` > 1: (c)/(b) throughput and (c)/(d) SLO satisfaction of each round (the same
+    jobs, back to back, the order alternating), with each replay's predictor bias: drift of a shared
+    machine between two replays (steps 10-15% slower in one of them) is not a difference of systems."""
     out = []
     for ld, per in per_load.items():
-        b, c = per.get("bucketed", {}), per.get("mixed", {})
-        if len(b.get("throughput_rounds", [])) < 2 or "throughput_rounds" not in c:
-            continue
-        ratios = [cr / br for cr, br in zip(c["throughput_rounds"], b["throughput_rounds"])]
-        out.append(f"- Paired rounds at load {float(ld):.2f}: (c) / (b) = "
-                   + ", ".join(f"{x:.3f}" for x in ratios)
-                   + f" (order alternating); mean {np.mean(ratios):.3f}, min {min(ratios):.3f}, "
-                   f"max {max(ratios):.3f}; "
-                   f"(b)'s own spread over its rounds {min(b['throughput_rounds']):.3f}-"
-                   f"{max(b['throughput_rounds']):.3f} jobs/s.")
+        b, c, d = per.get("bucketed", {}), per.get("mixed", {}), per.get("mixed-slo", {})
+        if len(b.get("throughput_rounds", [])) >= 2 and "throughput_rounds" in c:
+            ratios = [cr / br for cr, br in zip(c["throughput_rounds"], b["throughput_rounds"])]
+            out.append(f"- Paired rounds at load {float(ld):.2f}: (c) / (b) = "
+                       + ", ".join(f"{x:.3f}" for x in ratios)
+                       + f" (order alternating); mean {np.mean(ratios):.3f}, min {min(ratios):.3f}, "
+                       f"max {max(ratios):.3f}; "
+                       f"(b)'s own spread over its rounds {min(b['throughput_rounds']):.3f}-"
+                       f"{max(b['throughput_rounds']):.3f} jobs/s.")
+        if len(c.get("slo_rounds", [])) >= 2 and "slo_rounds" in d:
+            pairs = []
+            for k, (cs, ds) in enumerate(zip(c["slo_rounds"], d["slo_rounds"])):
+                bias = "".join(f", bias ({x}) {rs[k] * 100:+.0f}%" for x, rs in
+                               (("c", c.get("step_bias_rounds")), ("d", d.get("step_bias_rounds"))) if rs)
+                pairs.append(f"{cs * 100:.1f}% / {ds * 100:.1f}%{bias}")
+            out.append(f"- SLO satisfaction by round at load {float(ld):.2f}, (c) / (d): " + "; ".join(pairs) + ".")
     return out
 
 
@@ -601,7 +627,9 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
              f"{sizes} (width x height), mask ratios of the `{args.trace}` trace (non-empty masks; shapes from "
              f"`app.maskgen`), {args.steps} steps, guidance {args.guidance}, max batch {args.max_batch}; every job's "
              f"deadline = arrival + {args.slo_factor:g} x its predicted standalone time (the service's default, "
-             "`STENCIL_SLO_FACTOR`); SLO satisfaction = share of all jobs done by their deadline. Load = arrival rate "
+             "`STENCIL_SLO_FACTOR`); SLO satisfaction = share of all jobs done by their deadline; missed in the "
+             "queue = share of all jobs that missed and whose first step came too late to make it even alone (lost "
+             "to the queue, not to the batch they ran in). Load = arrival rate "
              "over the mixed system's predicted capacity. Cost model: "
              f"`{args.cost_model}` (`stencil profile --sizes`, report in `docs/bench/steptime.md`).", ""]
     if results.get("real"):

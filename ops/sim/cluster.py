@@ -217,6 +217,8 @@ class Cluster:
         sigma = self.cfg.noise
         dur = predicted * (float(self.rng.lognormal(-sigma * sigma / 2, sigma)) if sigma else 1.0)
         w.busy, w.batch = True, batch
+        for ej in batch:
+            self.jobs[ej.job_id].extra.setdefault("start", self.now)
         w.sched.observe_step(batch, dur)  # as the engine feeds its measured step back (Engine.step_once)
         w.busy_s += dur
         self.steps += 1
