@@ -67,7 +67,7 @@ import torch
 from PIL import Image
 
 from app.calibration import calibrated
-from app.costmodel import CostModel, token_counts_from_mask
+from app.costmodel import CostModel
 from app.demo import demo_templates
 from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
@@ -81,7 +81,8 @@ from ops.bench.harness.engine import record
 from ops.bench.harness.report import finish_axes, pyplot, save_figure
 from ops.bench.harness.timing import loadavg
 from ops.sim.cluster import Cluster, ClusterConfig
-from ops.sim.workload import MixedArrival, SimJob, mixed_arrivals
+from ops.sim.mixed import ShapeJob, capacity, job_shape, parse_sizes, sim_jobs
+from ops.sim.workload import MixedArrival, mixed_arrivals
 from workers.engine.engine import Engine
 from workers.engine.scheduler import BatchScheduler, size_switch_for
 from workers.engine.sd_runner import SDRunner
@@ -124,44 +125,6 @@ def gpu_step_seconds(work: float) -> float:
     else:
         (x0, y0), (x1, y1) = pts[-2], pts[-1]
     return max(1e-4, y0 + (y1 - y0) * (work - x0) / (x1 - x0))
-
-
-def parse_sizes(text: str) -> tuple[list[tuple[int, int]], list[float]]:
-    """``"128x128:0.4,96x128:0.25"`` -> ([(width, height), ...], [weight, ...])."""
-    sizes, weights = [], []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        dims, _, weight = part.partition(":")
-        w, _, h = dims.lower().partition("x")
-        sizes.append((int(w), int(h)))
-        weights.append(float(weight or 1.0))
-    return sizes, weights
-
-
-# -- one job of the trace, as the predictor sees it ---------------------------------------------------
-
-
-def job_shape(arrival: MixedArrival, mask: np.ndarray | None, predictor: BatchPredictor, cost: CostModel) -> JobShape:
-    """Latent grid, masked tokens per level (from the mask, or estimated from the ratio) and rows."""
-    w, h = arrival.size
-    grid = predictor.latent_hw(h, w)
-    if arrival.ratio >= 0.999:
-        return JobShape(grid, None, 2)
-    if mask is not None:
-        tokens = token_counts_from_mask(mask, grid, predictor.spec.levels)
-    else:
-        import dataclasses
-
-        tokens = dataclasses.replace(cost.arch, latent_hw=grid).tokens_from_ratio(arrival.ratio)[:predictor.spec.levels]
-    return JobShape(grid, tuple(int(t) for t in tokens), 2)
-
-
-def capacity(step_seconds: Any, shapes: list[JobShape], max_batch: int, steps: int, seed: int,
-             samples: int = 400) -> float:
-    """Jobs/s of one worker kept full (batches of ``max_batch`` jobs drawn from ``shapes``)."""
-    rng = np.random.default_rng(seed + 99)
-    mean = float(np.mean([step_seconds([shapes[i] for i in rng.integers(0, len(shapes), max_batch)])
-                          for _ in range(samples)]))
-    return max_batch / (steps * mean)
 
 
 # -- real run: the engine in process on a virtual clock ------------------------------------------------
@@ -445,7 +408,7 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
     out: dict[str, Any] = {}
     for name, (step_cost, text) in sim_costs(cost).items():
         def shape_cost(shapes: list[JobShape], fn: Any = step_cost) -> float:
-            return fn([_ShapeJob(s) for s in shapes])
+            return fn([ShapeJob(s) for s in shapes])
 
         probe = mixed_arrivals(sizes, weights, args.trace, 1.0, 400, args.seed + 1000)
         cap1 = capacity(shape_cost, [job_shape(a, None, predictor, cost) for a in probe], args.max_batch,
@@ -485,42 +448,6 @@ def _scaled(fn: Any, scale: float) -> Any:
     if scale == 1.0:
         return fn
     return lambda jobs: scale * fn(jobs)
-
-
-@dataclass
-class _ShapeJob:
-    """A ``JobShape`` in the attributes ``engine_job_shape`` reads (capacity estimates)."""
-
-    shape: JobShape
-
-    @property
-    def latent_hw(self) -> tuple[int, int]:
-        return self.shape.latent_hw
-
-    @property
-    def masked_tokens(self) -> tuple[int, ...] | None:
-        return self.shape.tokens
-
-    @property
-    def cached(self) -> bool:
-        return self.shape.tokens is not None
-
-    @property
-    def rows(self) -> int:
-        return self.shape.rows
-
-
-def sim_jobs(arrivals: list[MixedArrival], predictor: BatchPredictor, cost: CostModel, args: argparse.Namespace,
-             step_cost: Any) -> list[SimJob]:
-    out = []
-    for a in arrivals:
-        shape = job_shape(a, None, predictor, cost)
-        alone = args.steps * step_cost([_ShapeJob(shape)])
-        out.append(SimJob(index=a.index, arrival=a.arrival, ratio=a.ratio, steps=args.steps,
-                          cached=shape.tokens is not None, template_id=f"t{a.size[0]}x{a.size[1]}",
-                          masked_tokens=shape.tokens or (), deadline=a.arrival + args.slo_factor * alone,
-                          alone_s=alone, latent_hw=shape.latent_hw, hard_deadline=False))
-    return out
 
 
 # -- report ---------------------------------------------------------------------------------------

@@ -20,12 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from app.costmodel import CostModel
+from app.costmodel import CostModel, step_time_predictor
 from app.routing import make_policy
 from app.settings import Settings
 from ops.bench.harness import cli
-from ops.bench.mixed_sizes import _ShapeJob, capacity, job_shape, mixed_arrivals, parse_sizes, sim_costs, sim_jobs
 from ops.sim.cluster import Cluster, ClusterConfig
+from ops.sim.mixed import ShapeJob, capacity, job_shape, parse_sizes, sim_jobs
+from ops.sim.workload import mixed_arrivals
 from workers.engine import scheduler as sched_mod
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,11 @@ WAYS = {"chunked": None, "whole queue": 10**9}  # AdmissionTrials.chunk_size
 def run_once(cost: CostModel, args: argparse.Namespace, load: float, chunk: int | None) -> dict[str, Any]:
     """One replay of the trace at ``load``; per-pass wall times, queue lengths and each job's finish."""
     sizes, weights = parse_sizes(args.sizes)
-    step_cost, _ = sim_costs(cost)["cpu-fitted"]
+    step_cost = step_time_predictor(cost)  # the CPU-fitted resolution-aware predictor (as mixed_sizes' cpu-fitted)
     predictor = cost.batch
     assert predictor is not None
     probe = mixed_arrivals(sizes, weights, args.trace, 1.0, 400, args.seed + 1000)
-    cap = capacity(lambda shapes: step_cost([_ShapeJob(s) for s in shapes]),
+    cap = capacity(lambda shapes: step_cost([ShapeJob(s) for s in shapes]),
                    [job_shape(a, None, predictor, cost) for a in probe], args.max_batch, args.steps, args.seed)
     arrivals = mixed_arrivals(sizes, weights, args.trace, load * cap, args.jobs, args.seed)
     jobs = sim_jobs(arrivals, predictor, cost, args, step_cost)
