@@ -169,6 +169,7 @@ class RunStats:
     batch_jobs: int = 0
     step_pred: list[float] = field(default_factory=list)  # predicted vs measured step seconds (mixed batches)
     step_meas: list[float] = field(default_factory=list)
+    step_mixes: list[bool] = field(default_factory=list)  # whether each of those steps mixed sizes
     mixed_steps: int = 0
     refused: int = 0
     yielded: int = 0
@@ -305,6 +306,7 @@ class RealBench:
             if predict is not None and batch:  # the predictor's error on this step alone
                 stats.step_pred.append(predict(batch))
                 stats.step_meas.append(step_s[0])
+                stats.step_mixes.append(len({j.latent_hw for j in batch}) > 1)
             for i in [i for i, h in live.items() if h.future.done()]:
                 handle = live.pop(i)
                 if handle.future.exception() is None:
@@ -356,6 +358,10 @@ def _measured(stats: RunStats) -> dict[str, float]:
         out["step_mape"] = float(np.mean(np.abs(pred - meas) / meas))
         out["step_bias"] = float(np.mean((pred - meas) / meas))  # < 0: steps slower than predicted
         out["step_points"] = len(meas)
+        # the fit's bias on steps that mixed sizes and on steps of one size, apart (NaN: no such step)
+        mixes = np.array(stats.step_mixes, dtype=bool)
+        for name, sel in (("step_bias_mixed", mixes), ("step_bias_one_size", ~mixes)):
+            out[name] = float(np.mean((pred[sel] - meas[sel]) / meas[sel])) if sel.any() else float("nan")
     if stats.calibration is not None:
         out["calibration"] = stats.calibration
     return out
@@ -574,6 +580,12 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
                   + "; ".join(f"{ld}: " + ", ".join(f"({LETTERS[s]}) {v['step_bias'] * 100:+.0f}%"
                                                     for s, v in per.items()
                                                     if 'step_bias' in v) for ld, per in r["loads"].items())
+                  + ". The same bias on steps that mixed sizes / steps of one size: "
+                  + "; ".join(f"{ld}: " + ", ".join(f"({LETTERS[s]}) {v['step_bias_mixed'] * 100:+.0f}% / "
+                                                    f"{v['step_bias_one_size'] * 100:+.0f}%"
+                                                    for s, v in per.items()
+                                                    if np.isfinite(v.get('step_bias_mixed', np.nan)))
+                              for ld, per in r["loads"].items())
                   + f". (d)'s step-time predictor is corrected online (`STENCIL_STEP_TIME_CALIBRATION` = "
                   f"{args.step_time_calibration:g}; the bias above is the uncorrected fit's); its factor at the end "
                   "of each load: " + ", ".join(f"{ld}: {per['mixed-slo']['calibration']:.3f}"
