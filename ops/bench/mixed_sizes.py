@@ -301,12 +301,12 @@ class RealBench:
                     outcome.start = now[0] - elapsed
             batch = [j for j in sched.running + batch_before if j.job_id in rec.job_ids]
             batch = list({id(j): j for j in batch}.values())
-            if len({j.latent_hw for j in batch}) > 1:
-                stats.mixed_steps += 1
+            mixes = len({j.latent_hw for j in batch}) > 1
+            stats.mixed_steps += mixes
             if predict is not None and batch:  # the predictor's error on this step alone
                 stats.step_pred.append(predict(batch))
                 stats.step_meas.append(step_s[0])
-                stats.step_mixes.append(len({j.latent_hw for j in batch}) > 1)
+                stats.step_mixes.append(mixes)
             for i in [i for i, h in live.items() if h.future.done()]:
                 handle = live.pop(i)
                 if handle.future.exception() is None:

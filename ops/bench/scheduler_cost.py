@@ -27,10 +27,9 @@ from ops.bench.harness import cli
 from ops.sim.cluster import Cluster, ClusterConfig
 from ops.sim.mixed import ShapeJob, capacity, job_shape, parse_sizes, sim_jobs
 from ops.sim.workload import mixed_arrivals
-from workers.engine import scheduler as sched_mod
 
 log = logging.getLogger(__name__)
-WAYS = {"chunked": None, "whole queue": 10**9}  # AdmissionTrials.chunk_size
+WAYS = {"chunked": None, "whole queue": 10**9}  # BatchScheduler.admission_chunk
 
 
 def run_once(cost: CostModel, args: argparse.Namespace, load: float, chunk: int | None) -> dict[str, Any]:
@@ -63,12 +62,8 @@ def run_once(cost: CostModel, args: argparse.Namespace, load: float, chunk: int 
         return out
 
     scheduler.schedule = timed  # type: ignore[method-assign]
-    old = sched_mod.AdmissionTrials.chunk_size
-    sched_mod.AdmissionTrials.chunk_size = chunk
-    try:
-        cluster.run(jobs)
-    finally:
-        sched_mod.AdmissionTrials.chunk_size = old
+    scheduler.admission_chunk = chunk
+    cluster.run(jobs)
     return {"passes": passes, "queue": queue, "finish": [j.finish for j in jobs],
             "slo": float(np.mean([j.finish is not None and j.finish <= j.deadline for j in jobs]))}
 

@@ -117,6 +117,9 @@ class BatchScheduler:
         if size_switch not in SIZE_SWITCHES or size_switch == "auto":  # resolved by ``size_switch_for``
             raise ValueError(f"size switch must be mix or drain, got {size_switch!r}")
         self.size_switch = size_switch
+        # SLO admission: candidates per predictor call (``AdmissionTrials``); None = twice the batch, at
+        # least 8 (ops/bench/scheduler_cost.py sets the queue's length to compare with trying all at once)
+        self.admission_chunk: int | None = None
         self._passed_over: dict[str, int] = {}  # job id -> steps a later job of another size went first
         self._target_hw: tuple[int, int] | None = None  # size affinity: the size a passed-over job opened
         self.waiting: list[EngineJob] = []
@@ -475,15 +478,12 @@ class AdmissionTrials:
     """``_misses_many(running, [[c] for c in candidates])``, computed a chunk of candidates at a time
     as admission walks them in slack order. Admission stops at the first candidate it can take, and
     skips late jobs once an on-time one was refused, so under a long queue most candidates are never
-    tried (measured: ``ops/bench/scheduler_cost.py``). ``chunk_size``: candidates per predictor call
-    (None: twice the batch, at least 8; a benchmark sets it to the queue's length to compare)."""
-
-    chunk_size: int | None = None
+    tried (measured: ``ops/bench/scheduler_cost.py``). Chunk: ``sched.admission_chunk``."""
 
     def __init__(self, sched: BatchScheduler, candidates: list[EngineJob], now: float,
                  predict: StepTimePredictor) -> None:
         self.sched, self.candidates, self.now, self.predict = sched, candidates, now, predict
-        self.chunk = self.chunk_size or max(8, 2 * sched.max_batch)
+        self.chunk = sched.admission_chunk or max(8, 2 * sched.max_batch)
         self.done: list[set[int]] = []
 
     def __getitem__(self, k: int) -> set[int]:
@@ -492,4 +492,3 @@ class AdmissionTrials:
             extras = [[j] for j in self.candidates[start:start + self.chunk]]
             self.done.extend(self.sched._misses_many(self.sched.running, extras, self.now, self.predict))
         return self.done[k]
-
