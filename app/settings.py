@@ -27,6 +27,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 MIXED_SIZE_CALLS = ("auto", "lockstep", "sequential")
 # STENCIL_SIZE_SWITCH (``workers.engine.scheduler.size_switch_for``).
 SIZE_SWITCHES = ("auto", "mix", "drain")
+# STENCIL_SLO_ORDER (``workers.engine.scheduler.slo_order_for``).
+SLO_ORDERS = ("auto", "slack", "arrival")
 
 
 # STENCIL_CACHE_STEPS=auto per model family: the fewest stored steps whose edits stay within SSIM
@@ -115,6 +117,12 @@ class Settings:
     # finished, as a bucket: one call a step) | auto (mix on CUDA, where an empty slot is the dearer;
     # drain elsewhere, where a batch costs the sum of its jobs; BENCHMARKS.md, mixed sizes).
     size_switch: str = "auto"
+    # The order SLO-aware admission offers a crowded queue's free slots in, among jobs that can still
+    # make their deadline (late ones go last either way): slack (least slack first) | arrival (the
+    # plain admission order: size affinity, then FCFS) | auto (arrival on CUDA, where under overload it
+    # kept more deadlines in the GPU-shaped simulator; slack elsewhere, where it kept slightly more;
+    # BENCHMARKS.md, mixed sizes).
+    slo_order: str = "auto"
     # How a step with several image sizes makes its UNet calls (one per size; workers/engine/sd_runner.py):
     # lockstep (threads meeting at every transformer block to pack all sizes' tokens: fewer, larger
     # kernels) | sequential (one size after the other on the engine's thread) | auto (lockstep on
@@ -284,6 +292,8 @@ class Settings:
         if self.size_switch not in SIZE_SWITCHES:
             raise ValueError(f"STENCIL_SIZE_SWITCH must be one of {', '.join(SIZE_SWITCHES)}, "
                              f"got {self.size_switch!r}")
+        if self.slo_order not in SLO_ORDERS:
+            raise ValueError(f"STENCIL_SLO_ORDER must be one of {', '.join(SLO_ORDERS)}, got {self.slo_order!r}")
         steps = str(self.cache_steps).strip().lower()
         if steps != "auto" and not steps.isdigit():
             raise ValueError(f"STENCIL_CACHE_STEPS must be auto or a step count >= 0 (0 = every step), "

@@ -40,3 +40,20 @@ def test_a_miss_is_lost_to_the_queue_when_its_first_step_came_too_late_to_make_i
     never = Outcome(arrival=0.0, deadline=5.0, alone=1.0)
     met = Outcome(arrival=0.0, deadline=5.0, finish=4.9, start=4.5, alone=1.0)
     assert [o.missed_queued for o in (queued, in_batch, never, met)] == [True, False, True, False]
+
+
+def test_real_from_takes_an_earlier_runs_real_part_runs_only_the_simulations_and_says_so(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+    from pathlib import Path
+
+    from ops.bench.mixed_sizes import main
+
+    earlier = Path(__file__).resolve().parents[1] / "docs/bench/mixed_sizes.json"
+    out, js = tmp_path / "report.md", tmp_path / "report.json"
+    assert main(["--quick", "--parts", "sim", "--real-from", str(earlier), "--out", str(out), "--json", str(js)]) == 0
+    text = out.read_text()
+    assert "## Real run on this machine" in text and "`--real-from`" in text and "## Simulation" in text
+    written = json.loads(js.read_text())
+    assert written["real"] == json.loads(earlier.read_text())["real"] and written["real_from"] == str(earlier)
+    with pytest.raises(SystemExit):  # the real run and an earlier one's numbers: one or the other
+        main(["--quick", "--parts", "real,sim", "--real-from", str(earlier), "--out", str(out)])

@@ -28,11 +28,11 @@ def _ids(jobs: Sequence[EngineJob]) -> list[str]:
 
 
 def _admitted_beside_a_running_job(waiting: list[EngineJob], affinity: int = 0,
-                                   cost: Callable[[Sequence[EngineJob]], float] = per_size
-                                   ) -> tuple[list[str], list[str]]:
+                                   cost: Callable[[Sequence[EngineJob]], float] = per_size,
+                                   order: str = "slack") -> tuple[list[str], list[str]]:
     """One long job of size A runs (batch of 2: one slot free); ``waiting`` arrive; one schedule.
     Returns (admitted ids, still waiting ids)."""
-    s = BatchScheduler(2, step_time=cost, clock=lambda: NOW, size_affinity_steps=affinity)
+    s = BatchScheduler(2, step_time=cost, clock=lambda: NOW, size_affinity_steps=affinity, slo_order=order)
     s.add(job("run", A, 100, None))
     s.schedule()
     for j in waiting:
@@ -60,6 +60,46 @@ def test_an_urgent_job_keeps_its_slack_order_over_affinity() -> None:
     # but its slack (0.25 s) is under 0.25 x 1.1 s: it cannot wait behind a1.
     urgent = [job("b0", B, 10, NOW + 1.35), job("a1", A, 10, NOW + 200.0)]
     assert _admitted_beside_a_running_job(urgent, affinity=50, cost=cheap_sizes)[0] == ["b0"]
+
+
+def test_arrival_order_offers_the_slot_to_the_oldest_job_that_can_make_its_deadline() -> None:
+    # Both make their deadlines beside run; "young" has the least slack, "old" came first.
+    both = [job("young", B, 10, NOW + 5.0, arrival=NOW - 1.0), job("old", B, 10, NOW + 50.0, arrival=NOW - 2.0)]
+    assert _admitted_beside_a_running_job(both, order="slack")[0] == ["young"]
+    assert _admitted_beside_a_running_job(both, order="arrival")[0] == ["old"]
+
+
+def test_arrival_order_keeps_size_affinity_even_for_a_job_with_little_slack() -> None:
+    def cheap_sizes(jobs: Sequence[EngineJob]) -> float:  # an extra size costs 0.01 s here
+        return 0.09 + 0.01 * len({j.latent_hw for j in jobs}) + 0.01 * len(jobs)
+
+    # b0 came first and has little slack (slack order takes it over affinity, test above); arrival
+    # order ranks as plain admission does: run's size first, b0 waits (it is not late).
+    urgent = [job("b0", B, 10, NOW + 1.35, arrival=NOW - 2.0), job("a1", A, 10, NOW + 200.0, arrival=NOW - 1.0)]
+    assert _admitted_beside_a_running_job(urgent, affinity=50, cost=cheap_sizes, order="arrival") == (["a1"], ["b0"])
+
+
+def test_arrival_order_still_puts_late_jobs_last() -> None:
+    # "late" came first but cannot make its deadline even alone (10 x 0.11 s > 0.5 s): it goes behind.
+    jobs = [job("late", B, 10, NOW + 0.5, arrival=NOW - 2.0), job("later", B, 10, NOW + 50.0, arrival=NOW - 1.0)]
+    assert _admitted_beside_a_running_job(jobs, order="arrival") == (["later"], ["late"])
+
+
+def test_slo_order_setting_resolves_per_device_and_rejects_unknown_values() -> None:
+    import pytest
+
+    from app.settings import Settings
+    from workers.engine.scheduler import slo_order_for
+
+    assert slo_order_for("auto", "cpu") == "slack"
+    assert slo_order_for("auto", "cuda:0") == "arrival"
+    assert slo_order_for("slack", "cuda") == "slack"
+    with pytest.raises(ValueError, match="SLO order"):
+        slo_order_for("deadline", "cpu")
+    with pytest.raises(ValueError, match="STENCIL_SLO_ORDER"):
+        Settings(slo_order="fifo")
+    with pytest.raises(ValueError, match="slack or arrival"):
+        BatchScheduler(2, slo_order="auto")
 
 
 def test_a_job_that_would_make_its_own_deadline_goes_before_one_that_would_not() -> None:

@@ -177,7 +177,7 @@ def get_engine() -> Engine:
     global _engine
     with _engine_lock:
         if _engine is None:
-            from workers.engine.scheduler import BatchScheduler, size_switch_for
+            from workers.engine.scheduler import BatchScheduler, size_switch_for, slo_order_for
             from workers.engine.template_cache import CacheRecorder, StepCacheProvider
             from workers.models import loader
 
@@ -266,7 +266,8 @@ def get_engine() -> Engine:
                                      step_time=step_time)
             _engine = Engine(runner, BatchScheduler(s.max_batch, s.batching, step_time=step_time, on_expire=expire,
                                                      size_affinity_steps=s.size_affinity_steps,
-                                                     size_switch=size_switch_for(s.size_switch, s.device)),
+                                                     size_switch=size_switch_for(s.size_switch, s.device),
+                                                     slo_order=slo_order_for(s.slo_order, s.device)),
                              hooks, idle_wait=s.engine_idle_sleep).start()
         return _engine
 

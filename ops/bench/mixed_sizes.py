@@ -14,8 +14,10 @@ Systems (the engine's settings that select them):
   into free slots, ``drain`` the batch first as a bucket does; ``auto`` resolves as the service does
   for the device each part models: drain for the real CPU run and the CPU-fitted simulation, mix for
   the GPU-shaped one);
-- ``mixed-slo``: the same with SLO-aware admission (``STENCIL_SLO_ADMISSION=1``: slack order,
-  admission refused when it would make a running job miss its deadline, late jobs last) fed by the
+- ``mixed-slo``: the same with SLO-aware admission (``STENCIL_SLO_ADMISSION=1``: jobs that can make
+  their deadline first, in slack or arrival order, ``STENCIL_SLO_ORDER``, ``--slo-order``, ``auto``:
+  slack for the CPU parts, arrival for the GPU-shaped one; admission refused when it would make a
+  running job miss its deadline, late jobs last) fed by the
   resolution-aware batch step-time predictor (``app/steptime.py``, fitted by ``stencil profile --sizes``),
   corrected online by the engine's measured steps (``STENCIL_STEP_TIME_CALIBRATION``, ``app/calibration.py``).
 
@@ -72,7 +74,7 @@ from app.demo import demo_templates
 from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
 from app.routing import make_policy, size_slack_setting
-from app.settings import MIXED_SIZE_CALLS, SIZE_SWITCHES, Settings
+from app.settings import MIXED_SIZE_CALLS, SIZE_SWITCHES, SLO_ORDERS, Settings
 from app.steptime import BatchPredictor, JobShape
 from app.storage import LocalStore
 from ops.bench.harness import cli
@@ -84,7 +86,7 @@ from ops.sim.cluster import Cluster, ClusterConfig
 from ops.sim.mixed import ShapeJob, capacity, job_shape, parse_sizes, sim_jobs
 from ops.sim.workload import MixedArrival, mixed_arrivals
 from workers.engine.engine import Engine
-from workers.engine.scheduler import BatchScheduler, size_switch_for
+from workers.engine.scheduler import BatchScheduler, size_switch_for, slo_order_for
 from workers.engine.sd_runner import SDRunner
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
@@ -250,7 +252,8 @@ class RealBench:
                                "bucketed" if system == "bucketed" else "continuous",
                                step_time=step_time, clock=lambda: now[0],
                                size_affinity_steps=self.args.size_affinity_steps,
-                               size_switch=size_switch_for(self.args.size_switch, str(self.runner.device)))
+                               size_switch=size_switch_for(self.args.size_switch, str(self.runner.device)),
+                               slo_order=slo_order_for(self.args.slo_order, str(self.runner.device)))
         engine = Engine(self.runner, sched, clock=clock_fn)  # steps measured on the run's clock
         inner, step_s = self.runner.step, [0.0]
 
@@ -420,6 +423,7 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
         cap1 = capacity(shape_cost, [job_shape(a, None, predictor, cost) for a in probe], args.max_batch,
                         args.steps, args.seed)
         cap = cap1 * args.sim_workers
+        device = "cuda" if name == "gpu-shaped" else "cpu"  # the device each cost model stands for
         res: dict[str, Any] = {"capacity": cap, "text": text, "loads": {}}
         for load in args.sim_loads:
             per: dict[str, list[dict[str, float]]] = {s: [] for s in args.systems}
@@ -432,8 +436,8 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
                                         batching="bucketed" if system == "bucketed" else "continuous",
                                         step_cost=step_cost, step_time=_scaled(step_cost, args.sim_predictor_scale),
                                         host_templates=64, size_affinity_steps=args.size_affinity_steps,
-                                        size_switch=size_switch_for(
-                                            args.size_switch, "cuda" if name == "gpu-shaped" else "cpu"),
+                                        size_switch=size_switch_for(args.size_switch, device),
+                                        slo_order=slo_order_for(args.slo_order, device),
                                         step_time_calibration=args.step_time_calibration)
                     cluster = Cluster(cost, cfg, make_policy("least_requests", cost))
                     cluster.run(jobs)
@@ -552,6 +556,17 @@ def plot(results: dict[str, Any], out: Path) -> str:
     return save_figure(fig, out)
 
 
+def _bias_by_mixing(loads: dict[str, Any]) -> str:
+    """The fit's bias on steps that mixed sizes and on one-size steps, per load and system ("" for
+    runs that did not record it, e.g. an earlier run's numbers taken with ``--real-from``)."""
+    parts = [f"{ld}: " + ", ".join(f"({LETTERS[s]}) {v['step_bias_mixed'] * 100:+.0f}% / "
+                                   f"{v['step_bias_one_size'] * 100:+.0f}%"
+                                   for s, v in per.items() if np.isfinite(v.get("step_bias_mixed", np.nan)))
+             for ld, per in loads.items()
+             if any(np.isfinite(v.get("step_bias_mixed", np.nan)) for v in per.values())]
+    return ". The same bias on steps that mixed sizes / steps of one size: " + "; ".join(parts) if parts else ""
+
+
 def render(results: dict[str, Any], args: argparse.Namespace, command: str, out: str) -> str:
     sizes = ", ".join(f"{w}x{h} ({wt:.0%})" for (w, h), wt in zip(*_sizes(args)))
     lines = ["# Mixed image sizes and SLO-aware scheduling", "",
@@ -573,19 +588,18 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
                   "(module docstring), all four systems on the same prepared jobs, one after the other"
                   + (f" ({args.rounds} rounds, the order reversed every other round; means over the rounds)"
                      if args.rounds > 1 else "") + ", after "
-                  f"{r.get('warmup_jobs', 0)} warm-up jobs through each (not recorded); predicted "
-                  f"capacity of (c) {r['capacity']:.2f} jobs/s. Load average {results['loadavg_before']} before, "
-                  f"{results['loadavg_after']} after; {results['real_seconds']:.0f} s. Predictor bias on each "
+                  f"{r.get('warmup_jobs', 0)} warm-up jobs through each (not recorded); "
+                  + (f"the numbers of an earlier run, as `{results['real_from']}` held them before this command "
+                     "(`--real-from`: this command ran the simulations only; BENCHMARKS.md names the run); "
+                     if results.get("real_from") else "") + "predicted "
+                  f"capacity of (c) {r['capacity']:.2f} jobs/s. Load average "
+                  f"{tuple(results['loadavg_before'])} before, {tuple(results['loadavg_after'])} after; "
+                  f"{results['real_seconds']:.0f} s. Predictor bias on each "
                   "system's steps (mean of (predicted - measured) / measured; < 0: slower than predicted): "
                   + "; ".join(f"{ld}: " + ", ".join(f"({LETTERS[s]}) {v['step_bias'] * 100:+.0f}%"
                                                     for s, v in per.items()
                                                     if 'step_bias' in v) for ld, per in r["loads"].items())
-                  + ". The same bias on steps that mixed sizes / steps of one size: "
-                  + "; ".join(f"{ld}: " + ", ".join(f"({LETTERS[s]}) {v['step_bias_mixed'] * 100:+.0f}% / "
-                                                    f"{v['step_bias_one_size'] * 100:+.0f}%"
-                                                    for s, v in per.items()
-                                                    if np.isfinite(v.get('step_bias_mixed', np.nan)))
-                              for ld, per in r["loads"].items())
+                  + _bias_by_mixing(r["loads"])
                   + f". (d)'s step-time predictor is corrected online (`STENCIL_STEP_TIME_CALIBRATION` = "
                   f"{args.step_time_calibration:g}; the bias above is the uncorrected fit's); its factor at the end "
                   "of each load: " + ", ".join(f"{ld}: {per['mixed-slo']['calibration']:.3f}"
@@ -597,7 +611,9 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
         lines += [f"## Simulation, {name} step cost", "",
                   f"`ops/sim/cluster.py`, {args.sim_workers} workers, least-requests routing with size affinity (slack "
                   f"{size_slack_setting():g} jobs, `STENCIL_ROUTING_SIZE_SLACK`), {args.sim_jobs} jobs per "
-                  f"run, mean of seeds {args.sim_seeds}, step noise {args.sim_noise}; (d)'s predictor: "
+                  f"run, mean of seeds {args.sim_seeds}, step noise {args.sim_noise}; (d)'s order of a crowded "
+                  f"queue: {slo_order_for(args.slo_order, 'cuda' if name == 'gpu-shaped' else 'cpu')} "
+                  f"(`STENCIL_SLO_ORDER={args.slo_order}`); (d)'s predictor: "
                   + ("the step cost" if args.sim_predictor_scale == 1
                      else f"{args.sim_predictor_scale:g} x the step cost")
                   + ", "
@@ -644,6 +660,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-switch", default=Settings().size_switch, choices=SIZE_SWITCHES,
                    help="how (c) changes a batch's size under a queue (STENCIL_SIZE_SWITCH; auto: drain "
                         "on the CPU parts, mix on the GPU-shaped one)")
+    p.add_argument("--slo-order", default=Settings().slo_order, choices=SLO_ORDERS,
+                   help="(d)'s order of a crowded queue (STENCIL_SLO_ORDER; auto: slack on the CPU parts, arrival "
+                        "on the GPU-shaped one)")
     p.add_argument("--mixed-size-calls", default=Settings().mixed_size_calls, choices=MIXED_SIZE_CALLS,
                    help="real run: how a step makes its per-size UNet calls (STENCIL_MIXED_SIZE_CALLS)")
     p.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.1, 1.4])
@@ -663,6 +682,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-predictor-scale", type=float, default=1.0,
                    help="(d)'s predictor = this x the simulated step cost (a biased fit; 1 = exact)")
     p.add_argument("--json", default="", help="also write every number (JSON)")
+    p.add_argument("--real-from", default="",
+                   help="take the real run from an earlier run's --json instead of running it (e.g. to re-run only "
+                        "the simulations after a change that leaves the CPU path alone); the report says so")
     run = cli.start(p, argv, __file__, quick=dict(
         sizes="128x128:0.5,128x64:0.5", steps=2, loads=[1.2], jobs=10, warmup_jobs=2, sim_loads=[1.2], sim_jobs=60,
         sim_seeds=[0],
@@ -683,14 +705,23 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     results: dict[str, Any] = {"loadavg_before": loadavg()}
     parts = set(args.parts.split(","))
+    if args.real_from:
+        if "real" in parts:
+            p.error("--real-from replaces the real run: use --parts sim")
+        earlier = json.loads(Path(args.real_from).read_text())
+        if "real" not in earlier:
+            p.error(f"{args.real_from} holds no real run")
+        results.update({k: earlier[k] for k in ("real", "real_seconds", "loadavg_before", "loadavg_after")},
+                       real_from=args.real_from)
     t0 = time.monotonic()
     if "real" in parts:
         with torch.no_grad():
             results["real"] = run_real(args, sizes, weights, cost)
-    results["real_seconds"] = time.monotonic() - t0
+        results["real_seconds"] = time.monotonic() - t0
     if "sim" in parts:
         results["sim"] = run_sim(args, sizes, weights, cost)
-    results["loadavg_after"] = loadavg()
+    if not args.real_from:
+        results["loadavg_after"] = loadavg()
     if args.out:
         results["plot"] = plot(results, Path(args.out).with_name(Path(args.out).stem + ".png"))
     if args.json:

@@ -18,9 +18,14 @@ SLO-aware admission (PatchedServe-style), active only when a step-time predictor
   reach is not expired but goes behind every job that can still make its own: it runs late
   rather than making others late too. A running job in that state gives its slot back (keeping
   its progress) while an on-time job waits, and rejoins when there is room.
-- waiting jobs are ordered by priority, then slack (deadline - now - predicted time alone), then
-  arrival: the most urgent job gets the next free slot. With size affinity on and more jobs waiting
-  than slots free, jobs with room to wait go behind jobs of the sizes already in the batch.
+- waiting jobs are ordered by priority, then (``slo_order="slack"``) slack (deadline - now -
+  predicted time alone), then arrival: the most urgent job gets the next free slot. With size
+  affinity on and more jobs waiting than slots free, jobs with room to wait go behind jobs of the
+  sizes already in the batch. ``slo_order="arrival"`` keeps plain admission's order instead (user
+  deadlines, then arrival; under a queue, size affinity's ranks): the checks below still decide who
+  may take a slot. Under overload least-slack-first serves the jobs nearest to missing, and in a
+  full GPU batch (a step 3.7x a job's step alone) a job's slack against its time alone overstates
+  its room; there arrival order kept more deadlines (GPU-shaped simulator, ops/bench/mixed_sizes).
 - a job predicted to miss its own deadline in the current batch goes after jobs predicted to make
   theirs (it still takes a slot nobody else can use); a late job takes no slot in a step where an
   on-time job was refused (the capacity is kept for on-time jobs: measured, ops/bench/mixed_sizes).
@@ -65,7 +70,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from app.costmodel import finish_times
-from app.settings import SIZE_SWITCHES
+from app.settings import SIZE_SWITCHES, SLO_ORDERS
 from workers.engine.job import EngineJob, JobExpired
 
 log = logging.getLogger(__name__)
@@ -83,6 +88,18 @@ def size_switch_for(mode: str, device: str) -> str:
         raise ValueError(f"size switch must be one of {SIZE_SWITCHES}, got {mode!r}")
     return mode
 
+
+def slo_order_for(mode: str, device: str) -> str:
+    """``STENCIL_SLO_ORDER``: ``auto`` orders SLO admission by arrival on CUDA (sublinear batches: a
+    full batch's step is several times a job's alone, so slack against the time alone misleads) and
+    by slack elsewhere (in the CPU-fitted simulator slack kept 0.5-1.2 points more; BENCHMARKS.md, mixed sizes)."""
+    if mode == "auto":
+        return "arrival" if str(device).split(":")[0] == "cuda" else "slack"
+    if mode not in SLO_ORDERS:
+        raise ValueError(f"SLO order must be one of {SLO_ORDERS}, got {mode!r}")
+    return mode
+
+
 StepTimePredictor = Callable[[Sequence[EngineJob]], float]
 # SLO admission's two tuning constants, chosen in the cluster simulator (ops/bench/mixed_sizes, BENCHMARKS.md):
 # a waiting job with slack of at least this many times its standalone time may wait behind jobs of
@@ -99,7 +116,7 @@ class BatchScheduler:
     def __init__(self, max_batch: int, mode: str = "continuous", *, step_time: StepTimePredictor | None = None,
                  on_expire: ExpireCallback | None = None, clock: Callable[[], float] = time.time,
                  ready: JobPredicate | None = None, runnable: JobPredicate | None = None,
-                 size_affinity_steps: int = 0, size_switch: str = "mix") -> None:
+                 size_affinity_steps: int = 0, size_switch: str = "mix", slo_order: str = "slack") -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if mode not in MODES:
@@ -117,6 +134,9 @@ class BatchScheduler:
         if size_switch not in SIZE_SWITCHES or size_switch == "auto":  # resolved by ``size_switch_for``
             raise ValueError(f"size switch must be mix or drain, got {size_switch!r}")
         self.size_switch = size_switch
+        if slo_order not in SLO_ORDERS or slo_order == "auto":  # resolved by ``slo_order_for``
+            raise ValueError(f"SLO order must be slack or arrival, got {slo_order!r}")
+        self.slo_order = slo_order
         # SLO admission: candidates per predictor call (``AdmissionTrials``); None = twice the batch, at
         # least 8 (ops/bench/scheduler_cost.py sets the queue's length to compare with trying all at once)
         self.admission_chunk: int | None = None
@@ -352,21 +372,27 @@ class BatchScheduler:
 
     def _slo_affinity_order(self, candidates: list[EngineJob], now: float, alone: dict[int, float],
                             late: set[int]) -> list[EngineJob]:
-        """Size affinity inside SLO admission, when more jobs wait than slots are free: jobs that can
-        afford to wait (slack of at least ``SLO_AFFINITY_SLACK`` x their time alone) go behind those
-        of the sizes already in the batch, so a crowded batch converges to fewer denoiser calls and
-        its steps get cheaper for everyone; urgent jobs, jobs passed over ``size_affinity_steps``
-        times and late jobs keep their slack order (a stable sort keeps it within each rank)."""
+        """Size affinity inside SLO admission, when more jobs wait than slots are free. Slack order:
+        jobs that can afford to wait (slack of at least ``SLO_AFFINITY_SLACK`` x their time alone) go
+        behind those of the sizes already in the batch, so a crowded batch converges to fewer denoiser
+        calls and its steps get cheaper for everyone; urgent jobs, jobs passed over
+        ``size_affinity_steps`` times and late jobs keep their slack order (a stable sort keeps it
+        within each rank). Arrival order: plain admission's ranks (``_affinity_rank``), late jobs last."""
         sizes = {j.latent_hw for j in self.running}
+        counts: dict = {}
+        for running in self.running:
+            counts[running.latent_hw] = counts.get(running.latent_hw, 0) + 1
 
-        def rank(job: EngineJob) -> int:
+        def rank(job: EngineJob) -> tuple[int, int]:
             if id(job) in late:
-                return 2
+                return (3, 0)
+            if self.slo_order == "arrival":
+                return self._affinity_rank(job, counts)
             relaxed = job.slack(now, alone[id(job)]) >= SLO_AFFINITY_SLACK * alone[id(job)]
             if (not relaxed or job.latent_hw in sizes
                     or self._passed_over.get(job.job_id, 0) >= self.size_affinity_steps):
-                return 0
-            return 1
+                return (0, 0)
+            return (1, 0)
 
         ordered = sorted(candidates, key=lambda j: (-j.priority, rank(j)))
         order = {id(j): k for k, j in enumerate(candidates)}
@@ -406,8 +432,11 @@ class BatchScheduler:
             self._yield_late(now, alone, late)
         admitted: list[EngineJob] = []
         if self.waiting and len(self.running) < self.max_batch and (self.mode != "static" or not self.running):
-            self.waiting.sort(key=lambda j: (-j.priority, id(j) in late,
-                                             0.0 if id(j) in late else j.slack(now, alone[id(j)]), j.arrival))
+            if self.slo_order == "arrival":
+                self.waiting.sort(key=lambda j: (-j.priority, id(j) in late, *j.sort_key()[1:]))
+            else:
+                self.waiting.sort(key=lambda j: (-j.priority, id(j) in late,
+                                                 0.0 if id(j) in late else j.slack(now, alone[id(j)]), j.arrival))
             bucket = self.running[0].latent_hw if self.mode == "bucketed" and self.running else None
             candidates = [j for j in self.waiting if bucket is None or j.latent_hw == bucket]
             if (self.mode == "continuous" and self.size_affinity_steps > 0 and self.running
