@@ -229,12 +229,12 @@ class Settings:
     # round_robin | least_requests | least_masked_tokens
     routing_policy: str = "mask_aware"
     cost_model: str = ""  # fitted cost-model JSON (ops/bench/profile.py); empty = look up by model id
-    # SLO-aware scheduling (workers/engine/scheduler.py): the engine orders waiting jobs by slack,
-    # refuses admissions that would make a running job miss its deadline, lets jobs late for their
-    # default deadline yield to on-time ones and expires jobs whose (user) deadline is out of reach,
-    # with the cost model's step-time predictor. auto (default) | on | off. auto = on wherever the
-    # resolution-aware batch predictor is fitted (``stencil profile --sizes``), because that is where
-    # it helps (BENCHMARKS.md, mixed sizes): at loads up to 0.7 it meets as many deadlines as
+    # SLO-aware scheduling (workers/engine/scheduler.py): the engine orders waiting jobs by slack or
+    # arrival (STENCIL_SLO_ORDER), refuses admissions that would make a running job miss its deadline,
+    # lets jobs late for their default deadline yield to on-time ones and expires jobs whose (user)
+    # deadline is out of reach, with the cost model's step-time predictor. auto (default) | on | off.
+    # auto = on wherever the resolution-aware batch predictor is fitted (``stencil profile --sizes``),
+    # because that is where it helps (BENCHMARKS.md, mixed sizes): at loads up to 0.7 it meets as many deadlines as
     # continuous batching with size affinity or more, at equal throughput; above saturation it meets
     # +69% to 18x more in every run (real and both simulators), +13% to +60% at the first load where
     # the latter meets 80% or fewer (real runs and both simulators; where it lands just under 80%, +30%

@@ -4,7 +4,7 @@ The dispatcher side calls the production routing policy (``app.routing``) on a `
 built exactly like the real one: each worker's state as its engine last published it (after
 every step) plus the dispatcher's in-flight assignments (routed jobs still in ``prepare``). Each
 worker runs the production ``BatchScheduler`` (continuous batching; with ``slo_admission`` the
-cost-model step predictor, slack ordering, expiry and admission refusal). Step durations come
+cost-model step predictor, slack or arrival ordering, expiry and admission refusal). Step durations come
 from the fitted cost model (``intercept + sum of job step seconds``) times lognormal noise.
 
 Template caches: a job whose template was warmed computes masked tokens only, but only once its

@@ -397,7 +397,7 @@ class BatchScheduler:
         ordered = sorted(candidates, key=lambda j: (-j.priority, rank(j)))
         order = {id(j): k for k, j in enumerate(candidates)}
         free = self.max_batch - len(self.running)
-        for job in ordered[free:]:  # passed over: slack order would have given it a free slot
+        for job in ordered[free:]:  # passed over: the base order (slack or arrival) would have given it a slot
             if order[id(job)] < free:
                 self._passed_over[job.job_id] = self._passed_over.get(job.job_id, 0) + 1
         waiting = {j.job_id for j in self.waiting}
