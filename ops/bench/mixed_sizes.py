@@ -423,7 +423,7 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
         cap1 = capacity(shape_cost, [job_shape(a, None, predictor, cost) for a in probe], args.max_batch,
                         args.steps, args.seed)
         cap = cap1 * args.sim_workers
-        device = "cuda" if name == "gpu-shaped" else "cpu"  # the device each cost model stands for
+        device = sim_device(name)
         res: dict[str, Any] = {"capacity": cap, "text": text, "loads": {}}
         for load in args.sim_loads:
             per: dict[str, list[dict[str, float]]] = {s: [] for s in args.systems}
@@ -451,6 +451,11 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
                                                          for s, v in res["loads"][str(load)].items()})
         out[name] = res
     return out
+
+
+def sim_device(cost_name: str) -> str:
+    """The device a simulated step cost stands for, as the service's ``auto`` settings resolve it."""
+    return "cuda" if cost_name == "gpu-shaped" else "cpu"
 
 
 def _scaled(fn: Any, scale: float) -> Any:
@@ -612,7 +617,7 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
                   f"`ops/sim/cluster.py`, {args.sim_workers} workers, least-requests routing with size affinity (slack "
                   f"{size_slack_setting():g} jobs, `STENCIL_ROUTING_SIZE_SLACK`), {args.sim_jobs} jobs per "
                   f"run, mean of seeds {args.sim_seeds}, step noise {args.sim_noise}; (d)'s order of a crowded "
-                  f"queue: {slo_order_for(args.slo_order, 'cuda' if name == 'gpu-shaped' else 'cpu')} "
+                  f"queue: {slo_order_for(args.slo_order, sim_device(name))} "
                   f"(`STENCIL_SLO_ORDER={args.slo_order}`); (d)'s predictor: "
                   + ("the step cost" if args.sim_predictor_scale == 1
                      else f"{args.sim_predictor_scale:g} x the step cost")

@@ -78,26 +78,28 @@ log = logging.getLogger(__name__)
 MODES = ("continuous", "static", "bucketed")
 
 
+def _resolve_for_device(mode: str, device: str, known: Sequence[str], on_cuda: str, elsewhere: str,
+                        what: str) -> str:
+    """A setting whose ``auto`` depends on the device kind: ``on_cuda`` there, ``elsewhere`` otherwise."""
+    if mode == "auto":
+        return on_cuda if str(device).split(":")[0] == "cuda" else elsewhere
+    if mode not in known:
+        raise ValueError(f"{what} must be one of {tuple(known)}, got {mode!r}")
+    return mode
+
+
 def size_switch_for(mode: str, device: str) -> str:
     """``STENCIL_SIZE_SWITCH``: ``auto`` drains on devices where a batch costs the sum of its jobs
     (CPU: a second call a step is dearer than an empty slot) and mixes on CUDA (sublinear batches: an
     empty slot is the dearer)."""
-    if mode == "auto":
-        return "mix" if str(device).split(":")[0] == "cuda" else "drain"
-    if mode not in SIZE_SWITCHES:
-        raise ValueError(f"size switch must be one of {SIZE_SWITCHES}, got {mode!r}")
-    return mode
+    return _resolve_for_device(mode, device, SIZE_SWITCHES, "mix", "drain", "size switch")
 
 
 def slo_order_for(mode: str, device: str) -> str:
     """``STENCIL_SLO_ORDER``: ``auto`` orders SLO admission by arrival on CUDA (sublinear batches: a
     full batch's step is several times a job's alone, so slack against the time alone misleads) and
-    by slack elsewhere (in the CPU-fitted simulator slack kept 0.5-1.2 points more; BENCHMARKS.md, mixed sizes)."""
-    if mode == "auto":
-        return "arrival" if str(device).split(":")[0] == "cuda" else "slack"
-    if mode not in SLO_ORDERS:
-        raise ValueError(f"SLO order must be one of {SLO_ORDERS}, got {mode!r}")
-    return mode
+    by slack elsewhere (in the CPU-fitted simulator slack kept 0.5-1.2 points more; BENCHMARKS.md)."""
+    return _resolve_for_device(mode, device, SLO_ORDERS, "arrival", "slack", "SLO order")
 
 
 StepTimePredictor = Callable[[Sequence[EngineJob]], float]
@@ -378,8 +380,7 @@ class BatchScheduler:
         calls and its steps get cheaper for everyone; urgent jobs, jobs passed over
         ``size_affinity_steps`` times and late jobs keep their slack order (a stable sort keeps it
         within each rank). Arrival order: plain admission's ranks (``_affinity_rank``), late jobs last."""
-        sizes = {j.latent_hw for j in self.running}
-        counts: dict = {}
+        counts: dict = {}  # size -> running jobs of it
         for running in self.running:
             counts[running.latent_hw] = counts.get(running.latent_hw, 0) + 1
 
@@ -389,7 +390,7 @@ class BatchScheduler:
             if self.slo_order == "arrival":
                 return self._affinity_rank(job, counts)
             relaxed = job.slack(now, alone[id(job)]) >= SLO_AFFINITY_SLACK * alone[id(job)]
-            if (not relaxed or job.latent_hw in sizes
+            if (not relaxed or job.latent_hw in counts
                     or self._passed_over.get(job.job_id, 0) >= self.size_affinity_steps):
                 return (0, 0)
             return (1, 0)
@@ -505,7 +506,7 @@ class BatchScheduler:
 
 class AdmissionTrials:
     """``_misses_many(running, [[c] for c in candidates])``, computed a chunk of candidates at a time
-    as admission walks them in slack order. Admission stops at the first candidate it can take, and
+    as admission walks them (slack or arrival order). Admission stops at the first candidate it can take, and
     skips late jobs once an on-time one was refused, so under a long queue most candidates are never
     tried (measured: ``ops/bench/scheduler_cost.py``). Chunk: ``sched.admission_chunk``."""
 
