@@ -3,20 +3,22 @@
 Each runs as the README says (``python -m ops.bench.<name> --quick``) in its own process, with a
 fresh home, ``HOME`` and temporary folder (nothing read from outside the repository: the traces ship in
 ``ops/data/mask_ratios``, models are built or shipped in ``workers/models``), its output in a
-temporary folder. New modules of ``ops/bench`` are picked up without editing this file.
+temporary folder. The process is a fork of one that imported torch and diffusers once
+(``tests/support/bench_launch.py``: that import was a quarter of these tests' time); it imports the
+project's modules itself. New modules of ``ops/bench`` are picked up without editing this file.
 """
 
 from __future__ import annotations
 
 import os
 import pkgutil
-import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import ops.bench
+from tests.support.bench_launch import Launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = sorted(m.name for m in pkgutil.iter_modules(ops.bench.__path__) if m.name != "harness")
@@ -33,22 +35,33 @@ def _cases() -> list:  # type: ignore[type-arg]
             for name, extra in cases]
 
 
+def _base_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STENCIL_")}
+    env.update(HOME=str(home), STENCIL_MODEL_ID="tiny-sd-inpaint", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return env
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
+    """The forkserver, started with a fresh home of its own (read by imports such as huggingface_hub's)."""
+    yield Launcher(_base_env(tmp_path_factory.mktemp("launcher-home")))
+
+
 def test_every_benchmark_module_is_listed_in_the_package_docstring() -> None:
     for name in BENCHMARKS:
         assert f"``{name}``" in (ops.bench.__doc__ or ""), name
 
 
 @pytest.mark.parametrize(("name", "extra"), _cases())
-def test_quick_mode_runs_from_the_repository_alone(name: str, extra: list[str], tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STENCIL_")}
+def test_quick_mode_runs_from_the_repository_alone(name: str, extra: list[str], tmp_path: Path,
+                                                   launcher: Launcher) -> None:
+    env = _base_env(tmp_path / "home")
     (tmp_path / "tmp").mkdir()
-    env.update(HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path / "tmp"), STENCIL_HOME=str(tmp_path / "stencil-home"),
-               STENCIL_MODEL_ID="tiny-sd-inpaint", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.update(TMPDIR=str(tmp_path / "tmp"), STENCIL_HOME=str(tmp_path / "stencil-home"))
     out = tmp_path / ("e2e" if name == "e2e" else "cm.json" if name == "profile" else "report.md")
-    argv = [sys.executable, "-m", f"ops.bench.{name}", "--quick", "--out", str(out), *extra,
-            *(a.format(tmp=tmp_path) for a in EXTRA.get(name, []))]
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    argv = ["--quick", "--out", str(out), *extra, *(a.format(tmp=tmp_path) for a in EXTRA.get(name, []))]
+    code, stderr = launcher.run(f"ops.bench.{name}", argv, env, ROOT, tmp_path, timeout=300)
+    assert code == 0, stderr[-4000:]
     report = (out / REPORT["e2e"]) if name == "e2e" else tmp_path / REPORT.get(name, out.name)
     text = report.read_text()
     assert f"python -m ops.bench.{name} --quick --out {out}" in text, text[:2000]

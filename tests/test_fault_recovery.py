@@ -1,7 +1,8 @@
 """Fault tolerance on the real stack (real redis-server, Celery workers, dispatcher): after a
 process is SIGKILLed or Redis restarts, every job reaches a terminal state within the stated
-bound, with exactly one result per done job. The bound comes from the settings the stack runs
-with (``STENCIL_STALL_TIMEOUT_S`` + lease + sweep interval), not the broker's visibility timeout."""
+bound, with exactly one result per done job and nothing left in flight (at-least-once without
+duplicates). The bound comes from the settings the stack runs with (``STENCIL_STALL_TIMEOUT_S`` +
+lease + sweep interval), not the broker's visibility timeout."""
 
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ def _results_once(client: StencilClient, handles: list) -> None:  # type: ignore
         rec = h.record()
         assert rec.status == JobStatus.DONE, (h.id, rec.status, rec.error)
         assert rec.result_key and client.store.exists(rec.result_key)
+        assert h.result().size == (SIZE, SIZE)
+    results = list(client.store.list("results/"))
+    assert sorted(results) == sorted(f"results/{h.id}.png" for h in handles), results
+
+
+def _nothing_in_flight(stack: EmbeddedStack, handles: list) -> None:  # type: ignore[type-arg]
+    r = stack.redis()
+    assert not any(r.exists(f"stencil:lease:{h.id}") for h in handles)
 
 
 def test_gpu_worker_killed_mid_denoise_every_job_finishes_within_the_bound(tmp_path: Path, model_home: Path) -> None:
@@ -40,13 +49,15 @@ def test_gpu_worker_killed_mid_denoise_every_job_finishes_within_the_bound(tmp_p
                    for i in range(5)]
         wait_until(lambda: sum(h.progress()[0] >= 3 for h in handles) >= 2, timeout=120)
         killed_at = time.monotonic()
-        stack.kill("gpu0")
+        stack.kill("gpu0")  # SIGKILL, mid-batch: two jobs were denoising
+        assert sum(0 < h.progress()[0] < 30 for h in handles) >= 2
         time.sleep(1.0)
         stack.start_gpu_worker("0")  # what compose's restart policy does
         for h in handles:
             left = _bound(stack) - (time.monotonic() - killed_at)
             assert h.wait(max(1.0, left)).status.terminal, f"{h.id} not terminal within the bound"
         _results_once(client, handles)
+        _nothing_in_flight(stack, handles)
         assert any(int(h.record().fields.get("redrives") or 0) > 0 for h in handles), "nothing was re-driven"
 
 
@@ -69,6 +80,7 @@ def test_cpu_worker_or_dispatcher_killed_every_job_finishes_within_the_bound(vic
             left = _bound(stack) - (time.monotonic() - killed_at)
             assert h.wait(max(1.0, left)).status.terminal, f"{h.id} not terminal within the bound"
         _results_once(client, handles)
+        _nothing_in_flight(stack, handles)
 
 
 def test_the_dispatcher_survives_a_redis_restart(tmp_path: Path, model_home: Path) -> None:
