@@ -29,6 +29,8 @@ MIXED_SIZE_CALLS = ("auto", "lockstep", "sequential")
 SIZE_SWITCHES = ("auto", "mix", "drain")
 # STENCIL_SLO_ORDER (``workers.engine.scheduler.slo_order_for``).
 SLO_ORDERS = ("auto", "slack", "arrival")
+# STENCIL_SLO_YIELD (``workers.engine.scheduler.slo_yield_for``).
+SLO_YIELDS = ("auto", "alone", "batch")
 
 
 # STENCIL_CACHE_STEPS=auto per model family: the fewest stored steps whose edits stay within SSIM
@@ -123,6 +125,16 @@ class Settings:
     # kept more deadlines in the GPU-shaped simulator; slack elsewhere, where it kept slightly more;
     # BENCHMARKS.md, mixed sizes).
     slo_order: str = "auto"
+    # When a running job with the service's default (soft) deadline gives its slot back to a waiting
+    # on-time job: alone (once its deadline is out of reach even alone) | batch (once the running
+    # batch's predicted finish misses it) | auto (batch on CUDA, where under overload it kept more
+    # deadlines in the GPU-shaped simulator; alone elsewhere). It keeps its progress and rejoins later.
+    slo_yield: str = "auto"
+    # SLO admission's predicted finish times are stretched by this share before they are compared
+    # with deadlines (a margin for step-time noise): a number >= 0, or auto (0.01 on CUDA, where 0 /
+    # 0.01 / 0.02 / 0.03 were tried in the GPU-shaped simulator; 0 elsewhere until the real CPU run is
+    # measured with it; BENCHMARKS.md, mixed sizes).
+    slo_margin: str = "auto"
     # How a step with several image sizes makes its UNet calls (one per size; workers/engine/sd_runner.py):
     # lockstep (threads meeting at every transformer block to pack all sizes' tokens: fewer, larger
     # kernels) | sequential (one size after the other on the engine's thread) | auto (lockstep on
@@ -294,6 +306,15 @@ class Settings:
                              f"got {self.size_switch!r}")
         if self.slo_order not in SLO_ORDERS:
             raise ValueError(f"STENCIL_SLO_ORDER must be one of {', '.join(SLO_ORDERS)}, got {self.slo_order!r}")
+        if self.slo_yield not in SLO_YIELDS:
+            raise ValueError(f"STENCIL_SLO_YIELD must be one of {', '.join(SLO_YIELDS)}, got {self.slo_yield!r}")
+        margin = str(self.slo_margin).strip().lower()
+        try:
+            bad = margin != "auto" and not float(margin) >= 0.0
+        except ValueError:
+            bad = True
+        if bad:
+            raise ValueError(f"STENCIL_SLO_MARGIN must be auto or a number >= 0, got {self.slo_margin!r}")
         steps = str(self.cache_steps).strip().lower()
         if steps != "auto" and not steps.isdigit():
             raise ValueError(f"STENCIL_CACHE_STEPS must be auto or a step count >= 0 (0 = every step), "

@@ -1,6 +1,7 @@
 """SLO admission's policy choices (workers/engine/scheduler.py): size affinity inside SLO admission,
-jobs predicted to make their own deadline admitted before jobs that would not, and the one-deadline
-trade allowed only where filling a slot is nearly free (sublinear batch cost)."""
+jobs predicted to make their own deadline admitted before jobs that would not, the one-deadline
+trade allowed only where filling a slot is nearly free (sublinear batch cost), the slot of a job the
+batch makes late given back (``slo_yield="batch"``) and the margin on predicted finishes."""
 
 from __future__ import annotations
 
@@ -163,3 +164,70 @@ def test_a_late_job_takes_no_slot_in_a_step_where_an_on_time_job_was_refused() -
     s.remove("on-time")
     _, admitted = s.schedule()
     assert _ids(admitted) == ["late"]  # nobody on time wants it now
+
+
+def _traded_then_a_third_waits(slo_yield: str) -> BatchScheduler:
+    """A full batch of 2: "edge" (soft deadline, just on time alone) and "new", admitted by the
+    one-deadline trade that costs edge its deadline in the batch; then "third", on time, waits."""
+    def nearly_free(jobs: Sequence[EngineJob]) -> float:
+        return 1.0 + 0.1 * SLO_TRADE_MARGINAL * (len(jobs) - 1)
+
+    s = BatchScheduler(2, step_time=nearly_free, clock=lambda: NOW, slo_yield=slo_yield)
+    s.add(job("edge", A, 10, NOW + 10.0 + 1e-6))
+    s.schedule()
+    s.add(job("new", A, 10, NOW + 100.0))
+    assert _ids(s.schedule()[1]) == ["new"]
+    s.add(job("third", A, 10, NOW + 100.0))
+    return s
+
+
+def test_batch_yield_gives_the_slot_of_a_job_the_batch_makes_late_to_an_on_time_one() -> None:
+    s = _traded_then_a_third_waits("batch")
+    batch, admitted = s.schedule()
+    assert _ids(admitted) == ["third"] and sorted(_ids(batch)) == ["new", "third"]
+    assert _ids(s.waiting) == ["edge"] and s.yielded == 1  # it keeps its progress and rejoins later
+
+
+def test_alone_yield_keeps_a_job_that_could_still_make_it_alone() -> None:
+    s = _traded_then_a_third_waits("alone")
+    batch, admitted = s.schedule()
+    assert admitted == [] and sorted(_ids(batch)) == ["edge", "new"] and s.yielded == 0
+
+
+def test_the_margin_stretches_predicted_finishes() -> None:
+    def one_second(jobs: Sequence[EngineJob]) -> float:
+        return 1.0
+
+    def first_admitted(margin: float) -> list[str]:
+        s = BatchScheduler(1, step_time=one_second, clock=lambda: NOW, slo_order="arrival", slo_margin=margin)
+        s.add(job("tight", A, 10, NOW + 10.05, arrival=0.0))  # 10 x 1 s: 0.5% to spare
+        s.add(job("roomy", A, 10, NOW + 100.0, arrival=1.0))
+        return _ids(s.schedule()[1])
+
+    assert first_admitted(0.0) == ["tight"]
+    assert first_admitted(0.01) == ["roomy"]  # 10.1 s > 10.05 s: predicted to miss, it goes after
+
+
+def test_slo_yield_and_margin_settings_resolve_per_device_and_reject_bad_values() -> None:
+    import pytest
+
+    from app.settings import Settings
+    from workers.engine.scheduler import SLO_MARGIN_CUDA, slo_margin_for, slo_yield_for
+
+    assert slo_yield_for("auto", "cpu") == "alone" and slo_yield_for("auto", "cuda:1") == "batch"
+    assert slo_yield_for("alone", "cuda") == "alone"
+    assert slo_margin_for("auto", "cpu") == 0.0 and slo_margin_for("auto", "cuda") == SLO_MARGIN_CUDA > 0
+    assert slo_margin_for("0.05", "cpu") == 0.05
+    for bad in ("-0.1", "nan", "lots"):
+        with pytest.raises(ValueError, match="SLO margin"):
+            slo_margin_for(bad, "cpu")
+        with pytest.raises(ValueError, match="STENCIL_SLO_MARGIN"):
+            Settings(slo_margin=bad)
+    with pytest.raises(ValueError, match="SLO yield"):
+        slo_yield_for("never", "cpu")
+    with pytest.raises(ValueError, match="STENCIL_SLO_YIELD"):
+        Settings(slo_yield="never")
+    with pytest.raises(ValueError):
+        BatchScheduler(2, slo_yield="auto")
+    with pytest.raises(ValueError):
+        BatchScheduler(2, slo_margin=-0.5)

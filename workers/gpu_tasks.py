@@ -177,7 +177,13 @@ def get_engine() -> Engine:
     global _engine
     with _engine_lock:
         if _engine is None:
-            from workers.engine.scheduler import BatchScheduler, size_switch_for, slo_order_for
+            from workers.engine.scheduler import (
+                BatchScheduler,
+                size_switch_for,
+                slo_margin_for,
+                slo_order_for,
+                slo_yield_for,
+            )
             from workers.engine.template_cache import CacheRecorder, StepCacheProvider
             from workers.models import loader
 
@@ -267,7 +273,9 @@ def get_engine() -> Engine:
             _engine = Engine(runner, BatchScheduler(s.max_batch, s.batching, step_time=step_time, on_expire=expire,
                                                      size_affinity_steps=s.size_affinity_steps,
                                                      size_switch=size_switch_for(s.size_switch, s.device),
-                                                     slo_order=slo_order_for(s.slo_order, s.device)),
+                                                     slo_order=slo_order_for(s.slo_order, s.device),
+                                                     slo_yield=slo_yield_for(s.slo_yield, s.device),
+                                                     slo_margin=slo_margin_for(s.slo_margin, s.device)),
                              hooks, idle_wait=s.engine_idle_sleep).start()
         return _engine
 

@@ -17,7 +17,10 @@ Systems (the engine's settings that select them):
 - ``mixed-slo``: the same with SLO-aware admission (``STENCIL_SLO_ADMISSION=1``: jobs that can make
   their deadline first, in slack or arrival order, ``STENCIL_SLO_ORDER``, ``--slo-order``, ``auto``:
   slack for the CPU parts, arrival for the GPU-shaped one; admission refused when it would make a
-  running job miss its deadline, late jobs last) fed by the
+  running job miss its deadline, late jobs last; a running job gives its slot back once it misses
+  even alone or, ``STENCIL_SLO_YIELD``, ``--slo-yield``, once the batch's prediction misses it;
+  predicted finishes stretched by ``STENCIL_SLO_MARGIN``, ``--slo-margin``; ``auto``: alone and 0
+  for the CPU parts, batch and 0.01 for the GPU-shaped one) fed by the
   resolution-aware batch step-time predictor (``app/steptime.py``, fitted by ``stencil profile --sizes``),
   corrected online by the engine's measured steps (``STENCIL_STEP_TIME_CALIBRATION``, ``app/calibration.py``).
 
@@ -74,7 +77,7 @@ from app.demo import demo_templates
 from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
 from app.routing import make_policy, size_slack_setting
-from app.settings import MIXED_SIZE_CALLS, SIZE_SWITCHES, SLO_ORDERS, Settings
+from app.settings import MIXED_SIZE_CALLS, SIZE_SWITCHES, SLO_ORDERS, SLO_YIELDS, Settings
 from app.steptime import BatchPredictor, JobShape
 from app.storage import LocalStore
 from ops.bench.harness import cli
@@ -86,7 +89,7 @@ from ops.sim.cluster import Cluster, ClusterConfig
 from ops.sim.mixed import ShapeJob, capacity, job_shape, parse_sizes, sim_jobs
 from ops.sim.workload import MixedArrival, mixed_arrivals
 from workers.engine.engine import Engine
-from workers.engine.scheduler import BatchScheduler, size_switch_for, slo_order_for
+from workers.engine.scheduler import BatchScheduler, size_switch_for, slo_margin_for, slo_order_for, slo_yield_for
 from workers.engine.sd_runner import SDRunner
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
@@ -253,7 +256,9 @@ class RealBench:
                                step_time=step_time, clock=lambda: now[0],
                                size_affinity_steps=self.args.size_affinity_steps,
                                size_switch=size_switch_for(self.args.size_switch, str(self.runner.device)),
-                               slo_order=slo_order_for(self.args.slo_order, str(self.runner.device)))
+                               slo_order=slo_order_for(self.args.slo_order, str(self.runner.device)),
+                               slo_yield=slo_yield_for(self.args.slo_yield, str(self.runner.device)),
+                               slo_margin=slo_margin_for(self.args.slo_margin, str(self.runner.device)))
         engine = Engine(self.runner, sched, clock=clock_fn)  # steps measured on the run's clock
         inner, step_s = self.runner.step, [0.0]
 
@@ -438,6 +443,8 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
                                         host_templates=64, size_affinity_steps=args.size_affinity_steps,
                                         size_switch=size_switch_for(args.size_switch, device),
                                         slo_order=slo_order_for(args.slo_order, device),
+                                        slo_yield=slo_yield_for(args.slo_yield, device),
+                                        slo_margin=slo_margin_for(args.slo_margin, device),
                                         step_time_calibration=args.step_time_calibration)
                     cluster = Cluster(cost, cfg, make_policy("least_requests", cost))
                     cluster.run(jobs)
@@ -618,7 +625,12 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
                   f"{size_slack_setting():g} jobs, `STENCIL_ROUTING_SIZE_SLACK`), {args.sim_jobs} jobs per "
                   f"run, mean of seeds {args.sim_seeds}, step noise {args.sim_noise}; (d)'s order of a crowded "
                   f"queue: {slo_order_for(args.slo_order, sim_device(name))} "
-                  f"(`STENCIL_SLO_ORDER={args.slo_order}`); (d)'s predictor: "
+                  f"(`STENCIL_SLO_ORDER={args.slo_order}`), running jobs give their slot back when "
+                  + ("the batch's prediction misses them" if slo_yield_for(args.slo_yield, sim_device(name)) == "batch"
+                     else "they miss even alone")
+                  + f" (`STENCIL_SLO_YIELD={args.slo_yield}`), finish margin "
+                  f"{slo_margin_for(args.slo_margin, sim_device(name)):g} (`STENCIL_SLO_MARGIN={args.slo_margin}`); "
+                  "(d)'s predictor: "
                   + ("the step cost" if args.sim_predictor_scale == 1
                      else f"{args.sim_predictor_scale:g} x the step cost")
                   + ", "
@@ -668,6 +680,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-order", default=Settings().slo_order, choices=SLO_ORDERS,
                    help="(d)'s order of a crowded queue (STENCIL_SLO_ORDER; auto: slack on the CPU parts, arrival "
                         "on the GPU-shaped one)")
+    p.add_argument("--slo-yield", default=Settings().slo_yield, choices=SLO_YIELDS,
+                   help="when (d)'s running soft-deadline jobs give their slot back (STENCIL_SLO_YIELD; auto: alone "
+                        "on the CPU parts, batch on the GPU-shaped one)")
+    p.add_argument("--slo-margin", default=Settings().slo_margin,
+                   help="(d)'s stretch of predicted finish times (STENCIL_SLO_MARGIN; auto: 0 on the CPU parts, "
+                        "0.01 on the GPU-shaped one)")
     p.add_argument("--mixed-size-calls", default=Settings().mixed_size_calls, choices=MIXED_SIZE_CALLS,
                    help="real run: how a step makes its per-size UNet calls (STENCIL_MIXED_SIZE_CALLS)")
     p.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.1, 1.4])

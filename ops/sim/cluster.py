@@ -61,6 +61,8 @@ class ClusterConfig:
     size_affinity_steps: int = Settings().size_affinity_steps  # the engine's (workers/engine/scheduler.py)
     size_switch: str = "mix"  # mix | drain (``BatchScheduler``): the simulated device's, as auto resolves it
     slo_order: str = "slack"  # slack | arrival (``BatchScheduler``): the simulated device's, as auto resolves it
+    slo_yield: str = "alone"  # alone | batch (``BatchScheduler``): likewise
+    slo_margin: float = 0.0  # ``BatchScheduler``'s: likewise
     # each worker corrects its SLO predictor online from its steps, as the engine does (app/calibration.py)
     step_time_calibration: float = Settings().step_time_calibration
     # Step cost of a batch of B jobs = intercept + (sum of their job seconds) * B ** (exponent - 1):
@@ -111,7 +113,8 @@ class Cluster:
                                step_time=calibrated(predictor, self.cfg.step_time_calibration),
                                on_expire=self._on_expire, clock=lambda: self.now,
                                size_affinity_steps=self.cfg.size_affinity_steps,
-                               size_switch=self.cfg.size_switch, slo_order=self.cfg.slo_order)
+                               size_switch=self.cfg.size_switch, slo_order=self.cfg.slo_order,
+                               slo_yield=self.cfg.slo_yield, slo_margin=self.cfg.slo_margin)
         return SimWorker(wid, sched, WorkerState(wid, max_batch=self.cfg.max_batch))
 
     # -- event queue ------------------------------------------------------------------------
