@@ -33,6 +33,20 @@ SLO_ORDERS = ("auto", "slack", "arrival")
 SLO_YIELDS = ("auto", "alone", "batch")
 
 
+def parse_slo_margin(value: object) -> float | None:
+    """STENCIL_SLO_MARGIN: None for auto (``workers.engine.scheduler.slo_margin_for``), else the share."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    try:
+        margin = float(text)
+    except ValueError:
+        margin = -1.0
+    if not margin >= 0.0:  # also rejects nan
+        raise ValueError(f"SLO margin must be auto or a number >= 0, got {value!r}")
+    return margin
+
+
 # STENCIL_CACHE_STEPS=auto per model family: the fewest stored steps whose edits stay within SSIM
 # 0.005 of every-step caches for every measured model, schedule and policy of the family, else every
 # step (docs/bench/cache_steps.md; a test ties this table to docs/bench/cache_steps.json).
@@ -308,13 +322,10 @@ class Settings:
             raise ValueError(f"STENCIL_SLO_ORDER must be one of {', '.join(SLO_ORDERS)}, got {self.slo_order!r}")
         if self.slo_yield not in SLO_YIELDS:
             raise ValueError(f"STENCIL_SLO_YIELD must be one of {', '.join(SLO_YIELDS)}, got {self.slo_yield!r}")
-        margin = str(self.slo_margin).strip().lower()
         try:
-            bad = margin != "auto" and not float(margin) >= 0.0
-        except ValueError:
-            bad = True
-        if bad:
-            raise ValueError(f"STENCIL_SLO_MARGIN must be auto or a number >= 0, got {self.slo_margin!r}")
+            parse_slo_margin(self.slo_margin)
+        except ValueError as exc:
+            raise ValueError(f"STENCIL_SLO_MARGIN: {exc}") from None
         steps = str(self.cache_steps).strip().lower()
         if steps != "auto" and not steps.isdigit():
             raise ValueError(f"STENCIL_CACHE_STEPS must be auto or a step count >= 0 (0 = every step), "

@@ -72,7 +72,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from app.costmodel import finish_times
-from app.settings import SIZE_SWITCHES, SLO_ORDERS, SLO_YIELDS
+from app.settings import SIZE_SWITCHES, SLO_ORDERS, SLO_YIELDS, parse_slo_margin
 from workers.engine.job import EngineJob, JobExpired
 
 log = logging.getLogger(__name__)
@@ -80,11 +80,15 @@ log = logging.getLogger(__name__)
 MODES = ("continuous", "static", "bucketed")
 
 
+def _is_cuda(device: str) -> bool:
+    return str(device).split(":")[0] == "cuda"
+
+
 def _resolve_for_device(mode: str, device: str, known: Sequence[str], on_cuda: str, elsewhere: str,
                         what: str) -> str:
     """A setting whose ``auto`` depends on the device kind: ``on_cuda`` there, ``elsewhere`` otherwise."""
     if mode == "auto":
-        return on_cuda if str(device).split(":")[0] == "cuda" else elsewhere
+        return on_cuda if _is_cuda(device) else elsewhere
     if mode not in known:
         raise ValueError(f"{what} must be one of {tuple(known)}, got {mode!r}")
     return mode
@@ -120,15 +124,9 @@ SLO_MARGIN_CUDA = 0.01
 def slo_margin_for(value: str, device: str) -> float:
     """``STENCIL_SLO_MARGIN``: a number >= 0, or ``auto`` (``SLO_MARGIN_CUDA`` on CUDA, 0 elsewhere:
     the real CPU run has not been measured with a margin)."""
-    text = str(value).strip().lower()
-    if text == "auto":
-        return SLO_MARGIN_CUDA if str(device).split(":")[0] == "cuda" else 0.0
-    try:
-        margin = float(text)
-    except ValueError:
-        margin = -1.0
-    if not margin >= 0.0:
-        raise ValueError(f"SLO margin must be auto or a number >= 0, got {value!r}")
+    margin = parse_slo_margin(value)
+    if margin is None:
+        return SLO_MARGIN_CUDA if _is_cuda(device) else 0.0
     return margin
 
 
@@ -405,26 +403,29 @@ class BatchScheduler:
                 continue
             need = self.alone_seconds(job)
             if now + need > job.deadline:
-                self.running.remove(job)
-                self.waiting.append(job)
-                alone[id(job)] = need
-                late.add(id(job))
-                self.yielded += 1
+                self._give_back(job, need, alone, late)
 
-    def _yield_missing(self, now: float, alone: dict[int, float], late: set[int], predict: StepTimePredictor) -> None:
+    def _give_back(self, job: EngineJob, need: float, alone: dict[int, float], late: set[int]) -> None:
+        """A running job returns to the queue as a late one, keeping its progress."""
+        self.running.remove(job)
+        self.waiting.append(job)
+        alone[id(job)] = need
+        late.add(id(job))
+        self.yielded += 1
+
+    def _yield_missing(self, now: float, alone: dict[int, float], late: set[int],
+                       predict: StepTimePredictor) -> set[int] | None:
         """``slo_yield="batch"``: running jobs whose soft deadline the running batch's predicted finish
         misses give their slot back too, as late jobs. Under overload such a job (most often the one an
         admission's trade cost its deadline) would hold a slot to the end and miss anyway; the slot
-        serves a job that can still make it."""
+        serves a job that can still make it. Returns the running batch's misses when nobody left (the
+        admission below reuses them), None otherwise."""
         missing = self._misses(self.running, now, predict)
-        for job in [j for i, j in enumerate(self.running) if i in missing]:
-            if job.hard_deadline or job.deadline is None or job.remaining == 0:
-                continue
-            self.running.remove(job)
-            self.waiting.append(job)
-            alone[id(job)] = self.alone_seconds(job)
-            late.add(id(job))
-            self.yielded += 1
+        leaving = [j for i, j in enumerate(self.running)
+                   if i in missing and not j.hard_deadline and j.deadline is not None and j.remaining > 0]
+        for job in leaving:
+            self._give_back(job, self.alone_seconds(job), alone, late)
+        return None if leaving else missing
 
     def _slo_affinity_order(self, candidates: list[EngineJob], now: float, alone: dict[int, float],
                             late: set[int]) -> list[EngineJob]:
@@ -483,10 +484,11 @@ class BatchScheduler:
             self.waiting.remove(job)
             self._expire(job, f"deadline unreachable: needs {alone[id(job)]:.3f} s alone for "
                               f"{job.remaining} steps, {job.deadline - now:.3f} s left")  # type: ignore[operator]
+        running_misses: set[int] | None = None  # the running batch's, once predicted
         if self.mode == "continuous" and any(id(j) not in late for j in self.waiting):
             self._yield_late(now, alone, late)
             if self.slo_yield == "batch" and self.running:
-                self._yield_missing(now, alone, late, predict)
+                running_misses = self._yield_missing(now, alone, late, predict)
         admitted: list[EngineJob] = []
         if self.waiting and len(self.running) < self.max_batch and (self.mode != "static" or not self.running):
             if self.slo_order == "arrival":
@@ -499,7 +501,9 @@ class BatchScheduler:
             if (self.mode == "continuous" and self.size_affinity_steps > 0 and self.running
                     and len(candidates) > self.max_batch - len(self.running)):
                 candidates = self._slo_affinity_order(candidates, now, alone, late)
-            misses = self._misses(self.running, now, predict) if self.running else set()
+            if running_misses is None:
+                running_misses = self._misses(self.running, now, predict) if self.running else set()
+            misses = running_misses
             while candidates and len(self.running) < self.max_batch:
                 trials = AdmissionTrials(self, candidates, now, predict)
                 n_run = len(self.running)
