@@ -88,7 +88,7 @@ def parse_worker_hash(worker_id: str, fields: dict[Any, Any], *, now: float, sta
     """A worker's published state (``RedisEngineHooks._state``) as a ``WorkerState``.
 
     Tolerates older engines: fields they do not publish (max_batch, templates, per-job cached,
-    template_id, masked_tokens) fall back to defaults or to what the dispatcher knew at routing.
+    template_id, masked_tokens, late) fall back to defaults or to what the dispatcher knew at routing.
     """
     f = {_s(k): _s(v) for k, v in fields.items()}
 
@@ -107,7 +107,8 @@ def parse_worker_hash(worker_id: str, fields: dict[Any, Any], *, now: float, sta
                 cached=bool(e["cached"]) if "cached" in e else (d.cached if d else True),
                 template_id=e.get("template_id") or (d.template_id if d else ""),
                 refresh_share=d.refresh_share if d else 0.0, addons=d.addons if d else (),
-                latent_hw=(int(grid[0]), int(grid[1])) if grid else (d.latent_hw if d else None)))
+                latent_hw=(int(grid[0]), int(grid[1])) if grid else (d.latent_hw if d else None),
+                late=bool(e.get("late", False))))
         return out
 
     updated = float(f.get("updated") or 0.0)

@@ -28,7 +28,7 @@ MIXED_SIZE_CALLS = ("auto", "lockstep", "sequential")
 # STENCIL_SIZE_SWITCH (``workers.engine.scheduler.size_switch_for``).
 SIZE_SWITCHES = ("auto", "mix", "drain")
 # STENCIL_SLO_ORDER (``workers.engine.scheduler.slo_order_for``).
-SLO_ORDERS = ("auto", "slack", "arrival")
+SLO_ORDERS = ("auto", "slack", "arrival", "deadline")
 # STENCIL_SLO_YIELD (``workers.engine.scheduler.slo_yield_for``).
 SLO_YIELDS = ("auto", "alone", "batch")
 
@@ -135,9 +135,9 @@ class Settings:
     size_switch: str = "auto"
     # The order SLO-aware admission offers a crowded queue's free slots in, among jobs that can still
     # make their deadline (late ones go last either way): slack (least slack first) | arrival (the
-    # plain admission order: size affinity, then FCFS) | auto (arrival on CUDA, where under overload it
-    # kept more deadlines in the GPU-shaped simulator; slack elsewhere, where it kept slightly more;
-    # BENCHMARKS.md, mixed sizes).
+    # plain admission order: size affinity, then FCFS) | deadline (size affinity, then earliest
+    # deadline first) | auto (deadline on CUDA, where under overload it kept the most deadlines in the
+    # GPU-shaped simulator; slack elsewhere, where it kept slightly more; BENCHMARKS.md, mixed sizes).
     slo_order: str = "auto"
     # When a running job with the service's default (soft) deadline gives its slot back to a waiting
     # on-time job: alone (once its deadline is out of reach even alone) | batch (once the running
@@ -146,8 +146,8 @@ class Settings:
     slo_yield: str = "auto"
     # SLO admission's predicted finish times are stretched by this share before they are compared
     # with deadlines (a margin for step-time noise): a number >= 0, or auto (0.01 on CUDA, where 0 /
-    # 0.01 / 0.02 / 0.03 were tried in the GPU-shaped simulator; 0 elsewhere until the real CPU run is
-    # measured with it; BENCHMARKS.md, mixed sizes).
+    # 0.01 / 0.02 / 0.03 were tried in the GPU-shaped simulator; 0 elsewhere: on the real CPU run a 1%
+    # margin's effect was within the run's noise; BENCHMARKS.md, mixed sizes).
     slo_margin: str = "auto"
     # How a step with several image sizes makes its UNet calls (one per size; workers/engine/sd_runner.py):
     # lockstep (threads meeting at every transformer block to pack all sizes' tokens: fewer, larger

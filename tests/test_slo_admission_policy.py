@@ -70,6 +70,25 @@ def test_arrival_order_offers_the_slot_to_the_oldest_job_that_can_make_its_deadl
     assert _admitted_beside_a_running_job(both, order="arrival")[0] == ["old"]
 
 
+def test_deadline_order_offers_the_slot_to_the_earliest_deadline_that_can_be_made() -> None:
+    # "early" came later but is due first; "old" came first; "tight" is due before both but would
+    # miss beside run (10 x 0.21 s > 1.5 s): deadline order still offers it no slot ahead of them.
+    jobs = [job("old", B, 10, NOW + 50.0, arrival=NOW - 2.0), job("early", B, 10, NOW + 20.0, arrival=NOW - 1.0),
+            job("tight", B, 10, NOW + 1.5, arrival=NOW - 0.5)]
+    assert _admitted_beside_a_running_job(jobs, order="arrival")[0] == ["old"]
+    assert _admitted_beside_a_running_job(jobs, order="deadline")[0] == ["early"]
+
+
+def test_deadline_order_keeps_size_affinity_and_puts_late_jobs_last() -> None:
+    def cheap_sizes(jobs: Sequence[EngineJob]) -> float:  # an extra size costs 0.01 s here
+        return 0.09 + 0.01 * len({j.latent_hw for j in jobs}) + 0.01 * len(jobs)
+
+    urgent = [job("b0", B, 10, NOW + 1.35, arrival=NOW - 2.0), job("a1", A, 10, NOW + 200.0, arrival=NOW - 1.0)]
+    assert _admitted_beside_a_running_job(urgent, affinity=50, cost=cheap_sizes, order="deadline") == (["a1"], ["b0"])
+    jobs = [job("late", B, 10, NOW + 0.5, arrival=NOW - 2.0), job("later", B, 10, NOW + 50.0, arrival=NOW - 1.0)]
+    assert _admitted_beside_a_running_job(jobs, order="deadline") == (["later"], ["late"])
+
+
 def test_arrival_order_keeps_size_affinity_even_for_a_job_with_little_slack() -> None:
     def cheap_sizes(jobs: Sequence[EngineJob]) -> float:  # an extra size costs 0.01 s here
         return 0.09 + 0.01 * len({j.latent_hw for j in jobs}) + 0.01 * len(jobs)
@@ -93,13 +112,14 @@ def test_slo_order_setting_resolves_per_device_and_rejects_unknown_values() -> N
     from workers.engine.scheduler import slo_order_for
 
     assert slo_order_for("auto", "cpu") == "slack"
-    assert slo_order_for("auto", "cuda:0") == "arrival"
+    assert slo_order_for("auto", "cuda:0") == "deadline"
     assert slo_order_for("slack", "cuda") == "slack"
+    assert slo_order_for("deadline", "cpu") == "deadline"
     with pytest.raises(ValueError, match="SLO order"):
-        slo_order_for("deadline", "cpu")
+        slo_order_for("fifo", "cpu")
     with pytest.raises(ValueError, match="STENCIL_SLO_ORDER"):
         Settings(slo_order="fifo")
-    with pytest.raises(ValueError, match="slack or arrival"):
+    with pytest.raises(ValueError, match="slack, arrival or deadline"):
         BatchScheduler(2, slo_order="auto")
 
 

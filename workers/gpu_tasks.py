@@ -154,7 +154,7 @@ class RedisEngineHooks(EngineHooks):
                                 "remaining": j.total_steps - j.steps_done, "cached": j.cached,
                                 "template_id": j.template_id, "priority": j.priority, "deadline": j.deadline,
                                 "masked_tokens": list(j.masked_tokens) if j.masked_tokens else None,
-                                "latent_hw": list(j.latent_hw) if j.latent_hw else None}
+                                "latent_hw": list(j.latent_hw) if j.latent_hw else None, "late": j.late}
                                for j in jobs])
 
         state = {"max_batch": str(self.max_batch)}

@@ -15,14 +15,16 @@ Systems (the engine's settings that select them):
   for the device each part models: drain for the real CPU run and the CPU-fitted simulation, mix for
   the GPU-shaped one);
 - ``mixed-slo``: the same with SLO-aware admission (``STENCIL_SLO_ADMISSION=1``: jobs that can make
-  their deadline first, in slack or arrival order, ``STENCIL_SLO_ORDER``, ``--slo-order``, ``auto``:
-  slack for the CPU parts, arrival for the GPU-shaped one; admission refused when it would make a
+  their deadline first, in slack, arrival or deadline order, ``STENCIL_SLO_ORDER``, ``--slo-order``,
+  ``auto``: slack for the CPU parts, deadline for the GPU-shaped one; admission refused when it would make a
   running job miss its deadline, late jobs last; a running job gives its slot back once it misses
   even alone or, ``STENCIL_SLO_YIELD``, ``--slo-yield``, once the batch's prediction misses it;
   predicted finishes stretched by ``STENCIL_SLO_MARGIN``, ``--slo-margin``; ``auto``: alone and 0
   for the CPU parts, batch and 0.01 for the GPU-shaped one) fed by the
   resolution-aware batch step-time predictor (``app/steptime.py``, fitted by ``stencil profile --sizes``),
-  corrected online by the engine's measured steps (``STENCIL_STEP_TIME_CALIBRATION``, ``app/calibration.py``).
+  corrected online by the engine's measured steps (``STENCIL_STEP_TIME_CALIBRATION``, ``app/calibration.py``);
+  in the simulations, engines publish which waiting jobs are late and routers leave those out of a
+  worker's load (``app/routing.py``; ``--route-late count``: as engines that do not publish it).
 
 Trace: Poisson arrivals; sizes drawn from ``--sizes`` (width x height : weight); mask ratios from a
 public trace (``ops/data/mask_ratios``, non-empty masks) with mask shapes from ``app.maskgen``; every
@@ -445,6 +447,7 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
                                         slo_order=slo_order_for(args.slo_order, device),
                                         slo_yield=slo_yield_for(args.slo_yield, device),
                                         slo_margin=slo_margin_for(args.slo_margin, device),
+                                        publish_late=args.route_late == "skip",
                                         step_time_calibration=args.step_time_calibration)
                     cluster = Cluster(cost, cfg, make_policy("least_requests", cost))
                     cluster.run(jobs)
@@ -630,7 +633,9 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
                      else "they miss even alone")
                   + f" (`STENCIL_SLO_YIELD={args.slo_yield}`), finish margin "
                   f"{slo_margin_for(args.slo_margin, sim_device(name)):g} (`STENCIL_SLO_MARGIN={args.slo_margin}`); "
-                  "(d)'s predictor: "
+                  + ("late jobs left out of a worker's load by the router; " if args.route_late == "skip"
+                     else "late jobs counted in a worker's load (`--route-late count`); ")
+                  + "(d)'s predictor: "
                   + ("the step cost" if args.sim_predictor_scale == 1
                      else f"{args.sim_predictor_scale:g} x the step cost")
                   + ", "
@@ -686,6 +691,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-margin", default=Settings().slo_margin,
                    help="(d)'s stretch of predicted finish times (STENCIL_SLO_MARGIN; auto: 0 on the CPU parts, "
                         "0.01 on the GPU-shaped one)")
+    p.add_argument("--route-late", default="skip", choices=("skip", "count"),
+                   help="simulation: whether routers leave jobs the engines published as late out of a worker's "
+                        "load, as the service does (skip), or count them as an engine that does not publish them "
+                        "(count)")
     p.add_argument("--mixed-size-calls", default=Settings().mixed_size_calls, choices=MIXED_SIZE_CALLS,
                    help="real run: how a step makes its per-size UNet calls (STENCIL_MIXED_SIZE_CALLS)")
     p.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.1, 1.4])

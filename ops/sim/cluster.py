@@ -60,9 +60,13 @@ class ClusterConfig:
     batching: str = "continuous"  # or "static": a batch is admitted only once the last one drained
     size_affinity_steps: int = Settings().size_affinity_steps  # the engine's (workers/engine/scheduler.py)
     size_switch: str = "mix"  # mix | drain (``BatchScheduler``): the simulated device's, as auto resolves it
-    slo_order: str = "slack"  # slack | arrival (``BatchScheduler``): the simulated device's, as auto resolves it
+    slo_order: str = "slack"  # slack | arrival | deadline (``BatchScheduler``): the device's, as auto resolves it
     slo_yield: str = "alone"  # alone | batch (``BatchScheduler``): likewise
     slo_margin: float = 0.0  # ``BatchScheduler``'s: likewise
+    # Workers publish which waiting jobs SLO admission has put behind the on-time ones (``late``), and
+    # routers leave them out of a worker's load, as the engine and dispatcher do; False: an engine that
+    # does not (every waiting job counts).
+    publish_late: bool = True
     # each worker corrects its SLO predictor online from its steps, as the engine does (app/calibration.py)
     step_time_calibration: float = Settings().step_time_calibration
     # Step cost of a batch of B jobs = intercept + (sum of their job seconds) * B ** (exponent - 1):
@@ -239,7 +243,7 @@ class Cluster:
         """What ``RedisEngineHooks.on_step`` writes; visible jobs leave the dispatcher's in-flight."""
         def load(ej: EngineJob) -> JobLoad:
             return JobLoad(ej.job_id, ej.remaining, ej.mask_ratio, ej.masked_tokens, ej.cached, ej.template_id,
-                           latent_hw=ej.latent_hw)
+                           latent_hw=ej.latent_hw, late=ej.late and self.cfg.publish_late)
 
         st = w.state
         st.running = [load(j) for j in w.sched.running if j.remaining > 0]

@@ -39,6 +39,10 @@ class EngineJob:
     # A user's deadline is hard (a job that cannot meet it expires); a default one from the service's
     # SLO factor is soft: it orders SLO-aware admission, a job late for it still runs (last).
     hard_deadline: bool = True
+    # SLO-aware admission's verdict at its last look: a waiting job whose soft deadline is out of reach
+    # runs behind every job that can still make its own. The engine publishes it: routers do not count
+    # such a job ahead of a new one.
+    late: bool = False
 
     @property
     def finished(self) -> bool:

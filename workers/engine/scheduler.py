@@ -25,9 +25,13 @@ SLO-aware admission (PatchedServe-style), active only when a step-time predictor
   affinity on and more jobs waiting than slots free, jobs with room to wait go behind jobs of the
   sizes already in the batch. ``slo_order="arrival"`` keeps plain admission's order instead (user
   deadlines, then arrival; under a queue, size affinity's ranks): the checks below still decide who
-  may take a slot. Under overload least-slack-first serves the jobs nearest to missing, and in a
-  full GPU batch (a step 3.7x a job's step alone) a job's slack against its time alone overstates
-  its room; there arrival order kept more deadlines (GPU-shaped simulator, ops/bench/mixed_sizes).
+  may take a slot; ``slo_order="deadline"`` is the same with earliest deadline first in place of
+  arrival. Under overload least-slack-first serves the jobs nearest to missing, and in a full GPU
+  batch (a step 3.7x a job's step alone) a job's slack against its time alone overstates its room;
+  there arrival order kept more deadlines, and deadline order more still (GPU-shaped simulator,
+  ops/bench/mixed_sizes).
+- each waiting job's verdict is left on it (``job.late``: its soft deadline is out of reach, so it runs
+  behind every on-time job); the engine publishes it and routers do not count it ahead of a new job.
 - a job predicted to miss its own deadline in the current batch goes after jobs predicted to make
   theirs (it still takes a slot nobody else can use); a late job takes no slot in a step where an
   on-time job was refused (the capacity is kept for on-time jobs: measured, ops/bench/mixed_sizes).
@@ -80,6 +84,10 @@ log = logging.getLogger(__name__)
 MODES = ("continuous", "static", "bucketed")
 
 
+def _deadline_or_inf(job: EngineJob) -> float:
+    return job.deadline if job.deadline is not None else float("inf")
+
+
 def _is_cuda(device: str) -> bool:
     return str(device).split(":")[0] == "cuda"
 
@@ -102,10 +110,12 @@ def size_switch_for(mode: str, device: str) -> str:
 
 
 def slo_order_for(mode: str, device: str) -> str:
-    """``STENCIL_SLO_ORDER``: ``auto`` orders SLO admission by arrival on CUDA (sublinear batches: a
-    full batch's step is several times a job's alone, so slack against the time alone misleads) and
-    by slack elsewhere (in the CPU-fitted simulator slack kept 0.5-1.2 points more; BENCHMARKS.md)."""
-    return _resolve_for_device(mode, device, SLO_ORDERS, "arrival", "slack", "SLO order")
+    """``STENCIL_SLO_ORDER``: ``auto`` orders SLO admission by deadline on CUDA (sublinear batches: a
+    full batch's step is several times a job's alone, so slack against the time alone misleads; in
+    the GPU-shaped simulator deadline order kept more deadlines than arrival order, and both more
+    than slack) and by slack elsewhere (in the CPU-fitted simulator slack kept 0.5-1.2 points more
+    than arrival; BENCHMARKS.md)."""
+    return _resolve_for_device(mode, device, SLO_ORDERS, "deadline", "slack", "SLO order")
 
 
 def slo_yield_for(mode: str, device: str) -> str:
@@ -123,7 +133,7 @@ SLO_MARGIN_CUDA = 0.01
 
 def slo_margin_for(value: str, device: str) -> float:
     """``STENCIL_SLO_MARGIN``: a number >= 0, or ``auto`` (``SLO_MARGIN_CUDA`` on CUDA, 0 elsewhere:
-    the real CPU run has not been measured with a margin)."""
+    on the real CPU run a 1% margin's effect was within the run's noise; BENCHMARKS.md)."""
     margin = parse_slo_margin(value)
     if margin is None:
         return SLO_MARGIN_CUDA if _is_cuda(device) else 0.0
@@ -166,7 +176,7 @@ class BatchScheduler:
             raise ValueError(f"size switch must be mix or drain, got {size_switch!r}")
         self.size_switch = size_switch
         if slo_order not in SLO_ORDERS or slo_order == "auto":  # resolved by ``slo_order_for``
-            raise ValueError(f"SLO order must be slack or arrival, got {slo_order!r}")
+            raise ValueError(f"SLO order must be slack, arrival or deadline, got {slo_order!r}")
         self.slo_order = slo_order
         if slo_yield not in SLO_YIELDS or slo_yield == "auto":  # resolved by ``slo_yield_for``
             raise ValueError(f"SLO yield must be alone or batch, got {slo_yield!r}")
@@ -434,7 +444,7 @@ class BatchScheduler:
         behind those of the sizes already in the batch, so a crowded batch converges to fewer denoiser
         calls and its steps get cheaper for everyone; urgent jobs, jobs passed over
         ``size_affinity_steps`` times and late jobs keep their slack order (a stable sort keeps it
-        within each rank). Arrival order: plain admission's ranks (``_affinity_rank``), late jobs last."""
+        within each rank). Arrival or deadline order: plain admission's ranks (``_affinity_rank``), late jobs last."""
         counts: dict = {}  # size -> running jobs of it
         for running in self.running:
             counts[running.latent_hw] = counts.get(running.latent_hw, 0) + 1
@@ -442,7 +452,7 @@ class BatchScheduler:
         def rank(job: EngineJob) -> tuple[int, int]:
             if id(job) in late:
                 return (3, 0)
-            if self.slo_order == "arrival":
+            if self.slo_order != "slack":  # arrival or deadline: plain admission's ranks
                 return self._affinity_rank(job, counts)
             relaxed = job.slack(now, alone[id(job)]) >= SLO_AFFINITY_SLACK * alone[id(job)]
             if (not relaxed or job.latent_hw in counts
@@ -453,7 +463,7 @@ class BatchScheduler:
         ordered = sorted(candidates, key=lambda j: (-j.priority, rank(j)))
         order = {id(j): k for k, j in enumerate(candidates)}
         free = self.max_batch - len(self.running)
-        for job in ordered[free:]:  # passed over: the base order (slack or arrival) would have given it a slot
+        for job in ordered[free:]:  # passed over: the base order would have given it a slot
             if order[id(job)] < free:
                 self._passed_over[job.job_id] = self._passed_over.get(job.job_id, 0) + 1
         waiting = {j.job_id for j in self.waiting}
@@ -493,6 +503,8 @@ class BatchScheduler:
         if self.waiting and len(self.running) < self.max_batch and (self.mode != "static" or not self.running):
             if self.slo_order == "arrival":
                 self.waiting.sort(key=lambda j: (-j.priority, id(j) in late, *j.sort_key()[1:]))
+            elif self.slo_order == "deadline":
+                self.waiting.sort(key=lambda j: (-j.priority, id(j) in late, _deadline_or_inf(j), j.arrival))
             else:
                 self.waiting.sort(key=lambda j: (-j.priority, id(j) in late,
                                                  0.0 if id(j) in late else j.slack(now, alone[id(j)]), j.arrival))
@@ -542,6 +554,10 @@ class BatchScheduler:
                 misses = {i if i < n_run else len(self.running) - 1 for i in trials[chosen]}
                 candidates = [j for j in candidates[chosen + 1:] if j in self.waiting and
                               (self.mode != "bucketed" or j.latent_hw == job.latent_hw)]
+        for job in self.waiting:
+            job.late = id(job) in late
+        for job in admitted:
+            job.late = False
         return self._batch(), admitted
 
     def observe_step(self, batch: list[EngineJob], seconds: float) -> None:
@@ -566,7 +582,7 @@ class BatchScheduler:
 
 class AdmissionTrials:
     """``_misses_many(running, [[c] for c in candidates])``, computed a chunk of candidates at a time
-    as admission walks them (slack or arrival order). Admission stops at the first candidate it can take, and
+    as admission walks them (in its order). Admission stops at the first candidate it can take, and
     skips late jobs once an on-time one was refused, so under a long queue most candidates are never
     tried (measured: ``ops/bench/scheduler_cost.py``). Chunk: ``sched.admission_chunk``."""
 
