@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from app.costmodel import BlockSpec, CostModel, TierFit, UNetArch
 from app.dispatcher import parse_worker_hash
 from app.routing import JobDemand, JobLoad, WorkerState, WorkerView, make_policy
+from tests.test_routing import small_model
 from workers.engine.job import EngineJob
 from workers.engine.scheduler import BatchScheduler
 
@@ -72,20 +72,12 @@ def _workers() -> WorkerView:
                        WorkerState("b", running=_loads("br", 2), waiting=_loads("bw", 2))])
 
 
-def _model() -> CostModel:
-    arch = UNetArch(latent_hw=(32, 32), num_levels=2,
-                    blocks=(BlockSpec("down_blocks.0.attentions.0.transformer_blocks.0", 0, 64, 64, 256, True),
-                            BlockSpec("up_blocks.1.attentions.0.transformer_blocks.0", 0, 64, 64, 256, True)),
-                    fullmap_macs_per_row=2e7)
-    return CostModel("m", "test", arch, 0.01, (0.1, 2.0, 2.0, 0.001, 0.001), tiers={"local": TierFit(0.0, 1e9)})
-
-
 def test_every_load_based_policy_sends_a_new_job_past_late_jobs() -> None:
     new = JobDemand("new", 10, 0.2)
     for name in ("least_requests", "least_masked_tokens", "mask_aware"):
-        assert make_policy(name, _model()).choose(new, _workers()) == "a", name
+        assert make_policy(name, small_model()).choose(new, _workers()) == "a", name
     # Without the verdict (an engine that does not publish it) the same queue counts: b is chosen.
     for w in (v := _workers()).workers.values():
         for j in w.waiting:
             j.late = False
-    assert make_policy("least_requests", _model()).choose(new, v) == "b"
+    assert make_policy("least_requests", small_model()).choose(new, v) == "b"
