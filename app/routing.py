@@ -128,7 +128,7 @@ class WorkerState:
     @property
     def n_jobs(self) -> int:
         """Jobs ahead of a new one (``ahead``)."""
-        return len(self.running) + sum(1 for j in self.waiting if not j.late) + len(self.inflight)
+        return len(self.running) + len(self.on_time_waiting()) + len(self.inflight)
 
     def jobs(self) -> Iterable[JobLoad]:
         """Every job at (or on its way to) the worker, late ones included."""

@@ -44,15 +44,16 @@ the CPU stages (decode, text and VAE encoding, which ``prepare`` runs before the
 Redis/Celery hand-offs; the end-to-end path of the SLO fields is covered by the service tests.
 
 Simulation (``ops/sim/cluster.py``: the production router and ``BatchScheduler`` against simulated
-workers; least-requests routing with the service's size affinity, ``STENCIL_ROUTING_SIZE_SLACK``:
-a job goes to a worker idle or already running its size when one is within that many jobs of the
-least loaded, for all four systems) of the same trace with two step-cost models: the CPU-fitted batch predictor, and a
-GPU-shaped one whose batch cost is sublinear: a step of work W (a job's work = its predicted
-standalone step time relative to a full-compute 128x128 job, i.e. one SD-1.5 512x512 inpainting
-image) takes ``gpu_step_seconds(W)``, the A100 curve of diffusers' benchmark (``GPU_CURVE``). A
-batch mixing sizes runs one UNet call per size (lockstep) whose transformer blocks pack every
-size's tokens, so its step costs ``TRANSFORMER_SHARE`` x g(all the work) + the rest x the sum over
-sizes of g(that size's work): each size's convolutions pay the GPU's small-batch floor again.
+workers; least-requests routing (``--sim-router``: another policy of ``app/routing.py``) with the
+service's size affinity, ``STENCIL_ROUTING_SIZE_SLACK``: a job goes to a worker idle or already
+running its size when one is within that many jobs of the least loaded, for all four systems) of the
+same trace with two step-cost models: the CPU-fitted batch predictor, and a GPU-shaped one whose
+batch cost is sublinear: a step of work W (a job's work = its predicted standalone step time
+relative to a full-compute 128x128 job, i.e. one SD-1.5 512x512 inpainting image) takes
+``gpu_step_seconds(W)``, the A100 curve of diffusers' benchmark (``GPU_CURVE``). A batch mixing
+sizes runs one UNet call per size (lockstep) whose transformer blocks pack every size's tokens, so
+its step costs ``TRANSFORMER_SHARE`` x g(all the work) + the rest x the sum over sizes of g(that
+size's work): each size's convolutions pay the GPU's small-batch floor again.
 
     python -m ops.bench.mixed_sizes --out docs/bench/mixed_sizes.md
 """
@@ -78,7 +79,7 @@ from app.costmodel import CostModel
 from app.demo import demo_templates
 from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
-from app.routing import make_policy, size_slack_setting
+from app.routing import POLICIES, make_policy, size_slack_setting
 from app.settings import MIXED_SIZE_CALLS, SIZE_SWITCHES, SLO_ORDERS, SLO_YIELDS, Settings
 from app.steptime import BatchPredictor, JobShape
 from app.storage import LocalStore
@@ -449,7 +450,7 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
                                         slo_margin=slo_margin_for(args.slo_margin, device),
                                         publish_late=args.route_late == "skip",
                                         step_time_calibration=args.step_time_calibration)
-                    cluster = Cluster(cost, cfg, make_policy("least_requests", cost))
+                    cluster = Cluster(cost, cfg, make_policy(args.sim_router, cost))
                     cluster.run(jobs)
                     stats = RunStats([Outcome(j.arrival, j.deadline, j.finish, j.latent_hw or (0, 0),
                                               j.extra.get("start"), j.alone_s) for j in jobs],
@@ -624,7 +625,8 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
                   *paired_rounds(r["loads"]), ""]
     for name, res in (results.get("sim") or {}).items():
         lines += [f"## Simulation, {name} step cost", "",
-                  f"`ops/sim/cluster.py`, {args.sim_workers} workers, least-requests routing with size affinity (slack "
+                  f"`ops/sim/cluster.py`, {args.sim_workers} workers, {args.sim_router} routing with size affinity "
+                  f"(slack "
                   f"{size_slack_setting():g} jobs, `STENCIL_ROUTING_SIZE_SLACK`), {args.sim_jobs} jobs per "
                   f"run, mean of seeds {args.sim_seeds}, step noise {args.sim_noise}; (d)'s order of a crowded "
                   f"queue: {slo_order_for(args.slo_order, sim_device(name))} "
@@ -683,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="how (c) changes a batch's size under a queue (STENCIL_SIZE_SWITCH; auto: drain "
                         "on the CPU parts, mix on the GPU-shaped one)")
     p.add_argument("--slo-order", default=Settings().slo_order, choices=SLO_ORDERS,
-                   help="(d)'s order of a crowded queue (STENCIL_SLO_ORDER; auto: slack on the CPU parts, arrival "
+                   help="(d)'s order of a crowded queue (STENCIL_SLO_ORDER; auto: slack on the CPU parts, deadline "
                         "on the GPU-shaped one)")
     p.add_argument("--slo-yield", default=Settings().slo_yield, choices=SLO_YIELDS,
                    help="when (d)'s running soft-deadline jobs give their slot back (STENCIL_SLO_YIELD; auto: alone "
@@ -691,6 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-margin", default=Settings().slo_margin,
                    help="(d)'s stretch of predicted finish times (STENCIL_SLO_MARGIN; auto: 0 on the CPU parts, "
                         "0.01 on the GPU-shaped one)")
+    p.add_argument("--sim-router", default="least_requests", choices=POLICIES,
+                   help="simulation: the routing policy of every system (app/routing.py)")
     p.add_argument("--route-late", default="skip", choices=("skip", "count"),
                    help="simulation: whether routers leave jobs the engines published as late out of a worker's "
                         "load, as the service does (skip), or count them as an engine that does not publish them "
