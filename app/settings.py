@@ -189,12 +189,6 @@ class Settings:
     # step of each of n equal segments serves the whole segment; 0 = every step; "auto" = the
     # measured default of the model family (AUTO_CACHE_STEPS). Exact-region caches store every step.
     cache_steps: str = "auto"
-    # Bandwidth (GB/s, 1e9 bytes/s) from the cache store to the device that warm-ups plan for:
-    # a warm-up stores only the plan units whose load at this speed the load/compute plan
-    # (workers/engine/plan.py) would take over recomputing them; edits compute the rest fully.
-    # 0 = store every unit. Default 0.5: the object store's single-GET bandwidth measured here
-    # (DESIGN.md section 6, SeaweedFS ~480 MiB/s), the link a non-resident cache crosses.
-    cache_link_gbps: float = 0.5
     prefetch_steps: int = 8  # steps of a job's template cache fetched ahead (from routing on)
     # Concurrent background fetches per GPU worker: S3 reads are latency-bound, so several
     # requests in flight (boto3's pool allows 10) are what keeps prefetch ahead of the queue.

@@ -128,7 +128,7 @@ def _train_cost_model(runner, unit_rows: dict[str, int], slow: str) -> None:  # 
         runner.unit_cost.observe(u, max(1, round(0.2 * n)), 0.2 * full)
 
 
-def test_warm_up_at_a_link_speed_stores_fewer_units_and_edits_compute_the_rest(tmp_path: Path) -> None:
+def test_warm_up_at_a_read_speed_stores_fewer_units_and_edits_compute_the_rest(tmp_path: Path) -> None:
     from workers.engine.sd_runner import SDRunner
 
     steps = 3
@@ -137,13 +137,13 @@ def test_warm_up_at_a_link_speed_stores_fewer_units_and_edits_compute_the_rest(t
     rows = {u: 2 * ctrl.unit_tokens(u, (16, 16)) for u in units}
     slow = units[len(units) // 2]
     _train_cost_model(runner, rows, slow)
-    runner.link_gbps = 1e-3  # 1 MB/s: loading a unit (~0.1 MB) costs ~0.1 s
+    runner.read_gbps = 1e-3  # 1 MB/s: reading a unit (~0.1 MB) costs ~0.1 s
     key = TemplateCacheKey("t", "tpl", 128, 128, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout + "/noise-0")
     rec = _run(runner, _job(runner, "record", key, steps))
     manifest = rec["commit"].result(timeout=60)
     assert manifest["units"] == [slow]
     full_key = TemplateCacheKey("t", "tpl2", 128, 128, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout + "/noise-0")
-    runner.link_gbps = 0.0  # store everything
+    runner.read_gbps = 0.0  # store everything
     _run(runner, _job(runner, "record", full_key, steps))["commit"].result(timeout=60)
     fewer = sum(store.size(o) for o in store.list(f"activations/{key.digest()}/") if "step_" in o)
     every = sum(store.size(o) for o in store.list(f"activations/{full_key.digest()}/") if "step_" in o)
@@ -161,7 +161,7 @@ def test_warm_up_at_a_link_speed_stores_fewer_units_and_edits_compute_the_rest(t
 def test_without_unit_costs_or_for_exact_regions_every_unit_is_stored(tmp_path: Path) -> None:
     steps = 2
     unet, ctrl, runner, caches, store, cfg = _runner_setup(tmp_path, "plan")
-    runner.link_gbps = 1e-6
+    runner.read_gbps = 1e-6
     key = TemplateCacheKey("t", "tpl", 128, 128, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout + "/noise-0")
     manifest = _run(runner, _job(runner, "record", key, steps))["commit"].result(timeout=60)
     assert "units" not in manifest  # no measured unit costs yet

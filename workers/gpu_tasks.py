@@ -197,7 +197,7 @@ def get_engine() -> Engine:
                                  "recorder": CacheRecorder(ctx.activations(), codec=s.cache_dtype),
                                  "dilation": s.mask_dilation, "prefetch_steps": s.prefetch_steps,
                                  "cache_plan": s.cache_plan, "max_wait_s": s.cache_plan_max_wait_s,
-                                 "link_gbps": s.cache_link_gbps}
+                                 "read_gbps": None}  # warm-ups store units by the measured host->device read
             # Adapters: the patcher goes in before the mask-aware hooks (see workers/adapters/patcher.py).
             from workers.adapter_tasks import read_weights
             from workers.adapters.bank import AdapterBank
@@ -241,8 +241,7 @@ def get_engine() -> Engine:
                     s.host_cache_bytes, s.host_cache_fraction, [denoiser] if denoiser is not None else [], s.device)
                 if denoiser is not None:
                     caches.dtype = next(denoiser.parameters()).dtype
-                log.info("template caches stored as %s (exact-region caches: float32), link %.2f GB/s",
-                         s.cache_dtype, s.cache_link_gbps)
+                log.info("template caches stored as %s (exact-region caches: float32)", s.cache_dtype)
             step_time = None
             if s.slo_admission.strip().lower() not in ("off", "0", "false", "no"):
                 from app.calibration import calibrated

@@ -22,8 +22,8 @@ Parts (``--parts``, all by default):
   GPU hosts), and a measured replay: jobs over a few templates, true-size SD 1.5 steps (the
   recorded step's real activations) behind a throttled link (``ThrottledStore``), prefetching
   ahead of an emulated GPU-speed step loop; stall time and host hits per codec.
-- ``link``: warm-ups at a link speed storing only the units worth loading
-  (``STENCIL_CACHE_LINK_GBPS``): stored bytes and edit step time behind that link, vs storing all.
+- ``link``: warm-ups at a read speed storing only the units worth reading (``runner.read_gbps``;
+  the service measures its host-to-device copy): stored bytes and edit step time behind that link, vs storing all.
 - ``steps`` (not in the default set; its own report): template caches storing n steps of the
   schedule (``STENCIL_CACHE_STEPS``) vs every step, on the three trained models at 20 and 50 steps
   under the ``fast`` and ``balanced`` policies; selects the per-family ``auto`` default (fewest
@@ -611,10 +611,10 @@ def part_link(args: argparse.Namespace, state: dict) -> list[str]:
             runner = SDRunner(fam.pipe.unet, fam.scheduler_config, maskaware=fam.ctrl,
                               caches=StepCacheProvider(ActivationStore(ThrottledStore(LocalStore(root / f"{mibps}-{label}"),
                                                                                       mibps * MiB, 0.002)), 1 << 30),
-                              recorder=CacheRecorder(acts, codec=codec), prefetch_steps=0, link_gbps=0.0)
+                              recorder=CacheRecorder(acts, codec=codec), prefetch_steps=0, read_gbps=0.0)
             run(runner, [(dict(e_tensors), dict(e_meta))])  # measure unit costs (full compute)
             key = fam.key(f"link-{mibps}-{label}", params, meta)
-            runner.link_gbps = gbps
+            runner.read_gbps = gbps
             out = run(runner, [(tensors, dict(meta, cache_mode="record", cache_key=key.to_dict()))])[0]
             manifest = out["commit"].result(600)
             sizes[label] = (len(manifest.get("units", fam.ctrl.units)), int(manifest["nbytes"]))

@@ -32,7 +32,7 @@ lossless with respect to the codec. A cache records its row count ``rows`` (mani
 metadata, ``CacheRecorder``); every tensor of such a cache was recorded with ``rows`` rows, so a
 stored tensor with one row where ``rows`` > 1 is a shared one, and decoding expands it back
 (``expand_rows``: a zero-copy ``expand``; consumers only read cached tensors, copying them before
-any write, ``workers/maskaware/unet.py`` ``_scatter_copy``). int8 tensors keep their scales
+any write, ``workers/maskaware/unet.py`` ``_with_fresh``). int8 tensors keep their scales
 per row, so a shared row's scales are those of every row. The stored tensor is still one tensor
 per name, so ranged unit reads, host-tier byte accounting (the bytes actually held) and the
 plan's units need no change; predicted sizes take the shared names (``stored_nbytes(shared=True)``,
@@ -162,11 +162,18 @@ def decode_tensor(t: torch.Tensor, dtype: torch.dtype = torch.float32,
     return expand_rows(t.to(dtype), rows)
 
 
-def needs_decode(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, rows: int = 0) -> bool:
+def needs_decode(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, rows: int = 0,
+                 device: torch.device | str | None = None) -> bool:
     """False when every tensor is already in the compute dtype (float32 storage of float32
-    compute) and none holds shared rows: then the stored tensors are handed over as they are
-    (bit for bit, no copy)."""
-    return any(t.dtype != dtype or is_shared(t, rows) for t in tensors.values())
+    compute) on the compute device and none holds shared rows: then the stored tensors are handed
+    over as they are (bit for bit, no copy)."""
+    where = None if device is None else torch.device(device)
+    return any(t.dtype != dtype or is_shared(t, rows) or (where is not None and not _on(t, where))
+               for t in tensors.values())
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
 
 
 class DecodedStep(Mapping[str, torch.Tensor]):
@@ -200,7 +207,7 @@ def decoded(stored: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float
             device: torch.device | str | None = None, rows: int = 0) -> Mapping[str, torch.Tensor]:
     """``stored`` itself if nothing needs decoding, else a lazily decoding view (``rows``: the
     cache's row count, for shared rows; 0 = none shared)."""
-    if not needs_decode(stored, dtype, rows):
+    if not needs_decode(stored, dtype, rows, device):
         return stored
     return DecodedStep(stored, dtype, device, rows)
 

@@ -37,6 +37,7 @@ class FluxJobState(JobState):
     text_ids: torch.Tensor | None = None
     image_ids: torch.Tensor | None = None
     guidance: float = 30.0
+    guidance_t: torch.Tensor | None = None  # ``guidance`` on the compute device (one row)
 
 
 class FluxRunner(BaseRunner):
@@ -71,6 +72,8 @@ class FluxRunner(BaseRunner):
         generator.set_state(tensors["generator_state"])
         state = FluxJobState(
             latents=latents, scheduler=scheduler, timesteps=scheduler.timesteps[t_start:], generator=generator,
+            model_times=scheduler.timesteps[t_start:].to(self.device),
+            guidance_t=torch.tensor([float(meta["guidance"])], dtype=torch.float32).to(self.device),
             masked_image_latents=cond, prompt_embeds=tensors["prompt_embeds"].to(self.device, dtype),
             pooled=tensors["pooled_prompt_embeds"].to(self.device, dtype),
             text_ids=tensors["text_ids"].to(self.device), image_ids=tensors["image_ids"].to(self.device),
@@ -93,7 +96,7 @@ class FluxRunner(BaseRunner):
         states: list[FluxJobState] = [job.state for job in batch]
         if len({s.prompt_embeds.shape[1] for s in states}) != 1:
             raise ValueError("Flux jobs with text of different lengths in one batch")
-        times = torch.stack([s.timesteps[job.steps_done] for s, job in zip(states, batch)])
+        times = torch.stack([s.model_times[job.steps_done] for s, job in zip(states, batch)])  # type: ignore[index]
         if len({s.latents.shape[1] for s in states}) == 1:
             hidden = torch.cat([torch.cat((s.latents, s.masked_image_latents), dim=2) for s in states])
             return self._call(states, hidden, times, states[0].image_ids, groups)
@@ -125,7 +128,7 @@ class FluxRunner(BaseRunner):
               groups: list[Any] | None) -> tuple[torch.Tensor, list[Any]]:
         guidance = None
         if self.transformer.config.guidance_embeds:
-            guidance = torch.tensor([s.guidance for s in states], dtype=torch.float32, device=self.device)
+            guidance = torch.cat([s.guidance_t for s in states])  # type: ignore[misc]
         kwargs = dict(hidden_states=hidden, timestep=times.to(hidden.dtype) / 1000, guidance=guidance,
                       pooled_projections=torch.cat([s.pooled for s in states]),
                       encoder_hidden_states=torch.cat([s.prompt_embeds for s in states]),

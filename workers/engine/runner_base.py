@@ -45,7 +45,6 @@ link, so only the units the plan picks are loaded, one step ahead. Waiting jobs 
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import time
@@ -60,6 +59,9 @@ import torch
 from workers.adapters import layout
 from workers.adapters.patcher import install as install_row_aware
 from workers.engine.job import EngineJob
+from workers.engine.bandwidth import host_read_gbps
+from workers.engine.staging import CacheStager
+from workers.engine.stepper import make_stepper
 from workers.engine.plan import RESIDENT, UNAVAILABLE, BlockCost, StepPlan, Tier, UnitCostModel, plan_optimal
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider, UnitCache, key_stored_steps
 from workers.maskaware.activation_store import TemplateCacheKey
@@ -166,6 +168,12 @@ class JobState:
     lora_applied: int | None = None  # step from which the adapters apply (None: not yet)
     lora_cutoff: int = 0  # late jobs: the step by which they must apply (they wait there otherwise)
     extra: dict[str, Any] = field(default_factory=dict)
+    stepper: Any = None  # ``workers.engine.stepper``: the scheduler's update with precomputed scalars
+    model_times: torch.Tensor | None = None  # the timesteps on the compute device (the model's input)
+
+    def __post_init__(self) -> None:
+        if self.stepper is None:  # the scheduler and schedule as given (tests build states directly)
+            self.stepper = make_stepper(self.scheduler, self.timesteps, self.generator)
 
     @property
     def rows(self) -> int:
@@ -189,7 +197,7 @@ class BaseRunner(ABC):
     def __init__(self, maskaware: Any = None, caches: StepCacheProvider | None = None,
                  recorder: CacheRecorder | None = None, dilation: int = 0, prefetch_steps: int = 4,
                  cache_plan: str = "plan", max_wait_s: float = 5.0, lora: Any = None, adapters: Any = None,
-                 lora_late_max_fraction: float = 0.3, link_gbps: float = 0.0,
+                 lora_late_max_fraction: float = 0.3, read_gbps: float | None = 0.0,
                  batch_invariant: bool | None = None) -> None:
         if cache_plan not in CACHE_PLANS:
             raise ValueError(f"cache_plan must be one of {CACHE_PLANS}, got {cache_plan!r}")
@@ -205,7 +213,11 @@ class BaseRunner(ABC):
         self.prefetch_steps = prefetch_steps
         self.cache_plan = cache_plan
         self.max_wait_s = max_wait_s
-        self.link_gbps = link_gbps  # warm-ups store only the units worth loading at this speed (0: all)
+        # Warm-ups store only the units worth reading at this speed (``_select_units``); None (the
+        # service's): the host-to-device copy measured on first use (``workers/engine/bandwidth.py``);
+        # 0: store every unit.
+        self.read_gbps = read_gbps
+        self._stager: CacheStager | None = None
         self.unit_cost = UnitCostModel()
         self.last_plan: StepPlan | None = None
         self.last_ahead: tuple[float, StepPlan] | None = None  # (lead_s, plan) of the last step ahead
@@ -345,6 +357,9 @@ class BaseRunner(ABC):
                 st.extra["absent_units"] = absent
             st.refresh = frozenset(int(s) for s in meta.get("refresh_steps", ()))
             st.token_masks = self._token_masks(st, tensors)
+            prepare = getattr(st.token_masks, "prepare", None)
+            if prepare is not None:  # counts and device indices now, never inside a step
+                prepare(getattr(self, "device", "cpu"))
             self.caches.prefetch(key, range(self.prefetch_steps))  # type: ignore[union-attr]
 
     def _absent_units(self, key: TemplateCacheKey) -> frozenset[str]:
@@ -356,9 +371,26 @@ class BaseRunner(ABC):
         kept = stored(key)
         return frozenset() if kept is None else frozenset(u for u in units if u not in kept)
 
+    @property
+    def stager(self) -> CacheStager:
+        """Moves masked jobs' step caches to the device (``workers/engine/staging.py``); private,
+        writable copies for models that write their fresh tokens into the cache."""
+        if self._stager is None:
+            self._stager = CacheStager(getattr(self, "device", "cpu"), writable=self.writable_caches)
+        return self._stager
+
+    writable_caches = False  # the model writes fresh tokens into staged caches (SD-family UNets)
+
+    def _read_speed(self) -> float:
+        """GB/s at which a step reads its cache (``read_gbps``, else measured once)."""
+        if self.read_gbps is None:
+            self.read_gbps = host_read_gbps(str(getattr(self, "device", "cpu")))
+        return self.read_gbps
+
     def _select_units(self, st: JobState, key: TemplateCacheKey) -> None:
-        """A template warm-up at link speed ``link_gbps`` stores only the units whose load over that
-        link is cheaper than recomputing them (``store_units``): with the plan's cost model (the
+        """A template warm-up stores only the units whose read at ``_read_speed`` (host RAM to the
+        compute device: what a step pays, prefetch hiding the store) is cheaper than recomputing
+        them (``store_units``): with the plan's cost model (the
         online ``UnitCostModel`` and ``Tier.load_time``, as ``unit_costs`` builds the plan's input)
         for one step of an edit of this size at mask ratio ``REFERENCE_RATIO`` whose cache is not
         resident, a unit is kept iff ``load_s < full_s - cached_s``. Such a unit is what the plan
@@ -367,7 +399,10 @@ class BaseRunner(ABC):
         measured unit costs yet, or for exact-region warm-ups (one edit's own recording, kept
         complete like their codec), every unit is stored."""
         units = getattr(self.maskaware, "units", None)
-        if not units or self.link_gbps <= 0 or key.exact_region or st.latents.dim() != 4:
+        if not units or key.exact_region or st.latents.dim() != 4:
+            return
+        gbps = self._read_speed()
+        if gbps <= 0:
             return
         codec = getattr(self.recorder, "codec_for", lambda _k: "")(key)
         latent_hw = (int(st.latents.shape[-2]), int(st.latents.shape[-1]))
@@ -376,7 +411,7 @@ class BaseRunner(ABC):
         shared = (frozenset(self.maskaware.tensor_names())
                   if getattr(self.recorder, "share_rows", False) and self._rows_alike(st) else frozenset())
         job = PlanJob(st.rows, RatioMask(REFERENCE_RATIO), ("warm-up", 0), set(), codec=codec, shared=shared)
-        blocks = unit_costs(self.maskaware, self.unit_cost, [job], latent_hw, Tier("link", self.link_gbps * 1e9))
+        blocks = unit_costs(self.maskaware, self.unit_cost, [job], latent_hw, Tier("host", gbps * 1e9))
         if blocks is None:
             log.info("warm-up %s: unit costs not measured yet, storing every unit", key.digest())
             return
@@ -386,8 +421,7 @@ class BaseRunner(ABC):
         set_units = getattr(self.recorder, "set_units", None)
         if set_units is not None:
             set_units(key, chosen)
-        log.info("warm-up %s at %.3g GB/s: storing %d of %d units", key.digest(), self.link_gbps,
-                 len(chosen), len(units))
+        log.info("warm-up %s at %.3g GB/s: storing %d of %d units", key.digest(), gbps, len(chosen), len(units))
 
     def prefetch(self, job: EngineJob) -> None:
         """Start loading the next steps' caches of a (waiting or running) masked job. On a link
@@ -416,9 +450,8 @@ class BaseRunner(ABC):
             # completion (``_plan_groups``), so the copy stream is not raced for the first unit.
             cache = self.caches.ready(st.cache_key, job.steps_done, fetch=not self._units_on)
             if cache is not None:
-                if st.delta is not None:
-                    cache = OffsetCache(cache, st.delta)
-                return self._row_group(st.rows, "masked", st.token_masks, cache)
+                staged = self.stager.take(job.job_id, job.steps_done, cache, st.delta)
+                return self._row_group(st.rows, "masked", st.token_masks, staged)
             st.extra["fallback_pending"] = True
         return self._row_group(st.rows, "full")
 
@@ -613,34 +646,45 @@ class BaseRunner(ABC):
             layout.set_invariant(False)
             if self.lora is not None:
                 self.lora.finish()  # also ends the step's layout demand (thread-local)
+        if self.caches is not None and self.stager.asynchronous:
+            self._stage_ahead(batch)
         if self._units_on:
             self._observe_units()
             took = time.monotonic() - started
             self._step_s = took if self._step_s is None else 0.7 * self._step_s + 0.3 * took
-        updates: list[tuple[JobState, torch.Tensor]] = []
+        # Schedulers with state (not covered by ``stepper``) roll back if the step fails, so a retry is exact.
         snapshots = [(job.state, dict(job.state.scheduler.__dict__), job.state.generator.get_state())
-                     for job in batch]
+                     for job in batch if not job.state.stepper.stateless]
         try:
-            row = 0
+            news, row = [], 0
             for i, job in enumerate(batch):
                 st: JobState = job.state
                 pred = self._guided(job, output[i] if isinstance(output, list) else output[row:row + st.rows])
                 row += st.rows
-                t = st.timesteps[job.steps_done]
-                new = st.scheduler.step(pred, t, st.latents, **_step_kwargs(st.scheduler, st.generator),
-                                        return_dict=False)[0]
-                if not torch.isfinite(new).all():
-                    raise FloatingPointError(f"job {job.job_id}: non-finite latents at step {job.steps_done}")
-                updates.append((st, new))
+                news.append(st.stepper.step(job.steps_done, pred, st.latents))
+            _check_finite(batch, news)
         except Exception:
-            # Schedulers such as Euler count steps internally: roll back so a retry is exact.
             for st, sched_dict, gen_state in snapshots:
                 st.scheduler.__dict__.update(sched_dict)
                 st.generator.set_state(gen_state)
             raise
-        for st, new in updates:
-            st.latents = new
+        for job, new in zip(batch, news):
+            job.state.latents = new
         self._after_step(batch, recorded)
+
+    def _stage_ahead(self, batch: list[EngineJob]) -> None:
+        """While this step computes, stage each masked job's next step whose cache is resident
+        (a side stream: the copy and decode overlap with the step; ``staging``)."""
+        self.stager.reset()
+        for job in batch:
+            st: JobState = job.state
+            nxt = job.steps_done + 1
+            if (st.mode != "masked" or st.cache_key is None or nxt >= len(st.timesteps) or nxt in st.refresh
+                    or st.anchor is not None):
+                continue
+            cache = self.caches.peek(st.cache_key, nxt)  # type: ignore[union-attr]
+            if cache is not None:
+                self.stager.ahead(job.job_id, nxt, cache, st.delta)
 
     def _after_step(self, batch: list[EngineJob], recorded: list[Any]) -> None:
         for i, job in enumerate(batch):
@@ -662,6 +706,7 @@ class BaseRunner(ABC):
                     n_stored = n_units - len(st.extra.get("absent_units", ()))
                     st.extra["cached_units"] = st.extra.get("cached_units", 0) + n_stored
                     st.extra["resident_steps"] = st.extra.get("resident_steps", 0) + 1
+                    pending = n_units > 0 and n_stored == 0  # its warm-up stored no unit: a full step
                 st.extra["total_units"] = st.extra.get("total_units", 0) + n_units
                 if pending:
                     st.fallback_steps += 1
@@ -706,9 +751,12 @@ class BaseRunner(ABC):
         masks = st.token_masks
         if masks is None:
             return (self._full_tokens(st),)
-        if hasattr(masks, "levels"):
-            return tuple(int(level.sum()) for level in masks.levels)
-        return (int(masks.sum()),)
+        if hasattr(masks, "counts"):
+            return masks.counts()  # computed once per job (``TokenMasks``)
+        counted = st.extra.get("masked_tokens")
+        if counted is None:
+            counted = st.extra["masked_tokens"] = (int(masks.sum()),)
+        return counted
 
     def _full_tokens(self, st: JobState) -> int:
         shape = st.latents.shape
@@ -766,12 +814,13 @@ def _one_shape(batch: list[EngineJob]) -> bool:
     return len({tuple(job.state.latents.shape[-2:]) for job in batch}) == 1
 
 
-def _step_kwargs(scheduler: Any, generator: torch.Generator) -> dict[str, Any]:
-    """eta/generator as ``prepare_extra_step_kwargs`` passes them (eta = 0, the pipeline default)."""
-    params = set(inspect.signature(scheduler.step).parameters)
-    kwargs: dict[str, Any] = {}
-    if "eta" in params:
-        kwargs["eta"] = 0.0
-    if "generator" in params:
-        kwargs["generator"] = generator
-    return kwargs
+def _check_finite(batch: list[EngineJob], news: list[torch.Tensor]) -> None:
+    """Raise for the first job whose new latents are not finite. The step's one read from the
+    device: every job's flag is reduced there and read back once (a second read, only on failure,
+    names the job)."""
+    flags = torch.stack([torch.isfinite(new).all() for new in news])
+    if bool(flags.all()):
+        return
+    bad = flags.tolist().index(False)
+    job = batch[bad]
+    raise FloatingPointError(f"job {job.job_id}: non-finite latents at step {job.steps_done}")

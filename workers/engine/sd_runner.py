@@ -77,6 +77,8 @@ class SDJobState(JobState):
 class SDRunner(BaseRunner):
     """Executes denoising steps of SD inpainting jobs on one device."""
 
+    writable_caches = True  # MaskAwareUNet writes a step's fresh tokens into its staged cache
+
     def __init__(self, unet: UNet2DConditionModel, scheduler_config: dict[str, Any], device: str = "cpu",
                  *, maskaware: MaskAwareUNet | None = None, controlnets: Any = None,
                  controlnet_parallel: bool = False, compile: str = "off", mixed_sizes: str = "auto",
@@ -105,13 +107,16 @@ class SDRunner(BaseRunner):
         if self.unet.config.in_channels != 2 * latents.shape[1] + 1:
             raise ValueError(f"latent channels {latents.shape[1]} do not fit the UNet's "
                              f"{self.unet.config.in_channels} inputs")
+        # The schedule stays on the host (the scheduler's scalars are read there, never from the
+        # device, ``workers/engine/stepper.py``); the model reads its timesteps from the device.
         scheduler = make_scheduler(self.scheduler_config)
-        scheduler.set_timesteps(int(meta["t_start"]) + int(meta["num_steps"]), device=self.device)
+        scheduler.set_timesteps(int(meta["t_start"]) + int(meta["num_steps"]), device="cpu")
         t_start = int(meta["t_start"]) * scheduler.order
         if hasattr(scheduler, "set_begin_index"):
             scheduler.set_begin_index(t_start)
         generator = torch.Generator("cpu")
         generator.set_state(tensors["generator_state"])
+        timesteps = scheduler.timesteps[t_start:]
         do_cfg = bool(meta["do_cfg"])
         rows = 2 if do_cfg else 1
         embeds = tensors["prompt_embeds"].to(self.device, self.dtype)
@@ -119,7 +124,8 @@ class SDRunner(BaseRunner):
             raise ValueError("prompt embeddings do not match the guidance layout")
         added = self._added_cond(tensors, rows)
         state = SDJobState(
-            latents=latents, scheduler=scheduler, timesteps=scheduler.timesteps[t_start:], generator=generator,
+            latents=latents, scheduler=scheduler, timesteps=timesteps, generator=generator,
+            model_times=timesteps.to(self.device),
             mask=tensors["mask"].to(self.device, self.dtype),
             masked_image_latents=tensors["masked_image_latents"].to(self.device, self.dtype),
             prompt_embeds=embeds, add_text_embeds=added[0], add_time_ids=added[1], do_cfg=do_cfg, guidance=float(meta["guidance"]),
@@ -273,11 +279,10 @@ class SDRunner(BaseRunner):
         latents, masks, times, embeds, add_text, add_ids = [], [], [], [], [], []
         for job in batch:
             st: SDJobState = job.state
-            t = st.timesteps[job.steps_done]
             x = torch.cat([st.latents] * 2) if st.do_cfg else st.latents
-            latents.append(st.scheduler.scale_model_input(x, t))
+            latents.append(st.stepper.scale_input(x, job.steps_done))
             masks.append(torch.cat([st.mask, st.masked_image_latents], dim=1))
-            times.append(t.reshape(1).expand(st.rows))
+            times.append(st.model_times[job.steps_done].reshape(1).expand(st.rows))  # type: ignore[index]
             embeds.append(st.prompt_embeds)
             if self.text_time:
                 add_text.append(st.add_text_embeds)

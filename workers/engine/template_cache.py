@@ -76,6 +76,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -370,7 +371,7 @@ class StepCacheProvider:
     # -- whole-step fetches (background prefetch) --------------------------------------------------
     def _fetch(self, key: TemplateCacheKey, step: int) -> StepTensors:
         start = time.perf_counter()
-        tensors = self.activations.read_step(key, step)
+        tensors = self._pinned(self.activations.read_step(key, step))
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self._observe(nbytes, time.perf_counter() - start, request=False)
         metrics.observe_cache("store", True, nbytes)
@@ -456,6 +457,7 @@ class StepCacheProvider:
         t0 = time.perf_counter()
         tensors = self.activations.read_tensors(obj, header, names)
         t1 = time.perf_counter()
+        tensors = self._pinned(tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self._observe(nbytes, t1 - t0)
         metrics.observe_cache("store", True, nbytes)
@@ -509,6 +511,7 @@ class StepCacheProvider:
             t0 = time.perf_counter()
             tensors = self.activations.read_step(fill.key, fill.step)
             t1 = time.perf_counter()
+            tensors = self._pinned(tensors)
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             self._observe(nbytes, t1 - t0)
             metrics.observe_cache("store", True, nbytes)
@@ -679,6 +682,19 @@ class StepCacheProvider:
             self.prefetch(key, [step])
         return None if value is None else self._decoded(value, key)  # type: ignore[return-value]
 
+    def peek(self, key: TemplateCacheKey, step: int) -> Mapping[str, torch.Tensor] | None:
+        """The step's tensors if resident, else None: no fetch, no effect on the fetch order
+        (the runner staging a job's next step while the current one computes)."""
+        value = self.host.peek((key.digest(), self.stored_step(key, step)))
+        return None if value is None else self._decoded(value, key)
+
+    def _pinned(self, tensors: StepTensors) -> StepTensors:
+        """Host tensors page-locked when steps are read by a GPU, so that copies to it are
+        asynchronous (``workers/engine/staging.py``); as they are otherwise."""
+        if self.device is None or torch.device(self.device).type != "cuda" or not torch.cuda.is_available():
+            return tensors
+        return {n: t if t.is_pinned() else t.pin_memory() for n, t in tensors.items()}
+
     def _decoded(self, stored: StepTensors, key: TemplateCacheKey) -> Mapping[str, torch.Tensor]:
         """Stored tensors as the model reads them (decoded lazily, shared rows expanded; as they
         are when lossless and no row is shared)."""
@@ -709,6 +725,22 @@ class StepCacheProvider:
                 w.join()
             if self._loader is not None:
                 self._loader.join()
+
+
+def _to_host(tensors: StepTensors) -> tuple[StepTensors, Any]:
+    """Private host copies of a recorded step, and the CUDA event after which they hold their
+    values (None: copied already). From a GPU the copies go into pinned memory asynchronously,
+    so the engine thread never waits for them; the writer thread does."""
+    on_gpu = [t for t in tensors.values() if t.device.type == "cuda"]
+    if not on_gpu:
+        return {k: v.detach().to("cpu").clone() for k, v in tensors.items()}, None
+    owned = {}
+    for k, v in tensors.items():
+        dst = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+        owned[k] = dst.copy_(v.detach(), non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(on_gpu[0].device))
+    return owned, event
 
 
 class UnitCache(Mapping[str, torch.Tensor]):
@@ -805,11 +837,10 @@ class CacheRecorder:
             skipped: Future = Future()
             skipped.set_result(0)
             return skipped
-        # Copy out of the batch's buffers now: the loop reuses nothing, but be explicit.
-        owned = {k: v.detach().to("cpu").clone() for k, v in tensors.items()}
+        owned, copied = _to_host(tensors)
         codec = self.codec_for(key)
         rows = self._recorded_rows(key, owned) if self.share_rows else 0
-        return self._pool.submit(self._put, key, step, owned, codec, rows)
+        return self._pool.submit(self._put, key, step, owned, codec, rows, copied)
 
     def _recorded_rows(self, key: TemplateCacheKey, tensors: StepTensors) -> int:
         """The recording's row count: every tensor's leading axis, the same in every step (a
@@ -823,7 +854,10 @@ class CacheRecorder:
                              "steps (shared rows need one row count per cache)")
         return rows
 
-    def _put(self, key: TemplateCacheKey, step: int, tensors: StepTensors, codec: str, rows: int) -> int:
+    def _put(self, key: TemplateCacheKey, step: int, tensors: StepTensors, codec: str, rows: int,
+             copied: Any = None) -> int:
+        if copied is not None:  # the device-to-host copies were queued by the engine: wait here, not there
+            copied.synchronize()
         stored = cache_codec.encode(tensors, codec)
         if rows > 1:
             stored, shared = cache_codec.share_rows(stored, rows)

@@ -82,10 +82,15 @@ class TokenMasks:
 
     ``indices(n)`` finds the level by token count ``n`` (levels strictly shrink, so the count is
     unique except for degenerate 1x1 tails, whose masks are then identical).
+
+    Counts are Python ints computed once from the (host) masks, and ``prepare(device)`` builds
+    every level's index tensor on the compute device once per job: a steady step reads both
+    without touching a device value (no host-device synchronisation inside the step).
     """
 
     levels: list[torch.Tensor]
     _idx: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
+    _counts: dict[int, int] = field(default_factory=dict, repr=False)
 
     @property
     def latent_hw(self) -> tuple[int, int]:
@@ -105,13 +110,30 @@ class TokenMasks:
 
     def indices(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Sorted int64 indices of masked tokens at the level with ``n`` tokens (memoized)."""
-        key = (n, str(device))
+        key = (n, str(torch.device(device)))
         if key not in self._idx:
-            self._idx[key] = self.flat(n).nonzero().reshape(-1).to(device)
+            host = self.flat(n).cpu().nonzero().reshape(-1)
+            self._idx[key] = host if key[1] == "cpu" else host.to(device)
         return self._idx[key]
 
     def count(self, n: int) -> int:
-        return int(self.flat(n).sum())
+        """Masked tokens at the level with ``n`` tokens (a Python int, memoized)."""
+        if n not in self._counts:
+            self._counts[n] = int(self.flat(n).sum())
+        return self._counts[n]
+
+    def counts(self) -> tuple[int, ...]:
+        """Masked tokens per level."""
+        return tuple(self.count(lvl.numel()) for lvl in self.levels)
+
+    def prepare(self, device: torch.device | str) -> "TokenMasks":
+        """Counts and every partial level's indices on ``device``, built now (at a job's admission)
+        so that the steps never build them."""
+        for lvl in self.levels:
+            n = lvl.numel()
+            if 0 < self.count(n) < n:
+                self.indices(n, device)
+        return self
 
     def ratios(self) -> list[float]:
         return [mask_ratio(lvl) for lvl in self.levels]

@@ -161,6 +161,7 @@ class BatchContext:
     unit_tokens: dict[str, int] = field(default_factory=dict)  # token rows computed, per unit
     unit_wait: dict[str, float] = field(default_factory=dict)  # of unit_seconds: waiting for loads
     unit_gap: dict[str, float] = field(default_factory=dict)  # other compute before each unit
+    carry: dict[str, "_Carry"] = field(default_factory=dict)  # unit -> packed tokens between its blocks
     _unit_t0: dict[str, float] = field(default_factory=dict)
     _last_end: float | None = None
 
@@ -211,7 +212,7 @@ class BatchContext:
             full.extend(range(s, s + grp.rows))
             full_groups.append((g, grp.rows))
         all_full = len(full) == self.total_rows
-        rows = None if all_full else torch.tensor(full, dtype=torch.long, device=device)
+        rows = None if all_full else _row_index(tuple(full), device)
         return _Plan(rows, full_groups, record, masked, empty)
 
     def computed_tokens(self, plan: _Plan, n: int) -> int:
@@ -324,13 +325,6 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, heads: i
     vh = v.view(rows, -1, heads, hd).transpose(1, 2)
     o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=None, dropout_p=0.0, is_causal=False)
     return o.transpose(1, 2).reshape(-1, ci).to(q.dtype)
-
-
-def _scatter_copy(base: torch.Tensor, fresh: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """A copy of the cached ``base`` [rows, N, C] with ``fresh`` [rows, M, C] at token ``idx``."""
-    out = base.to(device=fresh.device, dtype=fresh.dtype, copy=True)
-    out.index_copy_(1, idx, fresh)
-    return out
 
 
 class MaskAwareUNet:
@@ -577,17 +571,18 @@ class MaskAwareUNet:
             ctx.unit_tokens[info.unit] = ctx.computed_tokens(plan, n)
         if not plan.masked and not plan.empty:
             return self._full_forward(info, original, arguments, plan, ctx)
-        out = torch.empty_like(h)
+        out = h  # rows no one computes pass through (inner blocks' masked rows are never read)
         if plan.full_rows is not None and plan.full_rows.numel():
             sub = {k: _slice_rows(v, plan.full_rows, b) for k, v in arguments.items()}
             with layout.use(layout.rows(plan.full_groups) if layout.wanted() else None):
-                out.index_copy_(0, plan.full_rows, self._full_forward(info, original, sub, plan, ctx))
-        for g, s, r in plan.empty:
-            out[s:s + r] = self._cached(ctx, g, info.name, "y", (r, n, h.shape[2])) if info.needs_y \
-                else h[s:s + r]
-        if plan.masked:
-            self._masked_forward(info, h, arguments, plan, ctx, out)
-        return out
+                out = h.index_copy(0, plan.full_rows, self._full_forward(info, original, sub, plan, ctx))
+        if info.needs_y and plan.empty:
+            out = out.clone() if out is h else out
+            for g, s, r in plan.empty:
+                out[s:s + r] = self._cached(ctx, g, info.name, "y", (r, n, h.shape[2]))
+        if not plan.masked:
+            return out
+        return self._masked_forward(info, h, arguments, plan, ctx, out)
 
     def _full_forward(self, info: _BlockInfo, original: Any, arguments: dict, plan: _Plan,
                       ctx: BatchContext) -> torch.Tensor:
@@ -623,14 +618,46 @@ class MaskAwareUNet:
             raise ValueError(f"group {g}: cached {key} has shape {tuple(t.shape)}, need {shape}")
         return t
 
+    def _with_fresh(self, sg: "_Seg", block: str, kind: str, fresh: torch.Tensor) -> torch.Tensor:
+        """The group's cached ``kind`` tensor [rows, N, C] with ``fresh`` [rows, M, C] at its
+        computed tokens: written in place into a staged (private, writable) cache, else into a copy
+        (the cache is read-only)."""
+        cached = self._cached(sg.ctx, sg.g, block, kind, (sg.rows, sg.n, fresh.shape[-1]))
+        if not (getattr(sg.ctx.groups[sg.g].cache, "writable", False)
+                and cached.device == fresh.device and cached.dtype == fresh.dtype):
+            cached = cached.to(device=fresh.device, dtype=fresh.dtype, copy=True)
+        return cached.index_copy_(1, sg.idx, fresh)  # type: ignore[arg-type]
+
     def _masked_forward(self, info: _BlockInfo, h: torch.Tensor, arguments: dict, plan: _Plan,
-                        ctx: BatchContext, out: torch.Tensor) -> None:
-        """Every token-wise layer on the packed masked tokens of one call; attention per group."""
+                        ctx: BatchContext, out: torch.Tensor) -> torch.Tensor:
+        """Every token-wise layer on the packed masked tokens of one call; attention per group.
+
+        Between the blocks of one ``Transformer2DModel`` the packed tokens flow on (``ctx.carry``):
+        an inner block's output at masked tokens is read by no one but the next block (its K/V come
+        from the cache), so it is neither scattered into the map nor gathered again. The last block
+        writes its fresh tokens into the group's cached output (in place when the cache is staged)."""
         _check_arguments(arguments)
         ehs = arguments.get("encoder_hidden_states")
-        n = h.shape[1]
-        self._packed(info, [_Seg(ctx.groups[mg.g].gid if ctx.groups[mg.g].gid >= 0 else mg.g, mg.g, ctx, h, out, ehs,
-                                 mg.start, mg.rows, n, mg.idx, mg.m, False) for mg in plan.masked])
+        n, c = h.shape[1], h.shape[2]
+        segs = [_Seg(ctx.groups[mg.g].gid if ctx.groups[mg.g].gid >= 0 else mg.g, mg.g, ctx, h, ehs,
+                     mg.start, mg.rows, n, mg.idx, mg.m, False) for mg in plan.masked]
+        carry = ctx.carry.pop(info.unit, None)
+        x_in = carry.x if carry is not None and carry.ret is h and carry.plan is plan else None
+        x = self._packed(info, segs, x_in)
+        if not info.needs_y:
+            ctx.carry[info.unit] = _Carry(out, x, plan)
+            return out
+        ys, off = [], 0
+        for sg in segs:
+            cnt = sg.rows * sg.m
+            ys.append(self._with_fresh(sg, info.name, "y", x[off:off + cnt].view(sg.rows, sg.m, c)))
+            off += cnt
+        if out is h and not plan.empty and sum(sg.rows for sg in segs) == h.shape[0]:
+            return _cat(ys)  # every row is masked: the groups' outputs, in batch order
+        out = out.clone() if out is h else out
+        for sg, y in zip(segs, ys):
+            out[sg.start:sg.start + sg.rows] = y
+        return out
 
     def _calls_forward(self, info: _BlockInfo, round_: list[tuple[int, Any]]) -> dict[int, torch.Tensor]:
         """One block for several calls in lockstep (``lockstep.py``; e.g. jobs of different image
@@ -657,31 +684,46 @@ class MaskAwareUNet:
                     if m < n:
                         idx = grp.token_mask.indices(n, h.device)  # type: ignore[union-attr]
                 computed += rows * m
-                segs.append(_Seg(grp.gid if grp.gid >= 0 else g, g, ctx, h, out, arguments.get("encoder_hidden_states"),
-                                 start, rows, n, idx, m, grp.mode == "record"))
+                segs.append(_Seg(grp.gid if grp.gid >= 0 else g, g, ctx, h, arguments.get("encoder_hidden_states"),
+                                 start, rows, n, idx, m, grp.mode == "record", out))
             ctx.unit_tokens.setdefault(info.unit, computed)
         if segs:
-            self._packed(info, segs)
+            x = self._packed(info, segs)
+            off = 0
+            for sg in segs:
+                cnt = sg.rows * sg.m
+                dst = sg.out[sg.start:sg.start + sg.rows]  # type: ignore[index]
+                fresh = x[off:off + cnt].view(sg.rows, sg.m, dst.shape[2])
+                if sg.idx is None:
+                    dst.copy_(fresh)
+                    if sg.record and info.needs_y:
+                        sg.ctx.recorded[sg.g][f"{info.name}.y"] = dst.detach().clone()
+                elif info.needs_y:
+                    dst.copy_(self._with_fresh(sg, info.name, "y", fresh))
+                else:  # inner block with cached K/V: nobody reads unmasked tokens of this output
+                    dst.copy_(sg.h[sg.start:sg.start + sg.rows])
+                    dst.index_copy_(1, sg.idx, fresh)
+                off += cnt
         return outs
 
-    def _packed(self, info: _BlockInfo, segs: list["_Seg"]) -> None:
-        """The block's token-wise layers once over the segments' tokens (a ragged pack), attention
-        per segment: queries are its computed tokens, keys/values all its tokens (fresh where
-        computed, the cache elsewhere; with ``kv_source="recompute"`` all fresh). Results go to
-        each segment's output buffer, over the cached block output (or the pass-through input)."""
+    def _packed(self, info: _BlockInfo, segs: list["_Seg"], x_in: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's token-wise layers once over the segments' tokens (a ragged pack; ``x_in``:
+        the pack the previous block of the same transformer produced), attention per segment:
+        queries are its computed tokens, keys/values all its tokens (fresh where computed, the
+        cache elsewhere; with ``kv_source="recompute"`` all fresh). Returns the packed output."""
         blk = info.module
         a1, a2 = blk.attn1, blk.attn2
         c = segs[0].h.shape[2]
         ci = a1.to_k.out_features
         want = layout.wanted()
         kern = self.kernels if not want else _EAGER
-        x = torch.cat([sg.tokens() for sg in segs])
+        x = x_in if x_in is not None else _cat([sg.tokens() for sg in segs])
         with layout.use(layout.flat((sg.gid, sg.rows * sg.m) for sg in segs) if want else None):
             # 1. self-attention: Q from computed tokens; K/V fresh there (recompute: everywhere)
             if self.kv_source == "cache":
                 q, k, v = kern.self_qkv(blk, x)
             else:
-                hm = torch.cat([sg.h[sg.start:sg.start + sg.rows].reshape(-1, c) for sg in segs])
+                hm = _cat([sg.h[sg.start:sg.start + sg.rows].reshape(-1, c) for sg in segs])
                 with layout.use(layout.flat((sg.gid, sg.rows * sg.n) for sg in segs) if want else None):
                     n1_all = blk.norm1(hm)
                     k, v = a1.to_k(n1_all), a1.to_v(n1_all)
@@ -691,7 +733,7 @@ class MaskAwareUNet:
                     parts.append(part if sg.idx is None else
                                  part.view(sg.rows, sg.n, c).index_select(1, sg.idx).reshape(-1, c))
                     row0 += sg.rows * sg.n
-                q = a1.to_q(torch.cat(parts))
+                q = a1.to_q(_cat(parts))
             outs, off, kv0 = [], 0, 0
             for sg in segs:
                 cnt, shape = sg.rows * sg.m, (sg.rows, sg.n, ci)
@@ -705,13 +747,11 @@ class MaskAwareUNet:
                         rec = sg.ctx.recorded[sg.g]
                         rec[f"{info.name}.k"], rec[f"{info.name}.v"] = kf.detach().clone(), vf.detach().clone()
                 else:
-                    kf = _scatter_copy(self._cached(sg.ctx, sg.g, info.name, "k", shape),
-                                       k[off:off + cnt].view(sg.rows, sg.m, ci), sg.idx)
-                    vf = _scatter_copy(self._cached(sg.ctx, sg.g, info.name, "v", shape),
-                                       v[off:off + cnt].view(sg.rows, sg.m, ci), sg.idx)
+                    kf = self._with_fresh(sg, info.name, "k", k[off:off + cnt].view(sg.rows, sg.m, ci))
+                    vf = self._with_fresh(sg, info.name, "v", v[off:off + cnt].view(sg.rows, sg.m, ci))
                 outs.append(_sdpa(q[off:off + cnt], kf, vf, sg.rows, a1.heads))
                 off += cnt
-            x = kern.attn_out(a1, torch.cat(outs), x)
+            x = kern.attn_out(a1, _cat(outs), x)
             # 2. cross-attention: queries from computed tokens, K/V from each row's text
             if a2 is not None:
                 if any(sg.ehs is None for sg in segs):  # attn2 without text is self-attention over the input
@@ -721,32 +761,16 @@ class MaskAwareUNet:
                 if len({t.shape[1:] for t in texts}) != 1:
                     raise NotImplementedError("text of different lengths in one packed block")
                 with layout.use(layout.rows((sg.gid, sg.rows) for sg in segs) if want else None):
-                    k2, v2 = kern.text_kv(a2, torch.cat(texts))
+                    k2, v2 = kern.text_kv(a2, _cat(texts))
                 outs, off, row0 = [], 0, 0
                 for sg in segs:
                     cnt = sg.rows * sg.m
                     outs.append(_sdpa(q2[off:off + cnt], k2[row0:row0 + sg.rows], v2[row0:row0 + sg.rows],
                                       sg.rows, a2.heads))
                     off, row0 = off + cnt, row0 + sg.rows
-                x = kern.attn_out(a2, torch.cat(outs), x)
+                x = kern.attn_out(a2, _cat(outs), x)
             # 3. feed-forward
-            x = kern.ff(blk, x)
-        # 4. results into each segment's output buffer
-        off = 0
-        for sg in segs:
-            cnt = sg.rows * sg.m
-            dst = sg.out[sg.start:sg.start + sg.rows]
-            if sg.idx is None:
-                dst.copy_(x[off:off + cnt].view(sg.rows, sg.n, c))
-                if sg.record and info.needs_y:
-                    sg.ctx.recorded[sg.g][f"{info.name}.y"] = dst.detach().clone()
-            else:
-                if info.needs_y:
-                    dst.copy_(self._cached(sg.ctx, sg.g, info.name, "y", (sg.rows, sg.n, c)))
-                else:  # inner block with cached K/V: nobody reads unmasked tokens of this output
-                    dst.copy_(sg.h[sg.start:sg.start + sg.rows])
-                dst.index_copy_(1, sg.idx, x[off:off + cnt].view(sg.rows, sg.m, c))
-            off += cnt
+            return kern.ff(blk, x)
 
 
 _EAGER = BlockKernels("off")
@@ -755,13 +779,13 @@ _EAGER = BlockKernels("off")
 @dataclass
 class _Seg:
     """Rows of one group of one call that enter a packed block: all tokens (``idx`` None) or the
-    masked ones; ``gid`` names the job batch-wide (adapter row layouts)."""
+    masked ones; ``gid`` names the job batch-wide (adapter row layouts); ``out``: the call's
+    output buffer (calls in lockstep)."""
 
     gid: int
     g: int
     ctx: BatchContext
     h: torch.Tensor
-    out: torch.Tensor
     ehs: torch.Tensor | None
     start: int
     rows: int
@@ -769,10 +793,41 @@ class _Seg:
     idx: torch.Tensor | None
     m: int
     record: bool
+    out: torch.Tensor | None = None
 
     def tokens(self) -> torch.Tensor:
         rows = self.h[self.start:self.start + self.rows]
         return (rows if self.idx is None else rows.index_select(1, self.idx)).reshape(-1, rows.shape[2])
+
+
+@dataclass
+class _Carry:
+    """Packed tokens an inner block hands to the next block of its transformer (``ret``: what it
+    returned, which the next block must receive as its input for the pack to be valid)."""
+
+    ret: torch.Tensor
+    x: torch.Tensor
+    plan: _Plan
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenation that dispatches nothing for a single tensor."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+_ROW_INDEX: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
+
+
+def _row_index(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Batch-row indices on ``device``, built once per (rows, device): a step's sub-batch selection
+    never copies an index from the host."""
+    key = (rows, str(device))
+    t = _ROW_INDEX.get(key)
+    if t is None:
+        if len(_ROW_INDEX) > 4096:
+            _ROW_INDEX.clear()
+        t = _ROW_INDEX[key] = torch.tensor(rows, dtype=torch.long, device=device)
+    return t
 
 
 def _check_arguments(arguments: dict) -> None:

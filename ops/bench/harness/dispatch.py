@@ -1,0 +1,70 @@
+"""Counting what a step dispatches: operators, and the ones that read a device value on the host.
+
+On a GPU an operator whose result the host must see (``.item()``, ``bool(t)``, ``nonzero``,
+boolean indexing, ...) stalls the host until the device has caught up: the step is then bound by
+the host. ``DispatchCounter`` (a ``TorchDispatchMode``) counts every ATen operator a region
+dispatches and, among them, those that synchronise on a device, so that a step's host syncs and
+its operator count (a proxy for kernel launches) can be checked on the CPU. View operators
+(no kernel) are counted apart.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Operators that copy a device value to the host (or size their output by one).
+SYNC_OPS = frozenset({
+    "aten._local_scalar_dense.default", "aten.item.default", "aten.is_nonzero.default", "aten.equal.default",
+    "aten.nonzero.default", "aten.masked_select.default", "aten.unique_consecutive.default",
+    "aten._unique2.default", "aten.unique_dim.default", "aten.repeat_interleave.Tensor",
+    "aten.allclose.default",
+})
+
+VIEW_OPS = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.t.default", "aten.transpose.int",
+    "aten.permute.default", "aten.slice.Tensor", "aten.select.int", "aten.unsqueeze.default",
+    "aten.squeeze.dim", "aten.squeeze.default", "aten.squeeze.dims", "aten.expand.default",
+    "aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.alias.default",
+    "aten.detach.default", "aten.unbind.int", "aten.as_strided.default", "aten.view_as_real.default",
+    "aten.view_as_complex.default", "aten.unflatten.int", "aten.lift_fresh.default",
+})
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Counts dispatched operators by name (``ops``); ``syncs``, ``kernels`` and ``total`` sum them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = str(func)
+        if name == "aten.index.Tensor" and _bool_index(args):
+            name = "aten.index.Tensor(bool)"  # boolean indexing: a nonzero inside
+        self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def syncs(self) -> dict[str, int]:
+        return {k: v for k, v in self.ops.items() if k in SYNC_OPS or k.endswith("(bool)")}
+
+    @property
+    def kernels(self) -> int:
+        """Operators that are not views (each one a kernel launch, or more, on a GPU)."""
+        return sum(v for k, v in self.ops.items() if k not in VIEW_OPS)
+
+
+def _bool_index(args: tuple) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+
+
+__all__ = ["DispatchCounter", "SYNC_OPS", "VIEW_OPS"]

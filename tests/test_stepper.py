@@ -1,0 +1,70 @@
+"""The host-scalar scheduler steps equal diffusers' ``scheduler.step`` bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import DDIMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
+
+from workers.engine.stepper import DDIMStepper, FlowMatchStepper, SchedulerStepper, make_stepper
+
+
+def _ddim(prediction: str, clip: bool) -> DDIMScheduler:
+    return DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=clip,
+                         set_alpha_to_one=False, steps_offset=1, prediction_type=prediction)
+
+
+def _run_both(scheduler_factory, steps: int, t_start: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    """(diffusers' samples, the stepper's samples) over a job's schedule from ``t_start``."""
+    stock, ours = scheduler_factory(), scheduler_factory()
+    for s in (stock, ours):
+        if isinstance(s, FlowMatchEulerDiscreteScheduler):
+            s.set_timesteps(sigmas=torch.linspace(1.0, 1 / steps, steps).tolist(), mu=0.7)
+        else:
+            s.set_timesteps(steps)
+        if hasattr(s, "set_begin_index"):
+            s.set_begin_index(t_start * s.order)
+    timesteps = ours.timesteps[t_start * ours.order:]
+    stepper = make_stepper(ours, timesteps, torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    sample = torch.randn(2, 4, 8, 8, generator=g).to(dtype)
+    a = b = sample
+    outs_a, outs_b = [], []
+    for i, t in enumerate(stock.timesteps[t_start * stock.order:]):
+        eps = torch.randn(2, 4, 8, 8, generator=g).to(dtype)
+        a = stock.step(eps, t, a, return_dict=False)[0]
+        if hasattr(ours, "scale_model_input"):  # flow matching has no input scaling
+            assert torch.equal(stepper.scale_input(b, i), ours.scale_model_input(b, t))
+        else:
+            assert stepper.scale_input(b, i) is b
+        b = stepper.step(i, eps, b)
+        outs_a.append(a)
+        outs_b.append(b)
+    return outs_a, outs_b, stepper
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("prediction,clip", [("epsilon", False), ("sample", False), ("v_prediction", False),
+                                             ("epsilon", True)])
+def test_ddim_stepper_is_bit_identical(prediction: str, clip: bool, dtype: torch.dtype) -> None:
+    stock, ours, stepper = _run_both(lambda: _ddim(prediction, clip), 12, 3, dtype)
+    assert isinstance(stepper, DDIMStepper)
+    for a, b in zip(stock, ours):
+        assert a.dtype == b.dtype == dtype
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flow_match_stepper_is_bit_identical(dtype: torch.dtype) -> None:
+    stock, ours, stepper = _run_both(lambda: FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
+                                     10, 2, dtype)
+    assert isinstance(stepper, FlowMatchStepper)
+    for a, b in zip(stock, ours):
+        assert torch.equal(a, b)
+
+
+def test_other_schedulers_run_their_own_step() -> None:
+    stock, ours, stepper = _run_both(EulerDiscreteScheduler, 8, 0, torch.float32)
+    assert isinstance(stepper, SchedulerStepper) and not stepper.stateless
+    for a, b in zip(stock, ours):
+        assert torch.equal(a, b)

@@ -1,0 +1,157 @@
+"""A job's scheduler step with every schedule scalar read once, before the job's first step.
+
+Why: diffusers' schedulers look their scalars up in tensors at every step (``alphas_cumprod[t]``,
+``prev_timestep >= 0``, ``sigmas[i]``). With the schedule on the host those lookups are host
+reads; with it on the GPU each one is a device synchronisation, and a batched step runs one
+scheduler per job. ``HostStepper`` computes, at admission, exactly the values the scheduler would
+compute (the same tensor expressions on the same host tensors) and keeps them as 0-d host
+tensors; a step then applies the scheduler's own arithmetic to the model output with them as
+scalar operands, exactly as ``scheduler.step`` does, so results are bit-identical (tested) and a
+step reads nothing: no lookup, no comparison, no device synchronisation.
+
+Covered: ``DDIMScheduler`` (eta 0; epsilon, sample and v prediction; clipping) and
+``FlowMatchEulerDiscreteScheduler`` (deterministic, no per-token timesteps): the schedulers the
+service's model families use. Any other scheduler, or options outside that set (thresholding,
+stochastic sampling), runs its own ``step`` (``SchedulerStepper``), which may read host scalars.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+class Stepper(Protocol):
+    """One job's denoising update: ``step(i, model_output, sample) -> next sample``."""
+
+    stateless: bool  # a failed step needs no rollback of scheduler state
+
+    def scale_input(self, sample: torch.Tensor, i: int) -> torch.Tensor: ...
+
+    def step(self, i: int, model_output: torch.Tensor, sample: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class _DDIMStep:
+    """0-d host tensors: the operands diffusers multiplies by (a CPU scalar operand of a device
+    kernel is passed by value, no synchronisation; a Python float would round differently in half
+    precision, where a 0-d float32 tensor is first cast to the sample's dtype)."""
+
+    sqrt_alpha: torch.Tensor
+    sqrt_beta: torch.Tensor
+    sqrt_alpha_prev: torch.Tensor
+    direction: torch.Tensor
+
+
+class DDIMStepper:
+    """``DDIMScheduler.step`` (eta = 0) with its per-step scalars precomputed (module doc)."""
+
+    stateless = True
+
+    def __init__(self, scheduler: Any, timesteps: list[int]) -> None:
+        cfg = scheduler.config
+        self.prediction = cfg.prediction_type
+        self.clip = (cfg.clip_sample_range if cfg.clip_sample else None)
+        stride = cfg.num_train_timesteps // scheduler.num_inference_steps
+        self.steps: list[_DDIMStep] = []
+        for t in timesteps:
+            timestep = torch.tensor(t)  # as the pipeline passes it: a 0-d integer tensor
+            prev_timestep = timestep - stride
+            alpha_prod_t = scheduler.alphas_cumprod[timestep]
+            alpha_prod_t_prev = (scheduler.alphas_cumprod[prev_timestep] if prev_timestep >= 0
+                                 else scheduler.final_alpha_cumprod)
+            beta_prod_t = 1 - alpha_prod_t
+            variance = scheduler._get_variance(timestep, prev_timestep)
+            std_dev_t = 0.0 * variance ** (0.5)
+            self.steps.append(_DDIMStep(
+                sqrt_alpha=alpha_prod_t ** (0.5), sqrt_beta=beta_prod_t ** (0.5),
+                sqrt_alpha_prev=alpha_prod_t_prev ** (0.5),
+                direction=(1 - alpha_prod_t_prev - std_dev_t**2) ** (0.5)))
+
+    @staticmethod
+    def supports(scheduler: Any) -> bool:
+        cfg = scheduler.config
+        return (type(scheduler).__name__ == "DDIMScheduler" and not cfg.thresholding
+                and cfg.prediction_type in ("epsilon", "sample", "v_prediction"))
+
+    def scale_input(self, sample: torch.Tensor, i: int) -> torch.Tensor:
+        return sample  # DDIMScheduler.scale_model_input is the identity
+
+    def step(self, i: int, model_output: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+        s = self.steps[i]
+        if self.prediction == "epsilon":
+            pred_original_sample = (sample - s.sqrt_beta * model_output) / s.sqrt_alpha
+            pred_epsilon = model_output
+        elif self.prediction == "sample":
+            pred_original_sample = model_output
+            pred_epsilon = (sample - s.sqrt_alpha * pred_original_sample) / s.sqrt_beta
+        else:  # v_prediction
+            pred_original_sample = s.sqrt_alpha * sample - s.sqrt_beta * model_output
+            pred_epsilon = s.sqrt_alpha * model_output + s.sqrt_beta * sample
+        if self.clip is not None:
+            pred_original_sample = pred_original_sample.clamp(-self.clip, self.clip)
+        pred_sample_direction = s.direction * pred_epsilon
+        return s.sqrt_alpha_prev * pred_original_sample + pred_sample_direction
+
+
+class FlowMatchStepper:
+    """``FlowMatchEulerDiscreteScheduler.step`` (deterministic) with ``sigma_next - sigma`` per
+    step precomputed; ``begin`` is the scheduler's begin index (the job's first step)."""
+
+    stateless = True
+
+    def __init__(self, scheduler: Any, begin: int, count: int) -> None:
+        sigmas = scheduler.sigmas
+        self.dts = [sigmas[i + 1] - sigmas[i] for i in range(begin, begin + count)]  # 0-d host tensors
+
+    @staticmethod
+    def supports(scheduler: Any) -> bool:
+        return (type(scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
+                and not scheduler.config.get("stochastic_sampling", False))
+
+    def scale_input(self, sample: torch.Tensor, i: int) -> torch.Tensor:
+        return sample
+
+    def step(self, i: int, model_output: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+        prev_sample = sample.to(torch.float32) + self.dts[i] * model_output
+        return prev_sample.to(model_output.dtype)
+
+
+class SchedulerStepper:
+    """Any other scheduler through its own ``step`` (stateful: the runner rolls it back on failure)."""
+
+    stateless = False
+
+    def __init__(self, scheduler: Any, timesteps: torch.Tensor, generator: torch.Generator) -> None:
+        self.scheduler = scheduler
+        self.timesteps = timesteps
+        params = set(inspect.signature(scheduler.step).parameters)
+        # eta/generator as ``prepare_extra_step_kwargs`` passes them (eta = 0, the pipeline default)
+        self.kwargs: dict[str, Any] = {}
+        if "eta" in params:
+            self.kwargs["eta"] = 0.0
+        if "generator" in params:
+            self.kwargs["generator"] = generator
+
+    def scale_input(self, sample: torch.Tensor, i: int) -> torch.Tensor:
+        scale = getattr(self.scheduler, "scale_model_input", None)  # flow matching has none
+        return sample if scale is None else scale(sample, self.timesteps[i])
+
+    def step(self, i: int, model_output: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+        return self.scheduler.step(model_output, self.timesteps[i], sample, **self.kwargs, return_dict=False)[0]
+
+
+def make_stepper(scheduler: Any, timesteps: torch.Tensor, generator: torch.Generator) -> Stepper:
+    """The job's stepper: precomputed scalars where the scheduler is covered, else its own step.
+    ``timesteps``: the job's schedule, which starts at the scheduler's begin index (0 if unset)."""
+    if DDIMStepper.supports(scheduler):
+        return DDIMStepper(scheduler, [int(t) for t in timesteps.tolist()])
+    if FlowMatchStepper.supports(scheduler):
+        return FlowMatchStepper(scheduler, int(getattr(scheduler, "begin_index", None) or 0), len(timesteps))
+    return SchedulerStepper(scheduler, timesteps, generator)
+
+
+__all__ = ["DDIMStepper", "FlowMatchStepper", "SchedulerStepper", "Stepper", "make_stepper"]
