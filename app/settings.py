@@ -104,8 +104,10 @@ class Settings:
     # Batch invariance: each job's rows of every token-wise matmul (nn.Linear) multiplied on their
     # own, so a job's result does not depend on what it was batched with (workers/adapters/layout.py:
     # GEMM kernels sum a row differently with the number of rows and its place in them; in half
-    # precision that last bit reached 7/255 after 5 Flux steps). auto = on in float16/bfloat16,
-    # off in float32 (where it never reaches a pixel) | on | off. Cost: BENCHMARKS.md, batch invariance.
+    # precision that last bit reached 7/255 after 5 Flux steps). auto = on in float16/bfloat16 on
+    # the CPU, off in float32 (where it never reaches a pixel) and on CUDA (one GEMM per job per
+    # layer cost 19% of the jobs/s end to end on an H200; batched bf16 results stay within the
+    # 2/255 of the GPU tests) | on | off. Cost: BENCHMARKS.md, batch invariance.
     batch_invariant: str = "auto"
 
     # Stages outside the denoising loop (text encoders, VAE encode and decode: the prepare and
@@ -329,10 +331,11 @@ class Settings:
         if self.activations_dir == Path():
             object.__setattr__(self, "activations_dir", self.store_dir)
 
-    def batch_invariant_for(self, dtype: str) -> bool:
-        """Whether engines of models in ``dtype`` (a STENCIL_DTYPE name) multiply job by job."""
+    def batch_invariant_for(self, dtype: str, device: str = "cpu") -> bool:
+        """Whether engines of models in ``dtype`` (a STENCIL_DTYPE name) on ``device`` multiply job by job."""
         mode = self.batch_invariant.strip().lower()
-        return mode == "on" or (mode == "auto" and dtype in ("float16", "bfloat16"))
+        return mode == "on" or (mode == "auto" and dtype in ("float16", "bfloat16")
+                                and not device.strip().lower().startswith("cuda"))
 
     def cache_steps_for(self, family: str) -> int:
         """Steps a template warm-up of a ``family`` model (``sd`` | ``flux``) stores; 0 = every step."""

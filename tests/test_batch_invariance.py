@@ -148,11 +148,12 @@ def test_job_by_job_linear_gathers_a_jobs_spans_in_layout_order() -> None:
         assert torch.equal(lin(pack), F.linear(pack, lin.weight, lin.bias))
 
 
-@pytest.mark.parametrize(("mode", "dtype", "expected"), [
-    ("auto", "bfloat16", True), ("auto", "float16", True), ("auto", "float32", False),
-    ("on", "float32", True), ("off", "bfloat16", False)])
-def test_batch_invariance_setting(mode: str, dtype: str, expected: bool) -> None:
-    assert Settings(batch_invariant=mode).batch_invariant_for(dtype) is expected
+@pytest.mark.parametrize(("mode", "dtype", "device", "expected"), [
+    ("auto", "bfloat16", "cpu", True), ("auto", "float16", "cpu", True), ("auto", "float32", "cpu", False),
+    ("auto", "bfloat16", "cuda", False), ("auto", "bfloat16", "cuda:1", False), ("on", "bfloat16", "cuda", True),
+    ("on", "float32", "cpu", True), ("off", "bfloat16", "cpu", False)])
+def test_batch_invariance_setting(mode: str, dtype: str, device: str, expected: bool) -> None:
+    assert Settings(batch_invariant=mode).batch_invariant_for(dtype, device) is expected
 
 
 def test_batch_invariance_setting_rejects_unknown_values() -> None:

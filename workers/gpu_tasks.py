@@ -205,7 +205,7 @@ def get_engine() -> Engine:
 
             bank = AdapterBank(read_weights, s.lora_cache_bytes, s.lora_fetch_threads)
             cache_options.update(adapters=bank, lora_late_max_fraction=s.lora_late_max_fraction,
-                                 batch_invariant=s.batch_invariant_for(s.dtype))
+                                 batch_invariant=s.batch_invariant_for(s.dtype, s.device))
             if ctx.model_family() == "flux":
                 from workers.engine.flux_runner import FluxRunner
                 from workers.maskaware.flux import MaskAwareFlux

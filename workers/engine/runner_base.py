@@ -183,10 +183,14 @@ class JobState:
 def observe_context(cost: UnitCostModel, ctx: Any) -> None:
     """Feed one mask-aware call's measured unit times (minus load waits) and the compute between
     units to the cost model."""
+    resolve = getattr(ctx, "resolve_timings", None)
+    if resolve is not None:
+        resolve()
+    device_timed = getattr(ctx, "device_timed", False)  # device time excludes the host's load waits
     for unit, seconds in ctx.unit_seconds.items():
         rows = ctx.unit_tokens.get(unit)
         if rows:
-            cost.observe(unit, rows, seconds - ctx.unit_wait.get(unit, 0.0))
+            cost.observe(unit, rows, seconds if device_timed else seconds - ctx.unit_wait.get(unit, 0.0))
     for unit, seconds in getattr(ctx, "unit_gap", {}).items():
         cost.observe(GAP + unit, ctx.total_rows, seconds)
 
@@ -233,10 +237,11 @@ class BaseRunner(ABC):
 
     def _init_invariance(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
         """Batched steps multiply each job's rows on their own (``workers/adapters/layout.py``): asked
-        for, or by default in half precision. Needs the row-aware modules (installed here if the
-        mask-aware controller has not)."""
+        for, or by default in half precision off CUDA (``Settings.batch_invariant_for``). Needs the
+        row-aware modules (installed here if the mask-aware controller has not)."""
         wanted = self._batch_invariant
-        self.batch_invariant = dtype in (torch.float16, torch.bfloat16) if wanted is None else wanted
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        self.batch_invariant = (dtype in (torch.float16, torch.bfloat16) and not on_cuda) if wanted is None else wanted
         if self.batch_invariant:
             install_row_aware(model)
 
@@ -610,7 +615,7 @@ class BaseRunner(ABC):
     def _observe_units(self) -> None:
         """Feed the measured per-unit compute times (minus load waits) to the cost model."""
         ctx = self.last_ctx
-        if ctx is None or not getattr(ctx, "unit_seconds", None):
+        if ctx is None or not (getattr(ctx, "unit_seconds", None) or getattr(ctx, "_spans", None)):
             return
         observe_context(self.unit_cost, ctx)
 
@@ -648,10 +653,6 @@ class BaseRunner(ABC):
                 self.lora.finish()  # also ends the step's layout demand (thread-local)
         if self.caches is not None and self.stager.asynchronous:
             self._stage_ahead(batch)
-        if self._units_on:
-            self._observe_units()
-            took = time.monotonic() - started
-            self._step_s = took if self._step_s is None else 0.7 * self._step_s + 0.3 * took
         # Schedulers with state (not covered by ``stepper``) roll back if the step fails, so a retry is exact.
         snapshots = [(job.state, dict(job.state.scheduler.__dict__), job.state.generator.get_state())
                      for job in batch if not job.state.stepper.stateless]
@@ -670,6 +671,10 @@ class BaseRunner(ABC):
             raise
         for job, new in zip(batch, news):
             job.state.latents = new
+        if self._units_on:  # after the step's one read: its device work has completed
+            self._observe_units()
+            took = time.monotonic() - started
+            self._step_s = took if self._step_s is None else 0.7 * self._step_s + 0.3 * took
         self._after_step(batch, recorded)
 
     def _stage_ahead(self, batch: list[EngineJob]) -> None:

@@ -68,7 +68,7 @@ block by block, ``workers/engine/template_cache.py``), it is asked once per unit
 first block runs; False means "not resident (in time)": the unit computes fully for that group.
 Each ``batch`` context measures the seconds and computed token rows of every unit
 (``ctx.unit_seconds``, ``ctx.unit_tokens``): the engine's online cost model for the plan. On CUDA
-those timings would need a synchronize; on CPU they are exact.
+they are CUDA events, turned into seconds after the step (``ctx.resolve_timings()``).
 """
 
 from __future__ import annotations
@@ -162,8 +162,31 @@ class BatchContext:
     unit_wait: dict[str, float] = field(default_factory=dict)  # of unit_seconds: waiting for loads
     unit_gap: dict[str, float] = field(default_factory=dict)  # other compute before each unit
     carry: dict[str, "_Carry"] = field(default_factory=dict)  # unit -> packed tokens between its blocks
-    _unit_t0: dict[str, float] = field(default_factory=dict)
-    _last_end: float | None = None
+    device_timed: bool = False  # timestamps are CUDA events, turned into seconds by ``resolve_timings``
+    _unit_t0: dict[str, Any] = field(default_factory=dict)
+    _last_end: Any = None
+    _spans: list[tuple[dict[str, float], str, Any, Any]] = field(default_factory=list)  # pending (CUDA)
+
+    def stamp(self) -> Any:
+        """Now: host seconds, or a CUDA event recorded on the current stream (no synchronisation)."""
+        if not self.device_timed:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add_span(self, into: dict[str, float], unit: str, start: Any, end: Any) -> None:
+        if self.device_timed:
+            self._spans.append((into, unit, start, end))
+        else:
+            into[unit] = into.get(unit, 0.0) + end - start
+
+    def resolve_timings(self) -> None:
+        """Device-timed spans into ``unit_seconds`` / ``unit_gap``: call once the step's work has
+        completed (the engine's one read per step), never inside it."""
+        for into, unit, start, end in self._spans:
+            into[unit] = into.get(unit, 0.0) + start.elapsed_time(end) / 1e3
+        self._spans.clear()
 
     def forced_full(self, unit: str) -> frozenset[int]:
         """Masked groups computing every token of ``unit`` (plan choice or cache not resident)."""
@@ -366,6 +389,9 @@ class MaskAwareUNet:
         self._units: dict[str, list[_BlockInfo]] = {}
         for info in self._blocks:
             self._units.setdefault(info.unit, []).append(info)
+        # Unit timings for the plan's cost model: host clocks on the CPU, CUDA events on a GPU
+        # (read after the step completes: ``BatchContext.resolve_timings``).
+        self._device_timed = next(unet.parameters()).device.type == "cuda"
         self._timers: list[Any] = [unet.register_forward_pre_hook(self._model_pre)]
         modules = dict(unet.named_modules())
         for unit in self._units:
@@ -500,7 +526,7 @@ class MaskAwareUNet:
             starts.append(s)
             s += grp.rows
         recorded = [{} if g.mode == "record" else None for g in groups]
-        self._ctx = BatchContext(groups, starts, s, recorded)
+        self._ctx = BatchContext(groups, starts, s, recorded, device_timed=self._device_timed)
         try:
             yield self._ctx
         finally:
@@ -524,24 +550,23 @@ class MaskAwareUNet:
 
     def _model_pre(self, module: torch.nn.Module, args: Any) -> None:
         if self._ctx is not None:
-            self._ctx._last_end = time.perf_counter()
+            self._ctx._last_end = self._ctx.stamp()
 
     def _unit_pre(self, unit: str) -> Any:
         def pre(module: torch.nn.Module, args: Any) -> None:
             ctx = self._ctx
             if ctx is not None:
-                now = time.perf_counter()
-                ctx._unit_t0[unit] = now
+                now = ctx._unit_t0[unit] = ctx.stamp()
                 if ctx._last_end is not None:  # ResNets, convs etc. since the previous unit
-                    ctx.unit_gap[unit] = ctx.unit_gap.get(unit, 0.0) + now - ctx._last_end
+                    ctx.add_span(ctx.unit_gap, unit, ctx._last_end, now)
         return pre
 
     def _unit_post(self, unit: str) -> Any:
         def post(module: torch.nn.Module, args: Any, output: Any) -> None:
             ctx = self._ctx
             if ctx is not None and unit in ctx._unit_t0:
-                now = time.perf_counter()
-                ctx.unit_seconds[unit] = ctx.unit_seconds.get(unit, 0.0) + now - ctx._unit_t0.pop(unit)
+                now = ctx.stamp()
+                ctx.add_span(ctx.unit_seconds, unit, ctx._unit_t0.pop(unit), now)
                 ctx._last_end = now
         return post
 
