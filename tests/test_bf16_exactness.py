@@ -155,7 +155,7 @@ def test_bf16_exact_maskaware_path_equals_stock_bf16(family: str, tmp_path: Path
     svc = _world(family, tmp_path, sdxl_dir)
     params = _jobs(family)[0]
     sched = str(scheduler_config(svc.folder)["_class_name"])
-    layout = ("flux-kv-raw" if family == "flux" else "kv+y") + "@bfloat16/exact-x"  # as cpu_tasks keys it
+    layout = ("flux-kv-roped" if family == "flux" else "kv+y") + "@bfloat16/exact-x"  # as cpu_tasks keys it
     key = TemplateCacheKey("m", "t", SIZE, SIZE, sched, params.steps, 1.0, "single" if family == "flux" else "cfg2",
                            layout)
     rec, _ = run_engine(svc.runner, [svc.prepare(params, cache_mode="record", cache_key=key.to_dict())])

@@ -267,7 +267,7 @@ def test_multi_row_groups_use_their_own_cache_rows(world) -> None:
     with ctrl.batch([RowGroup(2, "record")]) as ctx:
         tr(**kw)
     cache = ctx.recorded[0]
-    assert cache["transformer_blocks.0.k"].shape[0] == 2
+    assert cache["transformer_blocks.0.k_roped"].shape[0] == 2
     mask = a.token_mask | b.token_mask
     with ctrl.batch([RowGroup(2, "masked", mask, _poison(cache, mask))]):
         out = tr(**kw).sample
@@ -287,22 +287,29 @@ def test_wrong_template_cache_changes_masked_tokens(world) -> None:
     assert float((lat[j.name] - world["ref"][j.name]).abs()[0][j.token_mask].max()) <= TOL
 
 
-def test_roped_kv_format_is_exact(world) -> None:
-    """The alternative cache layout (K after qk-norm + RoPE) gives the same results."""
+def test_raw_kv_format_is_exact(world) -> None:
+    """The alternative cache layout (K before qk-norm and RoPE, DESIGN 2's) gives the same results;
+    the default (roped) controller refuses its caches and it refuses the default's."""
     tr, base = world["tr"], world["ctrl"]
+    assert base.kv_format == "roped" and base.cache_layout == "flux-kv-roped"
     base.remove()
     try:
-        ctrl = MaskAwareFlux(tr, kv_format="roped")
+        ctrl = MaskAwareFlux(tr, kv_format="raw")
         jobs = [j for j in world["jobs"] if j.name in ("small_rect", "blob", "same_image_other_mask")]
         _, (rec, _) = _run_engine(tr, ctrl, jobs, {j.name: "record" for j in jobs})
-        assert all("transformer_blocks.0.k_roped" in c and "transformer_blocks.0.k" not in c for c in rec["blob"])
+        assert all("transformer_blocks.0.k" in c and "transformer_blocks.0.k_roped" not in c for c in rec["blob"])
         lat, _ = _run_engine(tr, ctrl, jobs, {j.name: "masked" for j in jobs}, rec)
         for j in jobs:
             assert (lat[j.name] - world["ref"][j.name]).abs().max() <= TOL, j.name
-        with pytest.raises(KeyError):  # a raw-format cache is refused by a roped controller
+        with pytest.raises(KeyError):  # a roped-format cache is refused by a raw controller
             with ctrl.batch([RowGroup(1, "masked", jobs[0].token_mask, world["caches"]["small_rect"][0])]):
                 tr(**_one_step_kwargs(jobs[0], 0))
         ctrl.remove()
+        default = MaskAwareFlux(tr)
+        with pytest.raises(KeyError):  # and a raw-format cache by the default controller
+            with default.batch([RowGroup(1, "masked", jobs[0].token_mask, rec["small_rect"][0])]):
+                tr(**_one_step_kwargs(jobs[0], 0))
+        default.remove()
     finally:
         world["ctrl"] = MaskAwareFlux(tr)
 

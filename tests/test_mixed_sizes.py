@@ -183,7 +183,7 @@ def test_flux_mixed_sizes_share_steps_and_equal_each_job_alone(tmp_path: Path,
                                         params, h, w)
         return prep.tensors, {**prep.meta, "cache_mode": "full", **meta}
 
-    key = TemplateCacheKey("m", "t", 128, 96, "FlowMatchEulerDiscreteScheduler", 4, 1.0, "single", "flux-kv-raw/x")
+    key = TemplateCacheKey("m", "t", 128, 96, "FlowMatchEulerDiscreteScheduler", 4, 1.0, "single", "flux-kv-roped/x")
     rec, _ = run_engine(runner, [prepare(9, (96, 128), 4, cache_mode="record", cache_key=key.to_dict())])
     rec[0]["commit"].result(60)
     for step in range(4):

@@ -266,7 +266,7 @@ def _cache_layout() -> str:
     in half precision (``STENCIL_DTYPE``) is keyed by that compute dtype: an exact cache is exact
     only for edits computed in the dtype it was recorded in (float32 keys are unchanged)."""
     if ctx.model_family() == "flux":
-        layout = "flux-kv-raw"
+        layout = "flux-kv-roped"  # MaskAwareFlux.cache_layout of the service's controller
     else:
         layout = "kv+y" if ctx.settings().maskaware_kv_source == "cache" else "y"
     dtype = ctx.settings().dtype

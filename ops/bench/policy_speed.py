@@ -73,7 +73,7 @@ class Bench:
             cfg = {**FLUX_SCHEDULER_CONFIG, "_class_name": "FlowMatchEulerDiscreteScheduler"}
             self.runner = FluxRunner(model, cfg, 16, maskaware=MaskAwareFlux(model), caches=caches,
                                      recorder=CacheRecorder(self.activations), prefetch_steps=steps)
-            self.size, self.layout, self.shape = 512, "flux-kv-raw", "flux 2+4 blocks, inner 512, 1024 tokens, T=64"
+            self.size, self.layout, self.shape = 512, "flux-kv-roped", "flux 2+4 blocks, inner 512, 1024 tokens, T=64"
             side = 32
             self.base = {"latents": torch.randn(1, side * side, 64, generator=g),
                          "masked_image_latents": torch.randn(1, side * side, 320, generator=g),

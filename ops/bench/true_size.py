@@ -355,7 +355,7 @@ def run_flux(args: argparse.Namespace, dtype: torch.dtype) -> list[str]:
               pooled_projections=torch.randn(1, cfg["pooled_projection_dim"], generator=g).to(dtype),
               timestep=torch.tensor([0.5], dtype=dtype), guidance=torch.tensor([30.0], dtype=dtype),
               img_ids=flux_image_ids(side), txt_ids=torch.zeros(text_len, 3))
-    ctrl = MaskAwareFlux(model, kv_format="raw")
+    ctrl = MaskAwareFlux(model)
     clock = CLOCKS[args.clock]
     bc = BlockClock(model, clock)
     n_double, n_single = cfg["num_layers"], cfg["num_single_layers"]
@@ -410,7 +410,7 @@ def run_flux(args: argparse.Namespace, dtype: torch.dtype) -> list[str]:
              f"{cfg['joint_attention_dim']}, pooled {cfg['pooled_projection_dim']}, guidance embeds) with "
              f"{n_double} of 19 double and {n_single} of 38 single blocks; {n} image tokens ({side}x{side}), "
              f"{text_len} text tokens, batch 1, t = 0.5, guidance 30.",
-             f"- Mask-aware: MaskAwareFlux kv_format `raw`; cache {cache_bytes / 2 ** 20:.0f} MiB per step for these "
+             f"- Mask-aware: MaskAwareFlux kv_format `{ctrl.kv_format}`; cache {cache_bytes / 2 ** 20:.0f} MiB per step for these "
              f"{n_double + n_single} blocks in {dtype}. Masks: blob token grids at the ratio.",
              f"- {args.rounds} rounds; full step median {fstep * 1e3:.0f} ms (min {min(fulls) * 1e3:.0f}, max "
              f"{max(fulls) * 1e3:.0f}). Output scale max |full| = {scale:.3g}.",

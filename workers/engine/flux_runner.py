@@ -87,7 +87,8 @@ class FluxRunner(BaseRunner):
         return int(st.image_ids[:, 1].max()) + 1, int(st.image_ids[:, 2].max()) + 1
 
     def _token_masks(self, st: JobState, tensors: dict[str, torch.Tensor]) -> Any:
-        return self.maskaware.token_mask(tensors["pixel_mask"].bool(), self.dilation)
+        return self.maskaware.prepared(self.maskaware.token_mask(tensors["pixel_mask"].bool(), self.dilation),
+                                       self.device)
 
     def _row_group(self, rows: int, mode: str, token_mask: Any = None, cache: Any = None) -> RowGroup:
         return RowGroup(rows, mode, token_mask=token_mask, cache=cache)  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ recorded by a normal run (DESIGN 2).
 
 API::
 
-    ctrl = MaskAwareFlux(transformer, kv_format="raw")  # installs hooks; no effect outside a batch
+    ctrl = MaskAwareFlux(transformer)             # kv_format="roped"; installs hooks; no effect outside a batch
     ctrl.block_names -> list[str]                 # "transformer_blocks.3", "single_transformer_blocks.7"
     m = ctrl.token_mask(pixel_mask, dilation=0)   # bool [N] packed-token mask (see flux_tokens)
     groups = [RowGroup(1, "record"),              # consecutive rows, in batch order
@@ -25,8 +25,9 @@ API::
   ``"record"`` (normal compute + capture) or ``"masked"``. A Flux job is one row (no CFG batch).
 - Step cache (``ctx.recorded[g]``, and what a masked group passes back as ``cache`` for the step it
   is at): tensors ``[rows, N, C]`` (a masked group may pass ``[1, N, C]`` for all its rows):
+  ``"<block>.k_roped"`` (``kv_format="roped"``, the default: after qk-norm and RoPE) or
   ``"<block>.k"`` (``kv_format="raw"``: K after ``to_k``, before qk-norm and RoPE, as DESIGN 2
-  asks) or ``"<block>.k_roped"`` (``kv_format="roped"``: after qk-norm and RoPE), ``"<block>.v"``
+  first asked), ``"<block>.v"``
   (after ``to_v``), for every block, C = inner_dim; plus ``"output"`` (C = out_channels): the model
   output at the image tokens. A masked row's unmasked tokens get the cached output, so its
   unmasked latents follow the template's trajectory; without ``"output"`` they get 0 and the
@@ -65,10 +66,12 @@ Design notes
   plan. No model file is forked: the block math calls the blocks' own submodules in stock order.
 - Per-job state is the explicit per-call plan, not hook state keyed by a global cache context (the
   pitfall of naive batching, DESIGN 7).
-- ``kv_format="roped"`` caches K after qk-norm + RoPE (same bytes; the cache is keyed by model
-  and resolution anyway) and skips the qk-norm + RoPE of every cached key per block and job (the
-  main fixed cost at small ratios); docs/bench/maskaware_flux.md measures both. ``raw`` stays the
-  default because DESIGN 2 specifies it. Add ``kv_format`` to the activation store's cache key.
+- ``kv_format="roped"`` (the default) caches K after qk-norm + RoPE (same bytes; the cache is keyed
+  by model and resolution anyway), so no cached key is normed and rotated again at every block and
+  job: that was the main fixed cost at small ratios (docs/bench/maskaware_flux.md), and on the CPU
+  it adds 11 operators per block to a masked step against 4 with ``roped`` (a 57-block Flux step:
+  about 1.23x the full step's operators against 1.09x; ``tests/test_host_syncs.py``). ``raw``
+  (DESIGN 2's layout) stays available for comparison. ``cache_layout`` names it in the cache key.
 - RoPE is one complex multiply (Flux rotates (even, odd) channel pairs), one pass instead of
   diffusers' five; the single blocks write attention output and MLP activations straight into
   proj_out's input (no concatenation). These make the packed path at ratio 1 slightly cheaper
@@ -107,13 +110,42 @@ K_SUFFIX: dict[str, str] = {"raw": "k", "roped": "k_roped"}
 StepCache = Mapping[str, torch.Tensor]
 
 
+@dataclass
+class FluxTokens:
+    """A job's packed-token mask and the indices every step reads, built once (at admission, by
+    ``MaskAwareFlux.prepared``): a step then reads counts as Python ints and indices already on the
+    device, so building its plan never synchronises with the device."""
+
+    mask: torch.Tensor  # bool [N] on the host
+    m: int  # computed tokens
+    sel: torch.Tensor | None  # sorted positions of the computed tokens (None: every token)
+    unsel: torch.Tensor | None  # sorted positions taken from the cache
+    key_order: torch.Tensor | None  # [computed, cached] keys -> the job's token order
+
+    @classmethod
+    def build(cls, mask: torch.Tensor, device: torch.device | str) -> "FluxTokens":
+        host = mask.detach().to("cpu").flatten().bool()
+        m = int(host.sum())
+        if m == host.numel():
+            return cls(host, m, None, None, None)
+        sel, unsel = host.nonzero().flatten(), (~host).nonzero().flatten()
+        order = torch.argsort(torch.cat([sel, unsel]))
+        return cls(host, m, sel.to(device), unsel.to(device), order.to(device))
+
+    def numel(self) -> int:
+        return self.mask.numel()
+
+    def counts(self) -> tuple[int]:
+        return (self.m,)
+
+
 @dataclass(frozen=True)
 class RowGroup:
     """Consecutive batch rows belonging to one job (Flux: one row, no CFG batch)."""
 
     rows: int = 1
     mode: Mode = "full"
-    token_mask: torch.Tensor | None = None
+    token_mask: "torch.Tensor | FluxTokens | None" = None  # bool [N], or prepared (``MaskAwareFlux.prepared``)
     cache: StepCache | None = None
     # Jobs of different sizes in one call: where this job's tokens (in its own packing order) sit
     # in the call's union token grid; the other grid positions are padding, never computed or
@@ -213,24 +245,23 @@ class _Plan:
             sel, unsel, unsel_cache, cache = None, None, None, None
             pos = None if g.positions is None else g.positions.to(self.device)
             own = self.N if pos is None else int(pos.numel())
+            key_order = None
             if g.mode == "masked":
-                mask = g.token_mask.to(self.device).flatten().bool()
-                if mask.numel() != own:
-                    raise ValueError(f"group {gi}: token mask has {mask.numel()} tokens, the job has {own}")
-                if not bool(mask.all()):
-                    sel_own, unsel_cache = torch.nonzero(mask).flatten(), torch.nonzero(~mask).flatten()
+                tok = g.token_mask if isinstance(g.token_mask, FluxTokens) else FluxTokens.build(g.token_mask, self.device)
+                if tok.numel() != own:
+                    raise ValueError(f"group {gi}: token mask has {tok.numel()} tokens, the job has {own}")
+                if tok.sel is not None:
+                    sel_own, unsel_cache = tok.sel, tok.unsel
                     sel = sel_own if pos is None else pos[sel_own]
                     unsel = unsel_cache if pos is None else pos[unsel_cache]
                     cache = g.cache
-                    if sel.numel() > 0:
+                    if tok.m > 0:
                         self._check_cache(gi, g.rows, cache, own)
+                    if self.half and tok.m < own:
+                        key_order = tok.key_order
             if sel is None and pos is not None and own != self.N:  # all its tokens, on a larger grid
                 sel = pos
                 unsel = unsel_cache = pos[:0]
-            key_order = None
-            if g.mode == "masked" and sel is not None and unsel_cache is not None and unsel_cache.numel() \
-                    and self.half:
-                key_order = torch.argsort(torch.cat([sel_own, unsel_cache]))
             for crow in range(g.rows):
                 m = self.N if sel is None else int(sel.numel())
                 self.rows.append(_Row(r, gi, sel, m, cache, g.mode == "record", crow, unsel=unsel,
@@ -290,8 +321,7 @@ class _Plan:
         and position set: the text, a row's computed tokens, a row's cached tokens."""
         if self._rot_src is not rope:
             cos, sin = rope
-            pairs = (cos.shape[-1] % 2 == 0 and torch.equal(cos[:, 0::2], cos[:, 1::2])
-                     and torch.equal(sin[:, 0::2], sin[:, 1::2]))
+            pairs = _pairwise(cos, sin)
             self._rot_all = (torch.complex(cos[:, 0::2].float(), sin[:, 0::2].float())[:, None, :]
                              if pairs else None)
             self._rot_src, self._rots = rope, {}
@@ -379,6 +409,20 @@ class _Plan:
 # ---------------------------------------------------------------------------------------------
 # Block math on the packed state (same submodules and op order as the stock forwards).
 # ---------------------------------------------------------------------------------------------
+
+
+_PAIRWISE: dict[tuple[Any, ...], bool] = {}
+
+
+def _pairwise(cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether RoPE's cos/sin repeat each value over an (even, odd) channel pair (Flux's do): then
+    the rotation is one complex multiply. Decided once per table shape: the model builds the same
+    tables from the same ids at every call, and comparing them each time would read the device."""
+    key = (tuple(cos.shape), cos.dtype, str(cos.device))
+    if key not in _PAIRWISE:
+        _PAIRWISE[key] = bool(cos.shape[-1] % 2 == 0 and torch.equal(cos[:, 0::2], cos[:, 1::2])
+                              and torch.equal(sin[:, 0::2], sin[:, 1::2]))
+    return _PAIRWISE[key]
 
 
 def _muladd_into(out: torch.Tensor, t: torch.Tensor, s: torch.Tensor, add: torch.Tensor) -> None:
@@ -733,7 +777,7 @@ class _ProjOutHook(_Hook):
 class MaskAwareFlux:
     """Installs the mask-aware hooks on a ``FluxTransformer2DModel``; see the module docstring."""
 
-    def __init__(self, transformer: FluxTransformer2DModel, kv_format: KVFormat = "raw", compile: str = "off") -> None:
+    def __init__(self, transformer: FluxTransformer2DModel, kv_format: KVFormat = "roped", compile: str = "off") -> None:
         if kv_format not in K_SUFFIX:
             raise ValueError(f"kv_format must be one of {sorted(K_SUFFIX)}")
         self.model = transformer
@@ -755,9 +799,19 @@ class MaskAwareFlux:
     def block_names(self) -> list[str]:
         return list(self.names)
 
+    @property
+    def cache_layout(self) -> str:
+        """Goes into the template cache key: caches of the two K formats are not interchangeable."""
+        return f"flux-kv-{self.kv_format}"
+
     def token_mask(self, pixel_mask: torch.Tensor, dilation: int = 0) -> torch.Tensor:
         """Pixel mask at the job's H x W -> bool [N] packed-token mask (OR-pooled, optional dilation)."""
         return pixel_to_token_mask(pixel_mask, dilate=dilation)
+
+    @staticmethod
+    def prepared(token_mask: torch.Tensor, device: torch.device | str) -> FluxTokens:
+        """A job's token mask with its indices on ``device``, built once for all its steps."""
+        return FluxTokens.build(token_mask, device)
 
     def cache_nbytes(self, image_tokens: int, rows: int = 1, steps: int = 1,
                      dtype: torch.dtype | None = None) -> int:

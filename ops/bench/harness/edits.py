@@ -51,7 +51,7 @@ class Family:
             denoiser, extra, self.layout = self.pipe.unet.eval(), (), "kv+y"
             runner, self.ctrl = SDRunner, MaskAwareUNet(denoiser)
         else:
-            denoiser, extra, self.layout = self.pipe.transformer.eval(), (self.pipe.vae_scale_factor,), "flux-kv-raw"
+            denoiser, extra, self.layout = self.pipe.transformer.eval(), (self.pipe.vae_scale_factor,), "flux-kv-roped"
             runner, self.ctrl = FluxRunner, MaskAwareFlux(denoiser)
         self.runner_full = runner(denoiser, self.scheduler_config, *extra)
         self.runner_ma = runner(denoiser, self.scheduler_config, *extra, maskaware=self.ctrl, **caches)
