@@ -325,7 +325,8 @@ class StencilClient:
         finally:
             self.store.delete(lora_upload_key(token))
         if out.get("error"):
-            raise InvalidAdapter(f"adapter {lora_id!r} refused: {out['error']}")
+            source = f" ({adapter.name})" if isinstance(adapter, Path) else ""
+            raise InvalidAdapter(f"adapter {lora_id!r}{source} refused: {out['error']}")
         return out
 
     def list_loras(self) -> list[dict[str, Any]]:

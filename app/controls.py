@@ -19,7 +19,8 @@ from app.validation import InvalidParameter, number, object_id
 CONTROLNET_PREFIX = "controlnets/"
 DEFAULT_MAX_CONTROLS = 4
 MAX_CONTROL_SCALE = 4.0
-CONTROL_FILES = ("config.json", "diffusion_pytorch_model.safetensors")
+CONTROL_WEIGHTS = "diffusion_pytorch_model.safetensors"
+CONTROL_FILES = ("config.json", CONTROL_WEIGHTS)
 
 Control = tuple[str, float, float, float]  # (controlnet id, scale, start, end)
 
@@ -96,6 +97,6 @@ def controls_digest(controls: tuple[Control, ...], image_digests: Sequence[str])
     return hashlib.sha256(json.dumps([dump_controls(controls), list(image_digests)]).encode()).hexdigest()[:16]
 
 
-__all__ = ["CONTROL_FILES", "Control", "DEFAULT_MAX_CONTROLS", "check_control", "check_controls", "control_blob",
-           "control_spec", "controlnet_key", "controlnet_meta_key", "controlnet_upload_key", "controls_digest",
-           "dump_controls", "load_controls"]
+__all__ = ["CONTROL_FILES", "CONTROL_WEIGHTS", "Control", "DEFAULT_MAX_CONTROLS", "check_control", "check_controls",
+           "control_blob", "control_spec", "controlnet_key", "controlnet_meta_key", "controlnet_upload_key",
+           "controls_digest", "dump_controls", "load_controls"]

@@ -4,25 +4,31 @@ by jobs with their control images, resident on the GPU worker; results equal the
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from diffusers import UNet2DConditionModel
 from PIL import Image
 
 from app.client import InvalidAdapter, StencilClient
+from app.controls import CONTROL_WEIGHTS
 from app.embedded import EmbeddedStack
 from app.jobs import JobStatus
 from app.maskgen import make_mask
+from app.settings import Settings
 from tests.support.controlnets import save_controlnet
 from tests.support.pipes import controlnet_call, sd_pipe
 from tests.test_service import SIZE, result_array, template
+from workers.models.loader import TRAINED_DIR
 
 pytestmark = pytest.mark.integration
 
@@ -122,3 +128,42 @@ def test_jobs_with_controlnets_equal_stock_and_bad_controls_fail_alone(
         assert diff.max() <= 1, f"{[c[0] for c in controls]}: max pixel diff {diff.max()} vs the stock pipeline"
     state = client.redis.hgetall("stencil:worker:0")
     assert set(json.loads(state[b"controlnets"])) == {"edges", "depth"}
+
+
+DEFAULT_MODEL = next(f.default for f in dataclasses.fields(Settings) if f.name == "model_id")
+
+
+@pytest.fixture(scope="module")
+def default_model_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStack]:
+    """A stack serving the service's default model (the trained one the repository ships, read in
+    place), which the other tests here replace with the random-init embedded one."""
+    workdir = tmp_path_factory.mktemp("default-model-stack")
+    with EmbeddedStack.start(workdir, home=workdir / "home", model_id=DEFAULT_MODEL, model_dir="", model_file="",
+                             max_batch=2, max_image_pixels=200_000) as s:
+        yield s
+
+
+def test_controlnet_whose_header_length_ends_in_0x80_registers_and_serves(
+        default_model_stack: EmbeddedStack, tmp_path: Path) -> None:
+    """Issue 38, as a user meets it: ``ControlNetModel.from_unet`` of the default model's UNet (with
+    the 4 latent input channels the ControlNet inpainting pipeline feeds it: ``make_controlnet``),
+    saved unchanged by ``save_pretrained``. Nothing is padded or chosen: that model's ControlNet has
+    a 14,208-byte (0x3780) safetensors header, so its file begins with 0x80, the byte that was
+    taken for a pickle's protocol marker and refused."""
+    model = TRAINED_DIR / DEFAULT_MODEL
+    folder = save_controlnet(UNet2DConditionModel.from_pretrained(model / "unet"), tmp_path / "edges", seed=3,
+                             std=0.05)
+    weights = (folder / CONTROL_WEIGHTS).read_bytes()
+    assert int.from_bytes(weights[:8], "little") == 0x3780 and weights[:1] == b"\x80"
+    added = _cli(default_model_stack, "controlnet", "add", str(folder), "--id", "edges")
+    assert added.returncode == 0, added.stderr
+    assert json.loads(added.stdout)["model_id"].startswith(DEFAULT_MODEL)
+    client = StencilClient(default_model_stack.settings)
+    image, mask = template(61), make_mask(0.3, (SIZE, SIZE), "blob", seed=61)
+    params = dict(prompt="a cat", steps=8, guidance=7.5, seed=5)
+    controls = [("edges", control_image(7), 0.9)]
+    handle = client.submit(template=image, mask=mask, controls=controls, **params)
+    rec = handle.wait(300)
+    assert rec.status == JobStatus.DONE, rec.error
+    diff = np.abs(result_array(handle) - stock(model, {"edges": folder}, image, mask, controls, **params))
+    assert diff.max() <= 1, f"max pixel diff {diff.max()} vs the stock pipeline"

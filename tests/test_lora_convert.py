@@ -83,9 +83,9 @@ def _refused(data: bytes, match: str, model: Path = SD_DIR, max_bytes: int = MAX
 
 def test_refusals_name_the_problem(sd_file: Path, tmp_path: Path) -> None:
     good = load_file(sd_file)
-    _refused(b"\x80\x04\x95pickle", "pickle-based checkpoints")
-    _refused(b"PK\x03\x04zip", "pickle-based checkpoints")
-    _refused(b"not a model at all, just text", "not a safetensors file")
+    _refused(b"\x80\x04\x95pickle", r"the adapter is a pickle-based checkpoint \(pickle protocol 4")
+    _refused(b"PK\x03\x04zip", "the adapter is a damaged zip archive, not a safetensors file")
+    _refused(b"not a model at all, just text", "the adapter is a file of unknown format, not a safetensors file")
     _refused(sd_file.read_bytes(), "over STENCIL_MAX_LORA_BYTES", max_bytes=100)
     _refused(save({"foo.weight": torch.zeros(2, 2)}), "no LoRA tensors")
     # A LoRA made for another model: wrong widths.

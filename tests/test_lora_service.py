@@ -61,8 +61,15 @@ def test_add_list_and_refuse_adapters(stack: EmbeddedStack, client: StencilClien
     assert "style-a" in listed.stdout and "style-b" in listed.stdout
     with pytest.raises(InvalidAdapter, match="pickle-based"):
         client.add_lora(b"\x80\x04\x95" + b"x" * 100, "evil")
-    wide = tmp_path / "wide.safetensors"
     from safetensors.torch import load_file, save_file
+
+    saved = tmp_path / "style.bin"   # the same adapter as torch.save writes it
+    torch.save(load_file(lora_files["style-a"]), saved)
+    pt = subprocess.run([sys.executable, "-m", "app.cli", "lora", "add", str(saved), "--id", "pt"],
+                        env=stack.env(), capture_output=True, text=True, timeout=300)
+    assert pt.returncode == 2 and "adapter 'pt' (style.bin) refused: the adapter is a pickle-based checkpoint " \
+        "(zip-based torch.save format" in pt.stderr and "upload it as .safetensors" in pt.stderr, pt.stderr
+    wide = tmp_path / "wide.safetensors"
 
     save_file({k: (torch.zeros(v.shape[0], v.shape[1] + 8) if "down" in k else v)
                for k, v in load_file(lora_files["style-a"]).items()}, wide)

@@ -10,7 +10,8 @@ zero-storage weights (one scalar expanded to each shape), so conversion costs no
 no weights, yet PEFT checks every shape. The result is read back from PEFT's layers (``lora_A``,
 ``lora_B``, ``scaling``), i.e. exactly what diffusers would compute with.
 
-Refused, with a reason naming the problem: anything but safetensors (pickle-based ``.bin``,
+Refused, with a reason naming the problem: anything but safetensors (checked by
+``workers/weights_format.py``, which says what the file is instead; pickle-based ``.bin``,
 ``.ckpt``, ``.pt`` are never loaded), files over the size limit, no LoRA tensors, tensors for
 modules or components the model does not have, shape mismatches, and adapter kinds the engine
 does not apply (DoRA, LoRA biases, LoKr, embedding LoRAs, Flux Control LoRAs that replace norms).
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from workers.adapters.lora import LoraModule, LoraWeights
+from workers.weights_format import check_weights
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +121,9 @@ def canonical_lora(data: bytes, model_dir: Path, lora_id: str, *, max_bytes: int
     """Convert an uploaded adapter for the model in ``model_dir`` or raise ``InvalidAdapter``."""
     if len(data) > max_bytes:
         raise InvalidAdapter(f"adapter is {len(data)} bytes, over STENCIL_MAX_LORA_BYTES = {max_bytes}")
-    _check_safetensors(data)
+    check_weights(data, name="the adapter", error=InvalidAdapter,
+                  instead="upload it as .safetensors (what save_lora_weights writes by default; "
+                          "safetensors.torch.save_file writes a state dict)")
     pipe_cls, skeletons = _components(Path(model_dir))
     if not skeletons:
         raise InvalidAdapter(f"{pipe_cls.__name__} models take no LoRA adapters")
@@ -179,14 +183,6 @@ def _load(pipe_cls: Any, name: str, model: torch.nn.Module, state: dict[str, tor
     else:
         pipe_cls.load_lora_into_text_encoder(state, alphas, text_encoder=model, prefix=name, lora_scale=1.0,
                                              **common)
-
-
-def _check_safetensors(data: bytes) -> None:
-    if data[:2] == b"PK" or data[:1] == b"\x80":
-        raise InvalidAdapter("pickle-based checkpoints (.bin, .ckpt, .pt) are refused: upload safetensors")
-    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
-    if n <= 1 or 8 + n > len(data) or data[8:9] != b"{":
-        raise InvalidAdapter("not a safetensors file")
 
 
 def _short(exc: Exception) -> str:

@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from workers.weights_format import read_header
+
 FORMAT = "stencil-lora-1"
 COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2")
 
@@ -89,7 +91,7 @@ class LoraWeights:
     @classmethod
     def from_bytes(cls, data: bytes) -> "LoraWeights":
         """Read the canonical file (written by ``to_bytes``; safetensors, never pickle)."""
-        meta = _header_metadata(data)
+        meta = read_header(data).metadata
         if meta.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT} file")
         scalings: dict[str, float] = json.loads(meta["scalings"])
@@ -100,16 +102,6 @@ class LoraWeights:
             out.components.setdefault(comp, {})[path] = LoraModule(
                 tensors[f"{name}.lora_A"], tensors[f"{name}.lora_B"], scaling)
         return out
-
-
-def _header_metadata(data: bytes) -> dict[str, str]:
-    if len(data) < 8:
-        raise ValueError("too short for a safetensors file")
-    n = int.from_bytes(data[:8], "little")
-    if n <= 0 or 8 + n > len(data):
-        raise ValueError("not a safetensors file (bad header length)")
-    header = json.loads(data[8:8 + n])
-    return dict(header.get("__metadata__") or {})
 
 
 __all__ = ["COMPONENTS", "FORMAT", "LoraModule", "LoraWeights"]

@@ -1,11 +1,12 @@
 """Adding a ControlNet: a CPU worker checks a diffusers ``ControlNetModel`` folder against the
 service's model before anything is stored (``stencil.add_controlnet``).
 
-Checked without loading the weights: the config builds a ``ControlNetModel``, the safetensors
+Checked without loading the weights: the weights file is safetensors (``workers/weights_format.py``;
+pickle-based weights are never read), the config builds a ``ControlNetModel``, the safetensors
 header names exactly that model's tensors with exactly its shapes, and the structure fits the
 UNet whose down blocks it feeds (block widths, layers per block, block types, cross-attention
-width, latent channels), so its residuals have the shapes the UNet adds them at. Pickle-based
-weights are never read. A refusal is returned as ``{"error": reason}``.
+width, latent channels), so its residuals have the shapes the UNet adds them at. A refusal is
+returned as ``{"error": reason}``.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from typing import Any
 import torch
 
 from app.celery_app import app
-from app.controls import CONTROL_FILES, controlnet_key, controlnet_meta_key, controlnet_upload_key
+from app.controls import CONTROL_FILES, CONTROL_WEIGHTS, controlnet_key, controlnet_meta_key, controlnet_upload_key
 from app.storage import ObjectNotFound
 from workers import context as ctx
 from workers.addon_store import already_added
+from workers.weights_format import check_weights
 
 log = logging.getLogger(__name__)
 
@@ -30,17 +32,6 @@ _MATCH = ("block_out_channels", "layers_per_block", "cross_attention_dim", "tran
 
 class InvalidControlNet(ValueError):
     """A ControlNet that cannot serve this model; the message says why."""
-
-
-def _header(data: bytes) -> dict[str, Any]:
-    if data[:2] == b"PK" or data[:1] == b"\x80":
-        raise InvalidControlNet("pickle-based weights are refused: upload diffusion_pytorch_model.safetensors")
-    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
-    if n <= 1 or 8 + n > len(data) or data[8:9] != b"{":
-        raise InvalidControlNet("diffusion_pytorch_model.safetensors is not a safetensors file")
-    header = json.loads(data[8:8 + n])
-    header.pop("__metadata__", None)
-    return header
 
 
 def _per_level(value: Any, levels: int) -> list[Any] | None:
@@ -55,6 +46,8 @@ def check_controlnet(config: dict[str, Any], weights: bytes, unet_config: dict[s
     """Raise ``InvalidControlNet`` unless it fits; returns the number of parameters."""
     from diffusers import ControlNetModel
 
+    header = check_weights(weights, name=CONTROL_WEIGHTS, instead=f"upload {CONTROL_WEIGHTS} as ControlNetModel."
+                           "save_pretrained writes it (safe_serialization, the default)", error=InvalidControlNet)
     if config.get("_class_name") != "ControlNetModel":
         raise InvalidControlNet(f"config.json is a {config.get('_class_name')!r}, not a ControlNetModel")
     if config.get("global_pool_conditions"):
@@ -77,7 +70,7 @@ def check_controlnet(config: dict[str, Any], weights: bytes, unet_config: dict[s
     except Exception as exc:
         raise InvalidControlNet(f"config.json does not build a ControlNetModel: {type(exc).__name__}: {exc}") from None
     want = {k: list(v.shape) for k, v in model.state_dict().items()}
-    have = {k: v.get("shape") for k, v in _header(weights).items()}
+    have = {k: list(v.shape) for k, v in header.tensors.items()}
     missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
     if missing or extra:
         raise InvalidControlNet(f"weights do not match the config: {len(missing)} missing, {len(extra)} unexpected "
@@ -105,14 +98,14 @@ def add_controlnet(token: str, controlnet_id: str, source_sha256: str) -> dict[s
         config = json.loads(raw["config.json"])
         unet_config = json.loads((ctx.model_dir() / "unet" / "config.json").read_text())
         latent = json.loads((ctx.model_dir() / "vae" / "config.json").read_text()).get("latent_channels", 4)
-        params = check_controlnet(config, raw["diffusion_pytorch_model.safetensors"], unet_config, latent)
+        params = check_controlnet(config, raw[CONTROL_WEIGHTS], unet_config, latent)
     except (InvalidControlNet, json.JSONDecodeError) as exc:
         log.info("ControlNet %s refused: %s", controlnet_id, exc)
         return {"error": str(exc) if isinstance(exc, InvalidControlNet) else "config.json is not valid JSON"}
     for name in CONTROL_FILES:
         store.put(controlnet_key(controlnet_id, name), raw[name])
     meta = {"id": controlnet_id, "model_id": ctx.model_id(), "source_sha256": source_sha256, "parameters": params,
-            "nbytes": len(raw["diffusion_pytorch_model.safetensors"]), "added": time.time(),
+            "nbytes": len(raw[CONTROL_WEIGHTS]), "added": time.time(),
             "conditioning_channels": config.get("conditioning_channels", 3)}
     store.put(controlnet_meta_key(controlnet_id), json.dumps(meta, sort_keys=True).encode())
     log.info("ControlNet %s added (%d parameters)", controlnet_id, params)

@@ -88,17 +88,23 @@ def single_file_model_dir(settings: Settings, checkpoint: Path) -> Path:
     pipeline; a Flux checkpoint holds the transformer, the other components come from the config
     folder. The result is saved with ``save_pretrained`` under the home, keyed by the file's
     header (its tensor names, shapes, offsets) and size, so every process of a stack loads the same
-    folder with ``from_pretrained`` as usual. Pickle-based checkpoints are refused: loading them
-    can run arbitrary code.
+    folder with ``from_pretrained`` as usual. A file that is not safetensors is refused, saying what
+    it is (``workers/weights_format.py``): pickle-based checkpoints can run code when loaded.
     """
     import hashlib
 
-    if checkpoint.suffix.lower() in PICKLE_SUFFIXES or checkpoint.suffix.lower() != ".safetensors":
-        raise ValueError(f"refusing model file {checkpoint}: only .safetensors single-file checkpoints are "
-                         f"loaded (pickle-based .ckpt/.pt/.pth/.bin files can run code when loaded); convert it "
-                         f"to safetensors first")
+    from workers.weights_format import check_weights
+
+    convert = "convert it to a .safetensors single-file checkpoint first (safetensors.torch.save_file)"
     if not checkpoint.is_file():
+        if checkpoint.suffix.lower() != ".safetensors":
+            raise ValueError(f"refusing model file {checkpoint}: only .safetensors single-file checkpoints are "
+                             f"loaded (pickle-based .ckpt/.pt/.pth/.bin files can run code when loaded); {convert}")
         raise FileNotFoundError(f"model file {checkpoint} does not exist")
+    check_weights(checkpoint, name=f"refusing model file {checkpoint}: it", instead=convert)
+    if checkpoint.suffix.lower() != ".safetensors":  # diffusers picks its reader by the suffix
+        raise ValueError(f"refusing model file {checkpoint}: it is safetensors but named {checkpoint.suffix!r}, "
+                         f"and diffusers reads a single file by its suffix: rename it to .safetensors")
     config = _single_file_config_dir(settings)
     with open(checkpoint, "rb") as fh:
         header_len = int.from_bytes(fh.read(8), "little")
