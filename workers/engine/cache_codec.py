@@ -162,6 +162,17 @@ def decode_tensor(t: torch.Tensor, dtype: torch.dtype = torch.float32,
     return expand_rows(t.to(dtype), rows)
 
 
+def decoded_shape(t: torch.Tensor, rows: int = 0) -> tuple[int, ...]:
+    """The shape ``decode_tensor`` gives a stored tensor (int8: without its scale rows; a shared
+    row: ``rows`` rows)."""
+    shape = list(t.shape)
+    if t.dtype == torch.int8:
+        shape[-2] -= SCALE_ROWS
+    if is_shared(t, rows):
+        shape[0] = rows
+    return tuple(shape)
+
+
 def needs_decode(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, rows: int = 0,
                  device: torch.device | str | None = None) -> bool:
     """False when every tensor is already in the compute dtype (float32 storage of float32
@@ -231,6 +242,6 @@ def stored_nbytes(shape: tuple[int, ...], name: str, codec: str, shared: bool = 
     raise ValueError(f"unknown cache codec {codec!r}")
 
 
-__all__ = ["CODECS", "DecodedStep", "check_codec", "decode_tensor", "decoded", "dequantize", "encode",
+__all__ = ["CODECS", "DecodedStep", "check_codec", "decode_tensor", "decoded", "decoded_shape", "dequantize", "encode",
            "encode_tensor", "expand_rows", "is_kv", "is_shared", "needs_decode", "quantize", "rows_equal", "share_rows",
            "stored_nbytes"]

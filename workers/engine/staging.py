@@ -29,18 +29,29 @@ from workers.engine import cache_codec
 
 
 class StagedCache(dict):  # type: ignore[type-arg]
-    """A job's step cache on the compute device: ``writable`` when its tensors are private copies."""
+    """A job's step cache on the compute device: ``writable`` when its tensors are private copies.
+    Writable caches keep every tensor in one ``flat`` buffer (``layout``: name, offset, shape), so
+    that a graph-replayed step copies a job's cache into its static input with one copy."""
 
     writable = False
+    flat: torch.Tensor | None = None
+    layout: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
+
+    @classmethod
+    def over(cls, flat: torch.Tensor, layout: tuple[tuple[str, int, tuple[int, ...]], ...]) -> "StagedCache":
+        """The writable cache whose tensors are views of ``flat`` at ``layout``."""
+        out = cls()
+        out.writable, out.flat, out.layout = True, flat, layout
+        for name, offset, shape in layout:
+            out[name] = flat[offset:offset + _numel(shape)].view(shape)
+        return out
 
 
-def _private(t: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """``t`` (decoded from ``source``) as a fresh contiguous tensor that aliases nothing."""
-    if not t.is_contiguous():
-        return t.contiguous()
-    if t.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
-        return t.clone()
-    return t
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 class CacheStager:
@@ -62,22 +73,45 @@ class CacheStager:
         after which they are there (None when staged inline)."""
         stored, dtype, rows = _stored_view(cache)
         scope = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-        out = StagedCache()
-        out.writable = self.writable
         with scope:
-            for name, src in stored.items():
-                t = cache_codec.decode_tensor(src, dtype or src.dtype, self.device, rows)
-                d = delta.get(name) if delta else None
-                if d is not None:
-                    t = d + t.to(d)  # the job's offset (``OffsetCache``'s expression): a fresh tensor
-                elif self.writable:
-                    t = _private(t, src)
-                out[name] = t
+            out = self._writable(stored, dtype, rows, delta) if self.writable else self._decoded(stored, dtype, rows, delta)
             event = None
             if self.stream is not None:
                 event = torch.cuda.Event()
                 event.record(self.stream)
         return out, event
+
+    def _decoded(self, stored: Mapping[str, torch.Tensor], dtype: torch.dtype | None, rows: int,
+                 delta: Mapping[str, torch.Tensor] | None) -> StagedCache:
+        out = StagedCache()
+        for name, src in stored.items():
+            t = cache_codec.decode_tensor(src, dtype or src.dtype, self.device, rows)
+            d = delta.get(name) if delta else None
+            out[name] = t if d is None else d + t.to(d)  # the job's offset (``OffsetCache``'s expression)
+        return out
+
+    def _writable(self, stored: Mapping[str, torch.Tensor], dtype: torch.dtype | None, rows: int,
+                  delta: Mapping[str, torch.Tensor] | None) -> StagedCache:
+        """Private copies in one flat buffer: stored bytes go straight into their slot (moved,
+        converted, shared rows broadcast by the copy); int8 tensors are dequantized first."""
+        layout, offset = [], 0
+        for name, src in stored.items():
+            shape = cache_codec.decoded_shape(src, rows)
+            layout.append((name, offset, shape))
+            offset += _numel(shape)
+        dtype = dtype or (next(iter(stored.values())).dtype if stored else torch.float32)
+        out = StagedCache.over(torch.empty(offset, dtype=dtype, device=self.device), tuple(layout))
+        for name, src in stored.items():
+            view, d = out[name], delta.get(name) if delta else None
+            if src.dtype == torch.int8 or d is not None:
+                t = cache_codec.decode_tensor(src, dtype, self.device, rows)
+                if d is None:
+                    view.copy_(t)
+                else:
+                    torch.add(d, t.to(d), out=view)  # the job's offset (``OffsetCache``'s expression)
+            else:
+                view.copy_(cache_codec.expand_rows(src, rows), non_blocking=True)
+        return out
 
     def ahead(self, job_id: str, step: int, cache: Mapping[str, torch.Tensor],
               delta: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -92,7 +126,7 @@ class CacheStager:
         if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
-            for t in out.values():
+            for t in ([out.flat] if out.flat is not None else out.values()):
                 t.record_stream(current)
         return out
 

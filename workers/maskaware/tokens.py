@@ -110,11 +110,21 @@ class TokenMasks:
 
     def indices(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Sorted int64 indices of masked tokens at the level with ``n`` tokens (memoized)."""
-        key = (n, str(torch.device(device)))
+        key = (n, _device_key(device))
         if key not in self._idx:
             host = self.flat(n).cpu().nonzero().reshape(-1)
             self._idx[key] = host if key[1] == "cpu" else host.to(device)
         return self._idx[key]
+
+    def device_indices(self, device: torch.device | str) -> tuple[tuple[int, torch.Tensor], ...]:
+        """(level tokens, indices) of every partial level on ``device`` (after ``prepare``)."""
+        where = _device_key(device)
+        return tuple((n, t) for (n, d), t in sorted(self._idx.items(), key=lambda kv: kv[0][0]) if d == where)
+
+    def with_indices(self, indices: dict[int, torch.Tensor], device: torch.device | str) -> "TokenMasks":
+        """The same masks reading their indices from ``indices`` (a captured step's static buffers)."""
+        where = _device_key(device)
+        return TokenMasks(self.levels, {(n, where): t for n, t in indices.items()}, dict(self._counts))
 
     def count(self, n: int) -> int:
         """Masked tokens at the level with ``n`` tokens (a Python int, memoized)."""
@@ -146,6 +156,14 @@ class TokenMasks:
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "TokenMasks":
         n = len(tensors)
         return cls([tensors[f"level_{i}"].bool() for i in range(n)])
+
+
+def _device_key(device: torch.device | str) -> str:
+    """A device's memo key: ``cuda`` means the current CUDA device (``cuda:0``), as tensors say."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
 
 
 def coverage_levels(mask: torch.Tensor, latent_hw: tuple[int, int], num_levels: int,

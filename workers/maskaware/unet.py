@@ -392,6 +392,7 @@ class MaskAwareUNet:
         # Unit timings for the plan's cost model: host clocks on the CPU, CUDA events on a GPU
         # (read after the step completes: ``BatchContext.resolve_timings``).
         self._device_timed = next(unet.parameters()).device.type == "cuda"
+        self.timing = True  # off while a call is captured into a CUDA graph (``workers/engine/graphs.py``)
         self._timers: list[Any] = [unet.register_forward_pre_hook(self._model_pre)]
         modules = dict(unet.named_modules())
         for unit in self._units:
@@ -549,13 +550,13 @@ class MaskAwareUNet:
     # --- internals ----------------------------------------------------------------------------
 
     def _model_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if self._ctx is not None:
+        if self._ctx is not None and self.timing:
             self._ctx._last_end = self._ctx.stamp()
 
     def _unit_pre(self, unit: str) -> Any:
         def pre(module: torch.nn.Module, args: Any) -> None:
             ctx = self._ctx
-            if ctx is not None:
+            if ctx is not None and self.timing:
                 now = ctx._unit_t0[unit] = ctx.stamp()
                 if ctx._last_end is not None:  # ResNets, convs etc. since the previous unit
                     ctx.add_span(ctx.unit_gap, unit, ctx._last_end, now)

@@ -1,0 +1,97 @@
+"""Graph-replayed steps (``workers/engine/graphs.py``): the pool's policy, and on the CPU, with a
+stand-in that replays by re-running the captured call on its static buffers, that a runner's
+graphed steps compute exactly what its eager steps compute (the input plumbing: latents,
+timesteps, text, staged caches and token indices copied in at every replay). Real CUDA graphs are
+checked against eager steps by ``tests/test_gpu.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_plan_engine import _job, _runner_setup
+from workers.engine.graphs import EagerReplay, StepGraphs
+from workers.maskaware import TemplateCacheKey
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():  # type: ignore[no-untyped-def]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _double(ts):  # type: ignore[no-untyped-def]
+    return ts[0] * 2 + ts[1]
+
+
+def test_a_signature_is_captured_when_it_repeats_and_replayed_with_new_inputs() -> None:
+    graphs = StepGraphs("cpu", repeats=2)
+    a, b = torch.ones(3), torch.zeros(3)
+    assert torch.equal(graphs.run("k", [a, b], _double), a * 2)
+    assert graphs.captures == 0 and graphs.eager == 1
+    out = graphs.run("k", [a, b], _double)  # second sighting: captured, then replayed
+    assert graphs.captures == 1 and torch.equal(out, a * 2)
+    out = graphs.run("k", [torch.full((3,), 5.0), torch.ones(3)], _double)
+    assert graphs.replays == 2 and torch.equal(out, torch.full((3,), 11.0))
+
+
+def test_the_pool_is_bounded_by_count_and_bytes_and_failed_captures_run_eagerly() -> None:
+    graphs = StepGraphs("cpu", repeats=1, max_graphs=2, budget_bytes=10 * 4)
+    for key in ("a", "b", "c"):
+        graphs.run(key, [torch.ones(2), torch.ones(2)], _double)
+    assert list(graphs._graphs) == ["b", "c"]  # least recently used evicted
+    graphs.run("big", [torch.ones(8), torch.ones(8)], _double)  # 64 bytes > budget: never captured
+    assert "big" not in graphs._graphs and graphs.static_bytes <= 40
+
+    def broken(forward, static, pool):  # type: ignore[no-untyped-def]
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    failing = StepGraphs("cpu", repeats=1, capture=broken)
+    for _ in range(3):
+        assert torch.equal(failing.run("k", [torch.ones(2), torch.ones(2)], _double), torch.full((2,), 3.0))
+    assert failing.captures == 0 and failing.eager == 3 and "k" in failing._failed
+
+
+def test_graphed_runner_steps_equal_eager_steps(tmp_path: Path) -> None:
+    """A template warm-up, then a batch of three masked edits and a full-compute job stepping
+    together: the runner with graphs (captured at the second step, replayed after) gives the same
+    latents as the runner without, bit for bit; a job joining mid-way changes the signature."""
+    from workers.engine.sd_runner import SDRunner
+
+    steps = 5
+    unet, ctrl, runner, caches, store, cfg = _runner_setup(tmp_path, "plan", bandwidth=1e9)
+    try:
+        key = TemplateCacheKey("t", "tpl", 128, 128, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout)
+        rec = _job(runner, "record", key, steps)
+        while not rec.finished:
+            runner.step([rec])
+            rec.steps_done += 1
+        runner.result(rec)["commit"].result(timeout=60)
+        for s in range(steps):
+            assert caches.wait(key, s, timeout=30) is not None
+        graphed = SDRunner(unet, cfg, maskaware=ctrl, caches=caches, prefetch_steps=0, cache_plan="plan", graphs=True)
+        assert graphed.graphs is not None and graphed.graphs.capture is EagerReplay
+        results = {}
+        for name, r in (("eager", runner), ("graphed", graphed)):
+            batch = [_job(r, "masked", key, steps, seed=10 + i) for i in range(3)] + [_job(r, "full", None, steps, seed=20)]
+            late = _job(r, "masked", key, steps, seed=30)
+            for step in range(steps):
+                r.step(batch)
+                for job in batch:
+                    job.steps_done += 1
+                if step == 1:
+                    batch.append(late)
+            while not late.finished:
+                r.step([late])
+                late.steps_done += 1
+            results[name] = [j.state.latents for j in batch]
+            assert all(r.result(j)["masked_steps"] == steps for j in batch if j.state.mode == "masked")
+        assert graphed.graphs.captures >= 2 and graphed.graphs.replays >= 4
+        for a, b in zip(results["eager"], results["graphed"]):
+            assert torch.equal(a, b)
+    finally:
+        caches.close(wait=True)

@@ -1,0 +1,161 @@
+"""Denoiser calls replayed as CUDA graphs: one captured graph per step signature, a bounded pool.
+
+Why: at the batch sizes a service sees, a diffusion step on a modern GPU is bound by the host: an
+SD 1.5 step launches over a thousand kernels, each costing host time, and the mask-aware step
+adds its gathers and scatters. A CUDA graph replays a captured step's kernels with one launch.
+
+How (the pattern of vLLM's and SGLang's CUDA-graph runners): a step is described by its *signature*
+(the shapes and the layout of its row groups: each job's mode, rows and, for a masked job, its
+token counts per level) and by a flat list of *inputs* (the tensors it reads that change from step
+to step: latents, timesteps, text, each masked job's staged cache and token indices). The first
+time a signature repeats, the call is captured: inputs are copied into static buffers, the call
+runs once eagerly on them (warm-up: cuBLAS handles, lazily built indices) and is captured. From
+then on a step copies its inputs into the graph's buffers and replays it. The output buffer is
+the graph's own: the runner consumes it within the step, before any other replay.
+
+A job's mask is fixed for its life and a steady batch keeps its jobs for many steps, so a batch's
+signature repeats at every step until a job joins or leaves. Graphs share one memory pool (they
+never run concurrently and never read each other's outputs); the pool of graphs is an LRU bounded
+by count and by the bytes of its static inputs. A signature whose capture fails runs eagerly from
+then on (logged once), so an unsupported call costs nothing but its eager time.
+
+``capture`` is injectable: on a machine without CUDA, ``EagerReplay`` stands in for a graph (it
+re-runs the call on the static buffers at every replay), which tests the buffer plumbing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Forward = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+
+
+class Replayable(Protocol):
+    output: torch.Tensor
+
+    def replay(self) -> None: ...
+
+
+class CudaGraphCall:
+    """One captured call: warm-up on a side stream, capture into the shared pool."""
+
+    def __init__(self, forward: Forward, static: Sequence[torch.Tensor], pool: Any) -> None:
+        side = torch.cuda.Stream(static[0].device)
+        side.wait_stream(torch.cuda.current_stream(static[0].device))
+        with torch.cuda.stream(side):
+            forward(static)  # warm-up: kernels' lazy state, index tensors the call memoizes
+        torch.cuda.current_stream(static[0].device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: the provider's fetch threads keep pinning host memory during a capture
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+            self.output = forward(static)
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class EagerReplay:
+    """A stand-in for a graph where there is no CUDA: each replay re-runs the call on the static
+    buffers (what a graph's replay computes), so the input plumbing is testable on the CPU."""
+
+    def __init__(self, forward: Forward, static: Sequence[torch.Tensor], pool: Any) -> None:
+        self.forward, self.static = forward, static
+        self.output = forward(static)
+
+    def replay(self) -> None:
+        self.output.copy_(self.forward(self.static))
+
+
+class _Entry:
+    def __init__(self, call: Replayable, static: list[torch.Tensor], nbytes: int) -> None:
+        self.call, self.static, self.nbytes = call, static, nbytes
+
+
+class StepGraphs:
+    """Captured denoiser calls by signature (module doc). ``run`` returns the call's output."""
+
+    def __init__(self, device: torch.device | str, *, max_graphs: int = 32, budget_bytes: int | None = None,
+                 repeats: int = 2, capture: Callable[[Forward, Sequence[torch.Tensor], Any], Replayable] | None = None
+                 ) -> None:
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        self.capture = capture or (CudaGraphCall if cuda else EagerReplay)
+        self.pool = torch.cuda.graph_pool_handle() if cuda and self.capture is CudaGraphCall else None
+        self.max_graphs = max_graphs
+        self.budget_bytes = budget_bytes if budget_bytes is not None else _default_budget(self.device)
+        self.repeats = repeats
+        self._graphs: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self._seen: dict[Hashable, int] = {}
+        self._failed: set[Hashable] = set()
+        self.captures = self.replays = self.eager = 0
+
+    @property
+    def static_bytes(self) -> int:
+        return sum(e.nbytes for e in self._graphs.values())
+
+    def run(self, key: Hashable, inputs: Sequence[torch.Tensor], forward: Forward) -> torch.Tensor:
+        """``forward(tensors)`` on ``inputs``, replayed from a graph once ``key`` has repeated.
+        ``forward`` must read only the tensors it is given (besides the model's weights) and run
+        only device work (no host reads, no host tensors)."""
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._maybe_capture(key, inputs, forward)
+            if entry is None:
+                self.eager += 1
+                return forward(inputs)
+        else:
+            self._graphs.move_to_end(key)
+        for dst, src in zip(entry.static, inputs):
+            if dst is not src:
+                dst.copy_(src, non_blocking=True)
+        entry.call.replay()
+        self.replays += 1
+        return entry.call.output
+
+    def _maybe_capture(self, key: Hashable, inputs: Sequence[torch.Tensor], forward: Forward) -> _Entry | None:
+        if key in self._failed:
+            return None
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
+        if seen < self.repeats:
+            if len(self._seen) > 4096:
+                self._seen = {key: seen}
+            return None
+        nbytes = sum(t.numel() * t.element_size() for t in inputs)
+        if nbytes > self.budget_bytes:
+            return None
+        while self._graphs and (len(self._graphs) >= self.max_graphs or self.static_bytes + nbytes > self.budget_bytes):
+            self._graphs.popitem(last=False)  # least recently used
+        static = [t.clone() for t in inputs]
+        try:
+            call = self.capture(forward, static, self.pool)
+        except Exception as exc:  # an unsupported call: eager from now on
+            self._failed.add(key)
+            log.warning("CUDA graph capture failed (%s: %s); this step signature runs eagerly",
+                        type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else "")
+            return None
+        self.captures += 1
+        entry = self._graphs[key] = _Entry(call, static, nbytes)
+        return entry
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._seen.clear()
+
+
+def _default_budget(device: torch.device) -> int:
+    """Static-input bytes the graphs may hold: a quarter of the device memory free at start (the
+    caches they copy are a step's worth per job); unbounded off CUDA (tests)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 1 << 62
+    free, _total = torch.cuda.mem_get_info(device)
+    return free // 4
+
+
+__all__ = ["CudaGraphCall", "EagerReplay", "StepGraphs"]
