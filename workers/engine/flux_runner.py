@@ -21,6 +21,8 @@ from diffusers import FluxPipeline, FluxTransformer2DModel
 
 from workers.adapters import layout
 from workers.compiled import Compiled
+from workers.engine.graph_calls import flux_call, graphable
+from workers.engine.graphs import StepGraphs
 from workers.engine.job import EngineJob
 from workers.engine.runner_base import BaseRunner, JobState
 from workers.flux_inputs import flux_schedule
@@ -43,7 +45,7 @@ class FluxJobState(JobState):
 class FluxRunner(BaseRunner):
     def __init__(self, transformer: FluxTransformer2DModel, scheduler_config: dict[str, Any], vae_scale_factor: int,
                  device: str = "cpu", *, maskaware: MaskAwareFlux | None = None, compile: str = "off",
-                 **cache_options: Any) -> None:
+                 graphs: bool | None = None, **cache_options: Any) -> None:
         super().__init__(maskaware, **cache_options)
         self.transformer = transformer
         self.dtype = transformer.dtype
@@ -53,6 +55,14 @@ class FluxRunner(BaseRunner):
         self.scheduler_config = scheduler_config
         self.vae_scale_factor = vae_scale_factor
         self.device = torch.device(device)
+        # Steps replayed as CUDA graphs (``workers/engine/graphs.py``): on CUDA unless turned off.
+        self.graphs = StepGraphs(self.device) if (self.device.type == "cuda" if graphs is None else graphs) else None
+
+    @property
+    def writable_caches(self) -> bool:  # type: ignore[override]
+        """Staged caches in one flat buffer (one copy into a graph's input) where steps are graphed;
+        the model only reads them, so elsewhere they are handed over as decoded."""
+        return self.graphs is not None
 
     def init_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> FluxJobState:
         if meta.get("family") != "flux":
@@ -134,6 +144,8 @@ class FluxRunner(BaseRunner):
                       pooled_projections=torch.cat([s.pooled for s in states]),
                       encoder_hidden_states=torch.cat([s.prompt_embeds for s in states]),
                       txt_ids=states[0].text_ids, img_ids=img_ids, return_dict=False)
+        if self.graphs is not None and not layout.wanted() and graphable(groups):
+            return flux_call(self.graphs, self.transformer, self.maskaware, kwargs, groups), [None] * len(groups or ())
         if groups is None:
             return self.forward(**kwargs)[0], []
         if self.forward.active and not layout.wanted() and all(g.mode == "full" and g.positions is None

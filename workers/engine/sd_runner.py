@@ -32,9 +32,9 @@ from workers.compiled import Compiled
 from workers.controlnets.step import Concurrent, JobControl, Use, residuals
 from workers.engine.cache_codec import rows_equal
 from workers.engine.job import EngineJob
+from workers.engine.graph_calls import graphable, unet_call
 from workers.engine.graphs import StepGraphs
 from workers.engine.runner_base import BaseRunner, JobState
-from workers.engine.staging import StagedCache
 from workers.maskaware.lockstep import Lockstep
 from workers.maskaware.unet import MaskAwareUNet, RowGroup
 from workers.models.loader import make_scheduler
@@ -300,7 +300,8 @@ class SDRunner(BaseRunner):
         kwargs.update(self._control_kwargs(batch, sample, t_rows, text))
         args = (torch.cat([sample, torch.cat(masks)], dim=1), t_rows)
         if self.graphs is not None and not lockstep and self._graphable(groups, kwargs):
-            return self._graphed(args, kwargs, groups), [None] * len(groups or ())
+            out = unet_call(self.graphs, self.unet, self.maskaware, args, kwargs, groups, self.device)
+            return out, [None] * len(groups or ())
         try:
             # ControlNets computed concurrently with the down path hook the UNet's forward: eager
             forward = self.forward if self.concurrent is None else self.unet
@@ -321,59 +322,10 @@ class SDRunner(BaseRunner):
         return out, list(ctx.recorded)
 
     def _graphable(self, groups: list[Any] | None, kwargs: dict[str, Any]) -> bool:
-        """Whether this call may replay a CUDA graph: every job computes fully or reads a staged
-        cache, and nothing per step lives outside tensors (no ControlNet residuals, no per-job
-        adapter terms, no unit loads waited for mid-call, no recording)."""
-        if self.concurrent is not None or layout.wanted() or "down_block_additional_residuals" in kwargs:
-            return False
-        return groups is None or all(g.mode == "full" or (g.mode == "masked" and isinstance(g.cache, StagedCache)
-                                                          and g.cache.flat is not None) for g in groups)
-
-    def _graphed(self, args: tuple[torch.Tensor, torch.Tensor], kwargs: dict[str, Any],
-                 groups: list[Any] | None) -> torch.Tensor:
-        """The UNet call through ``self.graphs``: its inputs are the step's latents, timesteps and
-        text (and SDXL's added conditioning), then each masked job's staged cache (one flat buffer)
-        and token indices; its signature, their shapes and each job's mode, rows and token counts."""
-        added = kwargs.get("added_cond_kwargs")
-        inputs = [args[0], args[1], kwargs["encoder_hidden_states"]]
-        if added is not None:
-            inputs += [added["text_embeds"], added["time_ids"]]
-        head = len(inputs)
-        masked = groups is not None and any(g.mode == "masked" for g in groups)
-        spec: list[tuple[Any, ...]] = []
-        for g in (groups or []) if masked else []:
-            if g.mode != "masked":
-                spec.append(("full", g.rows))
-                continue
-            indices = g.token_mask.device_indices(self.device)
-            inputs.append(g.cache.flat)
-            inputs += [t for _, t in indices]
-            spec.append(("masked", g.rows, g.token_mask.counts(), tuple(n for n, _ in indices), g.cache.layout,
-                         frozenset(g.full_units)))
-        key = (tuple((tuple(t.shape), t.dtype) for t in inputs[:head]), tuple(spec))
-
-        def forward(ts: Any) -> torch.Tensor:
-            kw: dict[str, Any] = {"encoder_hidden_states": ts[2], "return_dict": False}
-            if added is not None:
-                kw["added_cond_kwargs"] = {"text_embeds": ts[3], "time_ids": ts[4]}
-            if not masked:
-                return self.unet(ts[0], ts[1], **kw)[0]
-            rest, replayed = iter(ts[head:]), []
-            for g, sp in zip(groups, spec):  # type: ignore[arg-type]
-                if sp[0] == "full":
-                    replayed.append(RowGroup(g.rows, "full"))
-                    continue
-                cache = StagedCache.over(next(rest), sp[4])
-                masks = g.token_mask.with_indices({n: next(rest) for n in sp[3]}, self.device)
-                replayed.append(RowGroup(g.rows, "masked", token_mask=masks, cache=cache, full_units=g.full_units))
-            self.maskaware.timing = False  # no unit timings inside a captured call
-            try:
-                with self.maskaware.batch(replayed):
-                    return self.unet(ts[0], ts[1], **kw)[0]
-            finally:
-                self.maskaware.timing = True
-
-        return self.graphs.run(key, inputs, forward)  # type: ignore[union-attr]
+        """Whether this call may replay a CUDA graph (``graph_calls.graphable``), and nothing per
+        step lives outside tensors: no ControlNet residuals, no per-job adapter terms."""
+        return (self.concurrent is None and not layout.wanted() and "down_block_additional_residuals" not in kwargs
+                and graphable(groups))
 
     def _rows_alike(self, st: JobState) -> bool:
         """CFG rows get bit-equal inputs when the prompt's and the negative prompt's conditioning

@@ -99,6 +99,7 @@ from workers.adapters import layout
 from workers.adapters.patcher import install as install_row_aware
 from workers.compiled import Compiled
 from workers.maskaware.flux_tokens import pixel_to_token_mask
+from workers.maskaware.tokens import row_index
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +279,7 @@ class _Plan:
         self.img_segs = [(row.active, row.off, row.off + row.m) for row in self.active]
         self.M = off
         self.all_active = len(self.active) == self.B
-        self.active_idx = torch.tensor([row.row for row in self.active], dtype=torch.long, device=self.device)
+        self.active_idx = row_index(tuple(row.row for row in self.active), self.device)
         pos = [torch.arange(self.N, device=self.device) if row.sel is None else row.sel for row in self.active]
         if pos:
             self.img_pos = torch.cat(pos)

@@ -166,6 +166,21 @@ def _device_key(device: torch.device | str) -> str:
     return str(d)
 
 
+_ROW_INDEX: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
+
+
+def row_index(rows: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
+    """Batch-row indices on ``device``, built once per (rows, device): a step's row selection
+    never copies an index from the host (nor, inside a captured CUDA graph, could it)."""
+    key = (rows, _device_key(device))
+    t = _ROW_INDEX.get(key)
+    if t is None:
+        if len(_ROW_INDEX) > 4096:
+            _ROW_INDEX.clear()
+        t = _ROW_INDEX[key] = torch.tensor(rows, dtype=torch.long, device=device)
+    return t
+
+
 def coverage_levels(mask: torch.Tensor, latent_hw: tuple[int, int], num_levels: int,
                     threshold: float) -> list[torch.Tensor]:
     """Level 0 = the OR latent mask; level k >= 1: tokens whose masked pixel share (area-pooled,

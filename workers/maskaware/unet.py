@@ -94,7 +94,7 @@ from workers.adapters import layout
 from workers.adapters.patcher import install as install_row_aware
 from workers.compiled import BlockKernels
 from workers.maskaware.lockstep import Lockstep
-from workers.maskaware.tokens import TokenMasks, build_token_masks
+from workers.maskaware.tokens import TokenMasks, build_token_masks, row_index
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ class BatchContext:
             full.extend(range(s, s + grp.rows))
             full_groups.append((g, grp.rows))
         all_full = len(full) == self.total_rows
-        rows = None if all_full else _row_index(tuple(full), device)
+        rows = None if all_full else row_index(tuple(full), device)
         return _Plan(rows, full_groups, record, masked, empty)
 
     def computed_tokens(self, plan: _Plan, n: int) -> int:
@@ -839,21 +839,6 @@ class _Carry:
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Concatenation that dispatches nothing for a single tensor."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-
-_ROW_INDEX: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
-
-
-def _row_index(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Batch-row indices on ``device``, built once per (rows, device): a step's sub-batch selection
-    never copies an index from the host."""
-    key = (rows, str(device))
-    t = _ROW_INDEX.get(key)
-    if t is None:
-        if len(_ROW_INDEX) > 4096:
-            _ROW_INDEX.clear()
-        t = _ROW_INDEX[key] = torch.tensor(rows, dtype=torch.long, device=device)
-    return t
 
 
 def _check_arguments(arguments: dict) -> None:

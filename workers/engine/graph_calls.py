@@ -1,0 +1,131 @@
+"""A denoiser call as a graph's inputs (``workers/engine/graphs.py``): what it reads that changes
+from step to step, and a function that runs it on any tensors of that structure.
+
+Inputs are the step's model arguments (latents, timesteps, text, ...), then for each masked job
+its staged cache (one flat buffer, ``workers/engine/staging.py``) and its token indices. The
+signature holds what fixes the call's shapes and control flow: the arguments' shapes and dtypes
+and each job's mode, rows, token counts and cache layout. The function rebuilds the row groups
+over the tensors it is given (static buffers when captured), so a replay reads the step's data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from workers.engine.graphs import StepGraphs
+from workers.engine.staging import StagedCache
+
+
+def graphable(groups: Sequence[Any] | None) -> bool:
+    """Every job computes fully, or reads a staged cache laid out in one buffer (no unit waited
+    for mid-call, no recording, no job placed on a larger grid)."""
+    return groups is None or all(
+        g.mode == "full" or (g.mode == "masked" and isinstance(g.cache, StagedCache) and g.cache.flat is not None
+                             and getattr(g, "positions", None) is None)
+        for g in groups)
+
+
+def _signature(args: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+    return tuple((tuple(t.shape), t.dtype) for t in args)
+
+
+def unet_call(graphs: StepGraphs, unet: Any, ctrl: Any, args: tuple[torch.Tensor, torch.Tensor],
+              kwargs: dict[str, Any], groups: Sequence[Any] | None, device: torch.device) -> torch.Tensor:
+    """``unet(*args, **kwargs)`` (under ``ctrl.batch(groups)`` when a job is masked) through ``graphs``."""
+    from workers.maskaware.unet import RowGroup
+
+    added = kwargs.get("added_cond_kwargs")
+    inputs = [args[0], args[1], kwargs["encoder_hidden_states"]]
+    if added is not None:
+        inputs += [added["text_embeds"], added["time_ids"]]
+    head = len(inputs)
+    masked = groups is not None and any(g.mode == "masked" for g in groups)
+    spec: list[tuple[Any, ...]] = []
+    for g in (groups or []) if masked else []:
+        if g.mode != "masked":
+            spec.append(("full", g.rows))
+            continue
+        indices = g.token_mask.device_indices(device)
+        inputs.append(g.cache.flat)
+        inputs += [t for _, t in indices]
+        spec.append(("masked", g.rows, g.token_mask.counts(), tuple(n for n, _ in indices), g.cache.layout,
+                     frozenset(g.full_units)))
+
+    def forward(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+        kw: dict[str, Any] = {"encoder_hidden_states": ts[2], "return_dict": False}
+        if added is not None:
+            kw["added_cond_kwargs"] = {"text_embeds": ts[3], "time_ids": ts[4]}
+        if not masked:
+            return unet(ts[0], ts[1], **kw)[0]
+        rest, replayed = iter(ts[head:]), []
+        for g, sp in zip(groups, spec):  # type: ignore[arg-type]
+            if sp[0] == "full":
+                replayed.append(RowGroup(g.rows, "full"))
+                continue
+            cache = StagedCache.over(next(rest), sp[4])
+            masks = g.token_mask.with_indices({n: next(rest) for n in sp[3]}, device)
+            replayed.append(RowGroup(g.rows, "masked", token_mask=masks, cache=cache, full_units=g.full_units))
+        return _untimed(ctrl, replayed, lambda: unet(ts[0], ts[1], **kw)[0])
+
+    return graphs.run(("unet", _signature(inputs[:head]), tuple(spec)), inputs, forward)
+
+
+_FLUX_ARGS = ("hidden_states", "timestep", "guidance", "pooled_projections", "encoder_hidden_states", "txt_ids",
+              "img_ids")
+
+
+def flux_call(graphs: StepGraphs, transformer: Any, ctrl: Any, kwargs: dict[str, Any],
+              groups: Sequence[Any] | None) -> torch.Tensor:
+    """``transformer(**kwargs)`` (under ``ctrl.batch(groups)`` when a job is masked) through ``graphs``."""
+    from workers.maskaware.flux import FluxTokens, RowGroup
+
+    names = [n for n in _FLUX_ARGS if kwargs.get(n) is not None]
+    inputs = [kwargs[n] for n in names]
+    head = len(inputs)
+    masked = groups is not None and any(g.mode == "masked" for g in groups)
+    spec: list[tuple[Any, ...]] = []
+    for g in (groups or []) if masked else []:
+        if g.mode != "masked":
+            spec.append(("full", g.rows))
+            continue
+        tok = g.token_mask
+        parts = [] if tok.sel is None else [tok.sel, tok.unsel] + ([] if tok.key_order is None else [tok.key_order])
+        inputs += [g.cache.flat, *parts]
+        spec.append(("masked", g.rows, tok.m, tok.numel(), len(parts), g.cache.layout))
+
+    def forward(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+        kw: dict[str, Any] = dict(zip(names, ts[:head]), return_dict=False)
+        if not masked:
+            return transformer(**kw)[0]
+        rest, replayed = iter(ts[head:]), []
+        for g, sp in zip(groups, spec):  # type: ignore[arg-type]
+            if sp[0] == "full":
+                replayed.append(RowGroup(g.rows, "full"))
+                continue
+            cache = StagedCache.over(next(rest), sp[5])
+            parts = [next(rest) for _ in range(sp[4])]
+            tok = FluxTokens(g.token_mask.mask, sp[2], *(parts + [None] * (3 - len(parts))))
+            replayed.append(RowGroup(g.rows, "masked", token_mask=tok, cache=cache))
+        return _untimed(ctrl, replayed, lambda: transformer(**kw)[0])
+
+    return graphs.run(("flux", tuple(names), _signature(inputs[:head]), tuple(spec)), inputs, forward)
+
+
+def _untimed(ctrl: Any, groups: list[Any], call: Any) -> torch.Tensor:
+    """``call()`` inside ``ctrl.batch(groups)`` without the controller's unit timings (no events
+    inside a captured call)."""
+    timing = getattr(ctrl, "timing", None)
+    if timing is not None:
+        ctrl.timing = False
+    try:
+        with ctrl.batch(groups):
+            return call()
+    finally:
+        if timing is not None:
+            ctrl.timing = timing
+
+
+__all__ = ["flux_call", "graphable", "unet_call"]
