@@ -55,32 +55,32 @@ def sdxl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Service:
     """A CPU worker and a GPU worker of one model, both in ``dtype``, in process."""
 
-    def __init__(self, family: str, folder: Path, tmp: Path, dtype: torch.dtype = BF16) -> None:
+    def __init__(self, family: str, folder: Path, tmp: Path, dtype: torch.dtype = BF16, device: str = "cpu") -> None:
         from app.storage.local import LocalStore
         from workers.engine.template_cache import CacheRecorder, StepCacheProvider
         from workers.maskaware.activation_store import ActivationStore
 
-        self.family, self.folder, self.dtype = family, folder, dtype
-        self.cpu = load_cpu_pipeline(folder, dtype=dtype)
+        self.family, self.folder, self.dtype, self.device = family, folder, dtype, device
+        self.cpu = load_cpu_pipeline(folder, device, dtype=dtype)  # the stages on the worker's device
         store = ActivationStore(LocalStore(tmp))
         # As the GPU worker sets them up (workers/gpu_tasks.py): caches handed to the model in its dtype,
         # the exact path's recordings stored losslessly, i.e. in the dtype they were recorded in.
-        provider = StepCacheProvider(store, 1 << 30)
+        provider = StepCacheProvider(store, 1 << 30, device=device)
         provider.dtype = dtype
         cache = {"caches": provider, "recorder": CacheRecorder(store, codec=str(dtype).removeprefix("torch."))}
         if family == "flux":
             from workers.engine.flux_runner import FluxRunner
             from workers.maskaware.flux import MaskAwareFlux
 
-            model = load_flux_transformer(folder, "cpu", dtype)
-            self.runner = FluxRunner(model, scheduler_config(folder), vae_scale_factor(folder),
+            model = load_flux_transformer(folder, device, dtype)
+            self.runner = FluxRunner(model, scheduler_config(folder), vae_scale_factor(folder), device,
                                      maskaware=MaskAwareFlux(model), **cache)
         else:
             from workers.engine.sd_runner import SDRunner
             from workers.maskaware.unet import MaskAwareUNet
 
-            unet = load_unet(folder, "cpu", dtype)
-            self.runner = SDRunner(unet, scheduler_config(folder), maskaware=MaskAwareUNet(unet), **cache)
+            unet = load_unet(folder, device, dtype)
+            self.runner = SDRunner(unet, scheduler_config(folder), device, maskaware=MaskAwareUNet(unet), **cache)
         self.model = self.runner.transformer if family == "flux" else self.runner.unet
         assert self.model.dtype == dtype
 
@@ -99,7 +99,7 @@ class Service:
         from workers.sd_inputs import decode_latents
 
         assert latents.dtype == self.dtype
-        latents = unpack(pack({"latents": latents}))[0]["latents"]
+        latents = unpack(pack({"latents": latents.cpu()}))[0]["latents"]
         if self.family == "flux":
             return np.asarray(decode_flux_latents(self.cpu, latents, SIZE, SIZE), dtype=np.int16)
         return np.asarray(decode_latents(self.cpu, latents), dtype=np.int16)
@@ -115,6 +115,7 @@ class Service:
                 self.folder, safety_checker=None, feature_extractor=None, requires_safety_checker=False,
                 dtype=self.dtype)
         pipe.set_progress_bar_config(disable=True)
+        pipe.to(self.device)
         out = pipe(prompt=params.prompt, image=_image(params.seed), mask_image=_mask(params.seed),
                    num_inference_steps=params.steps, guidance_scale=params.guidance, height=SIZE, width=SIZE,
                    generator=torch.Generator("cpu").manual_seed(params.seed), **kwargs).images[0]
@@ -129,9 +130,9 @@ def _jobs(family: str) -> list[JobParams]:
             JobParams(prompt="grass", steps=5, guidance=g, seed=2, strength=0.8)]
 
 
-def _world(family: str, tmp: Path, sdxl_dir: Path) -> Service:
+def _world(family: str, tmp: Path, sdxl_dir: Path, device: str = "cpu") -> Service:
     folder = {"sd": SD_DIR, "flux": FLUX_DIR, "sdxl": sdxl_dir}[family]
-    return Service(family, folder, tmp)
+    return Service(family, folder, tmp, device=device)
 
 
 @pytest.mark.parametrize("family", ["sd", "flux", "sdxl"])

@@ -6,7 +6,10 @@ with the exact command line that produced it. ``--quick`` is a smoke run in seco
 
 - per denoising step: ``maskaware_unet``, ``maskaware_flux``, ``policy_speed``, ``overheads``,
   ``batch_curve``, ``bubble`` (cache loading and prefetch), ``true_size`` (SD 1.5, SDXL and Flux Fill
-  at their public sizes, mask-aware vs full per step), ``cache_bytes`` (cache bytes per template per
+  at their public sizes, mask-aware vs full per step), ``gpu_step`` (the same models on a GPU: full vs
+  mask-aware steps, eager vs graph-replayed, batch scaling, kernels and host syncs per step),
+  ``gpu_engine`` (the engine in process on a GPU: mask-aware and full compute against the stock
+  pipeline on a burst of edits, jobs/s, latency, a steady step's phases), ``cache_bytes`` (cache bytes per template per
   storage codec at true sizes, codec fidelity, host-tier capacity, link-speed unit selection);
 - fidelity: ``fidelity``, ``fidelity_causes``, ``fidelity_baselines``;
 - whole service: ``e2e`` (against a stock diffusers server), ``recovery`` (process faults),

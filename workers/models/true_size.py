@@ -417,10 +417,10 @@ def _save_scheduler(kind: str, out: Path) -> str:
     return type(sched).__name__
 
 
-def save_config_folder(model_id: str, out: str | Path) -> Path:
+def save_config_folder(model_id: str, out: str | Path, s: Spec | None = None) -> Path:
     """Configs, tokenizers, scheduler and ``model_index.json`` without weights: what
     ``from_single_file(config=...)`` reads offline."""
-    s = spec(model_id)
+    s = s or spec(model_id)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     index: dict[str, Any] = {"_class_name": s.pipeline, "_diffusers_version": diffusers.__version__, **s.extra}
@@ -440,12 +440,14 @@ def save_config_folder(model_id: str, out: str | Path) -> Path:
     return out
 
 
-def save_true_size(model_id: str, out: str | Path, seed: int = 0, dtype: str | torch.dtype = "bfloat16") -> Path:
-    """Write true-size model ``model_id`` (random init) as a diffusers pipeline folder in ``dtype``."""
+def save_true_size(model_id: str, out: str | Path, seed: int = 0, dtype: str | torch.dtype = "bfloat16",
+                   small: bool = False) -> Path:
+    """Write true-size model ``model_id`` (random init) as a diffusers pipeline folder in ``dtype``
+    (``small``: its ``shrunk`` widths, for the benchmarks' quick runs)."""
     dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    s = spec(model_id)
+    s = shrunk(model_id) if small else spec(model_id)
     out = Path(out)
-    save_config_folder(model_id, out)
+    save_config_folder(model_id, out, s)
     total = 0
     for k, (name, comp) in enumerate(s.components.items()):
         if (out / name).exists():

@@ -1,0 +1,317 @@
+"""The engine in process on one device: Stencil's continuous-batching engine, mask-aware with warm
+caches and in full compute, against the stock diffusers pipeline in batches, on a burst of edits.
+
+A true-size model with random weights (``workers/models/true_size.py``; SD 1.5 inpainting at 512 px
+by default, SDXL inpainting at 1024 px with ``--model sdxl``) is saved in ``--dtype`` and loaded as
+the service loads it, everything on ``--device`` (stages too). A template is warmed (its cache
+recorded and committed, then resident in host RAM, as after prefetch) and ``--jobs`` edits of it
+arrive at once, with mask ratios drawn from the spring trace (``ops/data/mask_ratios``), blob
+masks, the ``fast`` policy's refresh steps. Systems, measured in one run:
+
+- ``stock``: ``StableDiffusion(XL)InpaintPipeline`` in batches of ``--max-batch`` (in process);
+- ``stencil-full``: the engine without mask-aware compute;
+- ``stencil-maskaware``: the engine with mask-aware compute.
+
+For Stencil, a job's time counts its prepare (text and VAE encode), its steps in the engine and
+its decode, run one after the other (the service overlaps them across workers). Reported: jobs/s,
+mean and P95 latency, and where a steady mask-aware step's time goes (``torch.profiler`` over one
+step: the runner's phases as ranges, host and device time). ``--quick``: the shrunk model, a few
+jobs, on whatever device (the test suite's smoke run on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from app.demo import demo_templates
+from app.fidelity import policy_schedule
+from app.jobs import JobParams
+from app.maskgen import make_mask
+from app.storage.local import LocalStore
+from ops.bench.gpu_step import DTYPES, _device, _hardware
+from ops.bench.harness.cli import parser, start
+from workers.engine.engine import Engine
+from workers.engine.scheduler import BatchScheduler
+from workers.engine.sd_runner import SDRunner
+from workers.engine.template_cache import CacheRecorder, StepCacheProvider
+from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
+from workers.maskaware.unet import MaskAwareUNet
+from workers.models import true_size
+from workers.models.loader import load_cpu_pipeline, load_unet, scheduler_config
+from workers.sd_inputs import decode_latents, prepare_job_tensors
+
+log = logging.getLogger(__name__)
+
+MODELS = {"sd15": ("sd15-inpaint", 512), "sdxl": ("sdxl-inpaint", 1024)}
+TRACE = Path(__file__).resolve().parents[1] / "data" / "mask_ratios" / "spring_festival_mask_ratio_original.npy"
+PHASES = ("_plan_groups", "_group", "_forward", "_after_step")
+
+
+def trace_ratios(n: int, seed: int) -> list[float]:
+    """``n`` mask ratios drawn from the spring trace (clipped to (0.01, 0.9))."""
+    ratios = np.load(TRACE).astype(float).ravel()
+    rng = np.random.default_rng(seed)
+    return [float(np.clip(r, 0.01, 0.9)) for r in rng.choice(ratios, n)]
+
+
+def save_model(key: str, quick: bool, dtype: str, workdir: Path) -> Path:
+    model_id, _ = MODELS[key]
+    return true_size.save_true_size(model_id, workdir / model_id, dtype=dtype, small=quick)
+
+
+class Edits:
+    """The burst: one template, ``jobs`` edits with their masks, prompts and seeds."""
+
+    def __init__(self, side: int, jobs: int, steps: int, seed: int) -> None:
+        self.side, self.steps = side, steps
+        self.template = demo_templates(side)[0][1]
+        self.ratios = trace_ratios(jobs, seed)
+        self.masks = [make_mask(r, (side, side), "blob", seed=seed + i) for i, r in enumerate(self.ratios)]
+        self.params = [JobParams(prompt=f"a red scarf {i}", seed=seed + i, steps=steps, guidance=7.5)
+                       for i in range(jobs)]
+
+    def mask_image(self, i: int) -> Image.Image:
+        return Image.fromarray(self.masks[i].astype(np.uint8) * 255)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_stock(folder: Path, edits: Edits, args: Any, device: torch.device) -> dict[str, Any]:
+    from diffusers import StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline
+
+    cls = StableDiffusionXLInpaintPipeline if args.model == "sdxl" else StableDiffusionInpaintPipeline
+    extra = {} if args.model == "sdxl" else {"safety_checker": None, "feature_extractor": None,
+                                             "requires_safety_checker": False}
+    pipe = cls.from_pretrained(folder, dtype=DTYPES[args.dtype], **extra).to(device)
+    pipe.set_progress_bar_config(disable=True)
+
+    def call(idx: list[int]) -> None:
+        pipe(prompt=[edits.params[i].prompt for i in idx], image=[edits.template] * len(idx),
+             mask_image=[edits.mask_image(i) for i in idx], num_inference_steps=edits.steps, guidance_scale=7.5,
+             height=edits.side, width=edits.side,
+             generator=[torch.Generator("cpu").manual_seed(edits.params[i].seed) for i in idx])
+
+    call([0])  # warm-up
+    _sync(device)
+    latencies, t0 = [], time.perf_counter()
+    for start_ in range(0, len(edits.params), args.max_batch):
+        idx = list(range(start_, min(start_ + args.max_batch, len(edits.params))))
+        call(idx)
+        _sync(device)
+        latencies += [time.perf_counter() - t0] * len(idx)
+    total = time.perf_counter() - t0
+    del pipe
+    return _row("stock", total, latencies)
+
+
+def _row(system: str, total: float, latencies: list[float], **extra: Any) -> dict[str, Any]:
+    return {"system": system, "jobs_per_s": len(latencies) / total, "mean_s": float(np.mean(latencies)),
+            "p95_s": float(np.percentile(latencies, 95)), "total_s": total, **extra}
+
+
+class Stencil:
+    """The service's GPU-worker objects in process: stages, runner, engine, provider, recorder."""
+
+    def __init__(self, folder: Path, args: Any, device: torch.device, maskaware: bool, workdir: Path) -> None:
+        dtype = DTYPES[args.dtype]
+        self.device, self.folder = device, folder
+        self.pipe = load_cpu_pipeline(folder, str(device), dtype=dtype)
+        self.unet = load_unet(folder, str(device), dtype)
+        self.cfg = scheduler_config(folder)
+        options: dict[str, Any] = {}
+        if maskaware:
+            acts = ActivationStore(LocalStore(workdir / "activations"))
+            provider = StepCacheProvider(acts, 1 << 36, device=str(device))
+            provider.dtype = dtype
+            options = {"maskaware": MaskAwareUNet(self.unet), "caches": provider, "recorder": CacheRecorder(acts),
+                       "prefetch_steps": 64}
+        self.runner = SDRunner(self.unet, self.cfg, str(device), **options)
+
+    def prepare(self, image: Image.Image, mask: Image.Image, params: JobParams, side: int) -> tuple[dict, dict]:
+        prep = prepare_job_tensors(self.pipe, self.cfg, image, mask, params, side, side)
+        return dict(prep.tensors), dict(prep.meta)
+
+    def warm(self, edits: Edits) -> TemplateCacheKey:
+        """The template's warm-up (prompt "", seed 0), committed and resident in host RAM."""
+        empty = Image.fromarray(np.zeros((edits.side, edits.side), np.uint8))
+        tensors, meta = self.prepare(edits.template, empty, JobParams(prompt="", seed=0, steps=edits.steps), edits.side)
+        key = TemplateCacheKey("bench", "tpl", edits.side, edits.side, str(self.cfg["_class_name"]), edits.steps, 1.0,
+                               "cfg2", _layout(self.runner.dtype))
+        engine = Engine(self.runner, BatchScheduler(max_batch=1))
+        handle = engine.submit("warm", tensors, dict(meta, cache_mode="record", cache_key=key.to_dict()),
+                               total_steps=edits.steps)
+        _drive(engine, [handle])
+        handle.future.result()["commit"].result(600)
+        for step in range(edits.steps):
+            assert self.runner.caches.wait(key, step, 120) is not None  # type: ignore[union-attr]
+        return key
+
+    def burst(self, edits: Edits, args: Any, key: TemplateCacheKey | None) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        jobs = []
+        for i, params in enumerate(edits.params):
+            tensors, meta = self.prepare(edits.template, edits.mask_image(i), params, edits.side)
+            if key is not None:
+                meta = dict(meta, cache_mode="masked", cache_key=key.to_dict(),
+                            refresh_steps=policy_schedule("fast", edits.steps))
+            jobs.append((tensors, meta))
+        _sync(self.device)
+        prepared = time.perf_counter()
+        engine = Engine(self.runner, BatchScheduler(max_batch=args.max_batch))
+        handles = [engine.submit(f"j{i}", t, m, total_steps=edits.steps) for i, (t, m) in enumerate(jobs)]
+        done_at = _drive(engine, handles)
+        stepped = time.perf_counter()
+        results = [h.future.result() for h in handles]
+        for out in results:
+            decode_latents(self.pipe, out["latents"])
+        _sync(self.device)
+        total = time.perf_counter() - t0
+        prep_s, decode_s = prepared - t0, time.perf_counter() - stepped
+        # a job's latency: all prepares (the burst is prepared first), its steps, one decode each before it
+        per_decode = decode_s / len(results)
+        latencies = [(d - t0) + per_decode * (k + 1) for k, d in enumerate(sorted(done_at))]
+        system = "stencil-maskaware" if key is not None else "stencil-full"
+        extra = {"prepare_s": prep_s, "engine_s": stepped - prepared, "decode_s": decode_s,
+                 "steps": engine.stats.steps}
+        if key is not None:
+            extra["masked_steps"] = sum(r["masked_steps"] for r in results)
+            extra["fallback_steps"] = sum(r["fallback_steps"] for r in results)
+            extra["refresh_steps"] = sum(r["refresh_steps"] for r in results)
+        return _row(system, total, latencies, **extra)
+
+
+def _layout(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return "kv+y" if name == "float32" else f"kv+y@{name}"
+
+
+def _drive(engine: Engine, handles: list[Any]) -> list[float]:
+    """Step the engine until every handle is done; each job's finishing time (perf_counter)."""
+    done: dict[int, float] = {}
+    while len(done) < len(handles):
+        engine._drain_inbox(block=False)
+        progressed = engine.step_once()
+        now = time.perf_counter()
+        for i, h in enumerate(handles):
+            if i not in done and h.future.done():
+                done[i] = now
+        if not progressed and len(done) < len(handles):
+            time.sleep(0.001)
+    return [done[i] for i in range(len(handles))]
+
+
+def phase_profile(stencil: Stencil, edits: Edits, args: Any, key: TemplateCacheKey) -> list[dict[str, Any]]:
+    """One steady mask-aware step of a full batch under the profiler, the runner's phases as ranges."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    runner = stencil.runner
+    originals = {name: getattr(runner, name) for name in PHASES}
+
+    def ranged(name: str, fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            with record_function(f"stencil.{name.strip('_')}"):
+                return fn(*a, **k)
+        return call
+
+    jobs = []
+    for i in range(args.max_batch):
+        tensors, meta = stencil.prepare(edits.template, edits.mask_image(i), edits.params[i], edits.side)
+        jobs.append((tensors, dict(meta, cache_mode="masked", cache_key=key.to_dict(), refresh_steps=[])))
+    engine = Engine(runner, BatchScheduler(max_batch=args.max_batch))
+    for i, (t, m) in enumerate(jobs):
+        engine.submit(f"p{i}", t, m, total_steps=edits.steps)
+    engine._drain_inbox(block=False)
+    for _ in range(max(1, min(3, edits.steps - 1))):  # steady: staged ahead, graphs captured
+        engine.step_once()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if stencil.device.type == "cuda" else [])
+    for name in PHASES:
+        setattr(runner, name, ranged(name, originals[name]))
+    try:
+        with profile(activities=activities) as prof:
+            with record_function("stencil.step"):
+                engine.step_once()
+            _sync(stencil.device)
+    finally:
+        for name in PHASES:
+            delattr(runner, name)
+    while engine.step_once():
+        pass
+    rows = []
+    for ev in prof.key_averages():
+        if ev.key.startswith("stencil."):
+            device_us = getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0.0))
+            rows.append({"phase": ev.key, "host_ms": ev.cpu_time_total / 1e3, "device_ms": device_us / 1e3})
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__, out="docs/bench/gpu_engine.md", threads=0)
+    p.add_argument("--device", default="auto", help="auto = cuda if available, else cpu")
+    p.add_argument("--model", choices=list(MODELS), default="sd15")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--jobs", type=int, default=32)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--systems", default="stock,stencil-full,stencil-maskaware")
+    p.add_argument("--json", default="docs/bench/gpu_engine.json")
+    run = start(p, argv, __file__, quick=dict(jobs=3, steps=3, max_batch=2, dtype="float32", threads=1, json=""))
+    args = run.args
+    device = _device(args)
+    hw = _hardware(device)
+    side = 64 if args.quick else MODELS[args.model][1]
+    edits = Edits(side, args.jobs, args.steps, args.seed)
+    rows: list[dict[str, Any]] = []
+    phases: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="stencil-gpu-engine-") as tmp:
+        workdir = Path(tmp)
+        folder = save_model(args.model, args.quick, args.dtype, workdir)
+        systems = args.systems.split(",")
+        if "stock" in systems:
+            rows.append(run_stock(folder, edits, args, device))
+        if "stencil-full" in systems:
+            rows.append(Stencil(folder, args, device, False, workdir).burst(edits, args, None))
+        if "stencil-maskaware" in systems:
+            stencil = Stencil(folder, args, device, True, workdir)
+            key = stencil.warm(edits)
+            rows.append(stencil.burst(edits, args, key))
+            phases = phase_profile(stencil, edits, args, key)
+            stencil.runner.caches.close()  # type: ignore[union-attr]
+    base = {r["system"]: r["jobs_per_s"] for r in rows}
+    lines = [f"# The engine in process on {hw}", "", f"Command: `{run.command}`", "",
+             f"{MODELS[args.model][0]} at {side} px in {args.dtype}, {args.jobs} edits at once, {args.steps} steps, "
+             f"guidance 7.5, max batch {args.max_batch}; mask ratios from the spring trace "
+             f"(mean {np.mean(edits.ratios):.3f}), blob masks; mask-aware: the template warmed and resident, "
+             f"policy fast (refresh steps {policy_schedule('fast', args.steps)}).", "",
+             "| system | jobs/s | vs stock | vs stencil-full | mean latency s | P95 s | notes |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        notes = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
+                          if k not in ("system", "jobs_per_s", "mean_s", "p95_s"))
+        ratios = [f"{r['jobs_per_s'] / base[b]:.2f}x" if b in base else "-" for b in ("stock", "stencil-full")]
+        lines.append(f"| {r['system']} | {r['jobs_per_s']:.2f} | {ratios[0]} | {ratios[1]} | {r['mean_s']:.2f} | "
+                     f"{r['p95_s']:.2f} | {notes} |")
+    if phases:
+        lines += ["", "A steady mask-aware step of a full batch, by phase (torch.profiler ranges):", "",
+                  "| phase | host ms | device ms |", "|---|---|---|"]
+        lines += [f"| {ph['phase']} | {ph['host_ms']:.2f} | {ph['device_ms']:.2f} |" for ph in phases]
+    run.write(lines + [""])
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"hardware": hw, "command": run.command, "rows": rows, "phases": phases}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

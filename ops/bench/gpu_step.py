@@ -1,0 +1,392 @@
+"""Per-step cost of full and mask-aware denoising steps on a GPU, eager and replayed as CUDA graphs.
+
+Models: true-size random weights (``workers/models/true_size.py``) materialized directly on the
+device in ``--dtype``: SD 1.5 inpainting at 512 px, SDXL inpainting at 1024 px, FLUX.1 Fill at
+1024 px (all 19 double + 38 single blocks, T5 text of 512 tokens). One CFG job (two rows) for the
+UNets, one row for Flux. The template cache is recorded from the same inputs and staged on the
+device as the engine stages it (``CacheStager``: one private flat buffer; masks pooled as the
+service pools them). Parts:
+
+- ``step``: per model and mask ratio, the device time of one step (CUDA events, median of
+  interleaved rounds) for: full eager, full graph, mask-aware eager, mask-aware graph
+  (``StepGraphs``: the engine's graph pool). Speedups are against the full step in the same mode
+  and against the full eager step (what the stock pipeline runs).
+- ``batch``: SD 1.5 with J jobs (2J rows), full and mask-aware at ratio 0.2, eager and graph.
+- ``profile``: one step of each kind under ``torch.profiler``: kernels launched, memory copies,
+  host synchronisations (``cudaStreamSynchronize`` & co., ``item``/``nonzero``), kernel time, and
+  wall time per step (host and device, synchronised): wall / kernel time says how host-bound it is.
+
+``--quick``: the shrunk models (``true_size.shrunk``) at small sizes, one round, on whatever device
+there is: the test suite's smoke run on the CPU (graphs then replay eagerly). Writes Markdown
+(``--out``) and JSON (``--json``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from app.settings import Settings
+from ops.bench.harness.cli import parser, report_parts, start
+from ops.bench.harness.models import pixel_mask
+from ops.bench.harness.timing import interleave, median
+from workers.engine.graph_calls import flux_call, unet_call
+from workers.engine.graphs import StepGraphs
+from workers.engine.staging import CacheStager
+from workers.models import true_size
+
+log = logging.getLogger(__name__)
+
+MODELS = {"sd15": "sd15-inpaint", "sdxl": "sdxl-inpaint", "flux": "flux-fill"}
+SIDE_PX = {"sd15": 512, "sdxl": 1024, "flux": 1024}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item",
+               "aten::_local_scalar_dense", "aten::nonzero")
+
+
+def build_on(comp: true_size.Component, dtype: torch.dtype, device: torch.device, seed: int) -> torch.nn.Module:
+    """The component with random weights made on ``device`` (PyTorch's default init there): seconds
+    for a 12 B-parameter transformer, where a host init takes minutes."""
+    model = true_size.build_meta(comp).to(dtype)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    model = model.to_empty(device=device)
+    for name, b in buffers.items():
+        model.get_buffer(name).copy_(b)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            reset = getattr(m, "reset_parameters", None)
+            if callable(reset) and any(True for _ in m.parameters(recurse=False)):
+                reset()
+            else:
+                for pname, p in m.named_parameters(recurse=False):
+                    if pname == "bias":
+                        p.zero_()
+                    elif p.dim() == 1:
+                        p.fill_(1.0)
+                    else:
+                        p.normal_(std=0.02)
+    return model.eval()
+
+
+class Clock:
+    """Device time of a call: CUDA events around ``reps`` calls (no host work in between besides
+    the launches), or the host clock off CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], Any], reps: int = 1) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / reps
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps
+
+
+@dataclass
+class Case:
+    """One model at one shape: its four step kinds per ratio as zero-argument calls."""
+
+    key: str
+    label: str
+    calls: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: Sequence[float] = ()) -> Case:
+    """Full and mask-aware calls of a true-size UNet (``jobs`` CFG jobs, one template cache each)."""
+    from workers.maskaware.unet import MaskAwareUNet, RowGroup
+
+    dtype = DTYPES[args.dtype]
+    spec = true_size.shrunk(MODELS[key]) if args.quick else true_size.spec(MODELS[key])
+    comp = spec.components["unet"]
+    cfg = comp.config
+    t0 = time.perf_counter()
+    unet = _model(args, key, comp, dtype, device)
+    latent = (8 if key == "sd15" else 16) if args.quick else SIDE_PX[key] // 8
+    text = 8 if args.quick else 77
+    rows = 2 * jobs
+    g = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(rows, 9, latent, latent, generator=g).to(device, dtype)
+    t = torch.full((rows,), 500, device=device)
+    e = torch.randn(rows, text, cfg["cross_attention_dim"], generator=g).to(device, dtype)
+    kwargs: dict[str, Any] = {"encoder_hidden_states": e, "return_dict": False}
+    if cfg.get("addition_embed_type") == "text_time":
+        pooled = cfg["projection_class_embeddings_input_dim"] - 6 * cfg["addition_time_embed_dim"]
+        px = latent * 8
+        kwargs["added_cond_kwargs"] = {
+            "text_embeds": torch.randn(rows, pooled, generator=g).to(device, dtype),
+            "time_ids": torch.tensor([[px, px, 0, 0, px, px]] * rows, dtype=dtype, device=device)}
+    ctrl = _controller(unet, MaskAwareUNet)
+    ctrl.pool_threshold = Settings().mask_pool_threshold
+    with torch.no_grad(), ctrl.batch([RowGroup(2, "record") for _ in range(jobs)]) as ctx:
+        unet(x, t, **kwargs)
+    caches = ctx.recorded
+    stager = CacheStager(device)
+    staged = [stager.take(f"j{j}", 0, caches[j]) for j in range(jobs)]
+    graphs = StepGraphs(device, repeats=1)
+    case = Case(key, f"{MODELS[key]} {latent * 8} px", notes={
+        "params_b": sum(p.numel() for p in unet.parameters()) / 1e9, "build_s": time.perf_counter() - t0,
+        "jobs": jobs, "cache_mib_per_job": sum(v.numel() * v.element_size() for v in caches[0].values()) / 2**20,
+        "blocks": len(ctrl.block_names)})
+    full_groups = [RowGroup(2, "full") for _ in range(jobs)]
+
+    def eager(groups: list[Any] | None) -> Callable[[], Any]:
+        def run() -> Any:
+            if groups is None:
+                return unet(x, t, **kwargs)[0]
+            with ctrl.batch(groups):
+                return unet(x, t, **kwargs)[0]
+        return run
+
+    def graphed(groups: list[Any] | None) -> Callable[[], Any]:
+        return lambda: unet_call(graphs, unet, ctrl, (x, t), kwargs, groups, device)
+
+    case.calls["full eager"], case.calls["full graph"] = eager(None), graphed(full_groups)
+    for r in ratios:
+        masks = [ctrl.token_masks(pixel_mask(latent * 8, r, ("blob", "rect")[j % 2], args.seed + j),
+                                  (latent, latent)).prepare(device) for j in range(jobs)]
+        groups = [RowGroup(2, "masked", token_mask=m, cache=s) for m, s in zip(masks, staged)]
+        case.calls[f"masked {r:g} eager"], case.calls[f"masked {r:g} graph"] = eager(groups), graphed(groups)
+        case.notes[f"level_share {r:g}"] = [round(float(lv.float().mean()), 3) for lv in masks[0].levels]
+    return case
+
+
+def flux_case(args: Any, device: torch.device, ratios: Sequence[float]) -> Case:
+    """Full and mask-aware calls of FLUX.1 Fill's transformer (one row, T5 text of 512 tokens)."""
+    from diffusers import FluxPipeline
+
+    from workers.maskaware.flux import MaskAwareFlux, RowGroup
+    from workers.maskaware.flux_tokens import synthetic_token_grid
+
+    dtype = DTYPES[args.dtype]
+    key = "flux"
+    spec = true_size.shrunk(MODELS[key]) if args.quick else true_size.spec(MODELS[key])
+    comp = spec.components["transformer"]
+    cfg = comp.config
+    t0 = time.perf_counter()
+    model = _model(args, key, comp, dtype, device)
+    side = 8 if args.quick else SIDE_PX[key] // 16
+    text = 16 if args.quick else 512
+    g = torch.Generator().manual_seed(args.seed)
+    kwargs: dict[str, Any] = dict(
+        hidden_states=torch.randn(1, side * side, cfg["in_channels"], generator=g).to(device, dtype),
+        encoder_hidden_states=torch.randn(1, text, cfg["joint_attention_dim"], generator=g).to(device, dtype),
+        pooled_projections=torch.randn(1, cfg["pooled_projection_dim"], generator=g).to(device, dtype),
+        timestep=torch.tensor([0.5], device=device, dtype=dtype),
+        img_ids=FluxPipeline._prepare_latent_image_ids(1, side, side, device, dtype),
+        txt_ids=torch.zeros(text, 3, device=device, dtype=dtype),
+        guidance=torch.tensor([30.0], device=device, dtype=torch.float32) if cfg.get("guidance_embeds") else None,
+        return_dict=False)
+    ctrl = _controller(model, MaskAwareFlux)
+    with torch.no_grad(), ctrl.batch([RowGroup(1, "record")]) as ctx:
+        model(**kwargs)
+    stager = CacheStager(device)
+    staged = stager.take("j", 0, ctx.recorded[0])
+    graphs = StepGraphs(device, repeats=1)
+    case = Case(key, f"{MODELS[key]} {side * 16} px", notes={
+        "params_b": sum(p.numel() for p in model.parameters()) / 1e9, "build_s": time.perf_counter() - t0, "jobs": 1,
+        "blocks": len(ctrl.names), "kv_format": ctrl.kv_format,
+        "cache_mib_per_job": sum(v.numel() * v.element_size() for v in ctx.recorded[0].values()) / 2**20})
+
+    def eager(groups: list[Any] | None) -> Callable[[], Any]:
+        def run() -> Any:
+            if groups is None:
+                return model(**kwargs)[0]
+            with ctrl.batch(groups):
+                return model(**kwargs)[0]
+        return run
+
+    def graphed(groups: list[Any] | None) -> Callable[[], Any]:
+        return lambda: flux_call(graphs, model, ctrl, kwargs, groups)
+
+    case.calls["full eager"], case.calls["full graph"] = eager(None), graphed([RowGroup(1, "full")])
+    for r in ratios:
+        tok = ctrl.prepared(synthetic_token_grid(side, side, r, shape="blob", seed=args.seed).flatten(), device)
+        groups = [RowGroup(1, "masked", token_mask=tok, cache=staged)]
+        case.calls[f"masked {r:g} eager"], case.calls[f"masked {r:g} graph"] = eager(groups), graphed(groups)
+    return case
+
+
+_MODEL_CACHE: dict[str, torch.nn.Module] = {}
+_CONTROLLERS: dict[int, Any] = {}
+
+
+def _model(args: Any, key: str, comp: true_size.Component, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """One model per key for the whole run (the batch part reuses the step part's SD 1.5)."""
+    if key not in _MODEL_CACHE:
+        log.info("building %s on %s", MODELS[key], device)
+        _MODEL_CACHE[key] = build_on(comp, dtype, device, args.seed)
+    return _MODEL_CACHE[key]
+
+
+def _controller(model: torch.nn.Module, make: Callable[[torch.nn.Module], Any]) -> Any:
+    """One mask-aware controller per model (its hooks are installed once)."""
+    if id(model) not in _CONTROLLERS:
+        _CONTROLLERS[id(model)] = make(model)
+    return _CONTROLLERS[id(model)]
+
+
+def measure(case: Case, args: Any, device: torch.device) -> dict[str, float]:
+    """Median device time per call of every call of ``case``, interleaved rounds (after warm-up
+    calls, which also capture the graphs)."""
+    clock = Clock(device)
+    with torch.no_grad():
+        for call in case.calls.values():
+            for _ in range(2):
+                call()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        samples = interleave(args.rounds, list(case.calls), lambda name: clock(case.calls[name], args.reps),
+                             label=f"{case.label}: ")
+    return {name: median(v) for name, v in samples.items()}
+
+
+def profile_call(call: Callable[[], Any], device: torch.device) -> dict[str, float]:
+    """Kernels, copies and host syncs of one call, its kernel time, and its wall time (synchronised)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.no_grad():
+        call()
+        _sync(device)
+        t0 = time.perf_counter()
+        call()
+        _sync(device)
+        wall = time.perf_counter() - t0
+        with profile(activities=activities) as prof:
+            call()
+            _sync(device)
+    kernels = copies = syncs = 0
+    kernel_us = 0.0
+    for ev in prof.events():
+        name = ev.name
+        on_device = getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type)
+        if on_device and not name.startswith("Memcpy") and not name.startswith("Memset"):
+            kernels += 1
+            kernel_us += ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+        if name.startswith("cudaMemcpy") or (on_device and name.startswith("Memcpy")):
+            copies += 1 if name.startswith("cudaMemcpy") else 0
+        if any(name == s or name.startswith(s) for s in SYNC_EVENTS):
+            syncs += 1
+    syncs -= 1 if device.type == "cuda" else 0  # ours, closing the profiled region
+    return {"kernels": kernels, "copies": copies, "syncs": max(syncs, 0), "kernel_ms": kernel_us / 1e3,
+            "wall_ms": wall * 1e3}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _device(args: Any) -> torch.device:
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(args.device)
+
+
+def _hardware(device: torch.device) -> str:
+    import diffusers
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        driver = torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") else "?"
+        return (f"{props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}, driver {driver}, "
+                f"torch {torch.__version__}, diffusers {diffusers.__version__}")
+    return f"CPU ({torch.get_num_threads()} threads), torch {torch.__version__}, diffusers {diffusers.__version__}"
+
+
+def part_step(args: Any, device: torch.device) -> list[str]:
+    lines = ["## Per step: one job, full vs mask-aware, eager vs graph", "",
+             "| model | mode | full ms | masked ms at " + " / ".join(f"{r:g}" for r in args.ratios)
+             + " | speedup vs full (same mode) | speedup vs full eager |", "|---|---|---|---|---|---|"]
+    for key in args.models:
+        case = flux_case(args, device, args.ratios) if key == "flux" else unet_case(key, args, device, ratios=args.ratios)
+        t = measure(case, args, device)
+        args.results.setdefault("step", {})[key] = {"notes": case.notes, "ms": {k: v * 1e3 for k, v in t.items()}}
+        for mode in ("eager", "graph"):
+            full = t[f"full {mode}"]
+            masked = [t[f"masked {r:g} {mode}"] for r in args.ratios]
+            lines.append(f"| {case.label} | {mode} | {full * 1e3:.1f} | " + " / ".join(f"{m * 1e3:.1f}" for m in masked)
+                         + " | " + " / ".join(f"{full / m:.2f}x" for m in masked)
+                         + " | " + " / ".join(f"{t['full eager'] / m:.2f}x" for m in masked) + " |")
+        log.info("%s: %s", case.label, {k: round(v * 1e3, 2) for k, v in t.items()})
+    notes = [f"- {k}: " + ", ".join(f"{n} {v:.3g}" if isinstance(v, float) else f"{n} {v}" for n, v in r["notes"].items())
+             for k, r in args.results["step"].items()]
+    return lines + ["", *notes, ""]
+
+
+def part_batch(args: Any, device: torch.device) -> list[str]:
+    lines = ["## SD 1.5 with J jobs (2J rows), mask ratio 0.2", "",
+             "| jobs | full eager ms | full graph ms | masked eager ms | masked graph ms | masked graph vs full graph |",
+             "|---|---|---|---|---|---|"]
+    for jobs in args.jobs:
+        case = unet_case("sd15", args, device, jobs=jobs, ratios=[0.2])
+        t = measure(case, args, device)
+        args.results.setdefault("batch", {})[str(jobs)] = {k: v * 1e3 for k, v in t.items()}
+        lines.append(f"| {jobs} | {t['full eager'] * 1e3:.1f} | {t['full graph'] * 1e3:.1f} | "
+                     f"{t['masked 0.2 eager'] * 1e3:.1f} | {t['masked 0.2 graph'] * 1e3:.1f} | "
+                     f"{t['full graph'] / t['masked 0.2 graph']:.2f}x |")
+    return lines + [""]
+
+
+def part_profile(args: Any, device: torch.device) -> list[str]:
+    lines = ["## One step under the profiler (one job, ratio 0.2)", "",
+             "| model | step | kernels | copies | host syncs | kernel ms | wall ms | wall / kernel |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key in args.models:
+        case = flux_case(args, device, [0.2]) if key == "flux" else unet_case(key, args, device, ratios=[0.2])
+        for name in ("full eager", "masked 0.2 eager", "full graph", "masked 0.2 graph"):
+            p = profile_call(case.calls[name], device)
+            args.results.setdefault("profile", {}).setdefault(key, {})[name] = p
+            ratio = p["wall_ms"] / p["kernel_ms"] if p["kernel_ms"] else math.nan
+            lines.append(f"| {case.label} | {name} | {p['kernels']} | {p['copies']} | {p['syncs']} | "
+                         f"{p['kernel_ms']:.1f} | {p['wall_ms']:.1f} | {ratio:.2f} |")
+    return lines + [""]
+
+
+PARTS = {"step": part_step, "batch": part_batch, "profile": part_profile}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__, out="docs/bench/gpu_step.md", threads=0)
+    p.add_argument("--device", default="auto", help="auto = cuda if available, else cpu")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--models", type=lambda s: s.split(","), default=["sd15", "sdxl", "flux"])
+    p.add_argument("--ratios", type=lambda s: [float(v) for v in s.split(",")], default=[0.05, 0.1, 0.2, 0.5])
+    p.add_argument("--jobs", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8, 16])
+    p.add_argument("--parts", default="step,batch,profile")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--reps", type=int, default=3, help="calls per timed sample")
+    p.add_argument("--json", default="docs/bench/gpu_step.json")
+    run = start(p, argv, __file__, quick=dict(rounds=1, reps=1, ratios=[0.2], jobs=[2], dtype="float32", threads=1,
+                                                 out="", json=""))
+    args = run.args
+    args.results = {}
+    device = _device(args)
+    hw = _hardware(device)
+    log.info("gpu_step on %s", hw)
+    report_parts(run, f"Mask-aware steps on {hw}", PARTS, device)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"hardware": hw, "command": run.command, "dtype": args.dtype, **args.results}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

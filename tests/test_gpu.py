@@ -1,0 +1,146 @@
+"""On a GPU (``gpu`` marker: skipped where CUDA is not available; run them on a GPU machine with
+``pytest -m gpu -p no:xdist tests/test_gpu.py``): graph-replayed steps equal eager steps, a steady
+mask-aware step makes no host synchronisation and an engine step exactly one, and results on the
+GPU equal the stock diffusers pipeline on the same GPU (bfloat16: full compute within 1/255 for a
+job alone, 2/255 batched; the exact mask-aware path within 2/255)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+CUDA = "cuda"
+
+
+def _sd_world(tmp_path: Path, graphs: bool | None):  # type: ignore[no-untyped-def]
+    """The SDXL-layout test UNet in bfloat16 on the GPU with a provider staging onto it."""
+    from app.storage.local import LocalStore
+    from tests.test_maskaware_unet import sdxl_style_unet
+    from tests.test_plan_engine import _job
+    from workers.engine.sd_runner import SDRunner
+    from workers.engine.template_cache import CacheRecorder, StepCacheProvider
+    from workers.maskaware import ActivationStore, MaskAwareUNet
+    from workers.models.tiny_sd import build_scheduler
+
+    unet = sdxl_style_unet().to(CUDA, torch.bfloat16)
+    ctrl = MaskAwareUNet(unet)
+    acts = ActivationStore(LocalStore(tmp_path / "store"))
+    caches = StepCacheProvider(acts, 1 << 30, device=CUDA)
+    caches.dtype = torch.bfloat16
+    cfg = dict(build_scheduler().config) | {"_class_name": "DDIMScheduler"}
+    runner = SDRunner(unet, cfg, CUDA, maskaware=ctrl, caches=caches, recorder=CacheRecorder(acts), prefetch_steps=0,
+                      graphs=graphs)
+    return unet, ctrl, runner, caches, cfg, _job
+
+
+def _warm(runner, caches, key, steps, job_fn):  # type: ignore[no-untyped-def]
+    rec = job_fn(runner, "record", key, steps)
+    while not rec.finished:
+        runner.step([rec])
+        rec.steps_done += 1
+    runner.result(rec)["commit"].result(timeout=60)
+    for s in range(steps):
+        assert caches.wait(key, s, timeout=30) is not None
+
+
+def test_graph_replayed_steps_equal_eager_steps_on_cuda(tmp_path: Path) -> None:
+    from workers.engine.graphs import CudaGraphCall
+    from workers.engine.sd_runner import SDRunner
+    from workers.maskaware import TemplateCacheKey
+
+    steps = 6
+    unet, ctrl, runner, caches, cfg, job = _sd_world(tmp_path, graphs=False)
+    try:
+        key = TemplateCacheKey("t", "tpl", 128, 128, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout + "@bfloat16")
+        _warm(runner, caches, key, steps, job)
+        graphed = SDRunner(unet, cfg, CUDA, maskaware=ctrl, caches=caches, prefetch_steps=0)
+        assert graphed.graphs is not None and graphed.graphs.capture is CudaGraphCall  # on by default on CUDA
+        latents = {}
+        for name, r in (("eager", runner), ("graphed", graphed)):
+            batch = [job(r, "masked", key, steps, seed=10 + i) for i in range(3)] + [job(r, "full", None, steps, seed=20)]
+            while not batch[0].finished:
+                r.step(batch)
+                for j in batch:
+                    j.steps_done += 1
+            latents[name] = [j.state.latents for j in batch]
+        assert graphed.graphs.captures >= 1 and graphed.graphs.replays >= steps - 2
+        for a, b in zip(latents["eager"], latents["graphed"]):
+            assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
+    finally:
+        caches.close(wait=True)
+
+
+def test_a_steady_masked_forward_never_synchronises_and_a_step_once(tmp_path: Path) -> None:
+    from workers.maskaware import RowGroup, TemplateCacheKey
+    from workers.maskaware.tokens import blob_mask
+
+    steps = 4
+    unet, ctrl, runner, caches, cfg, job = _sd_world(tmp_path, graphs=False)
+    try:
+        key = TemplateCacheKey("t", "tpl", 128, 128, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout + "@bfloat16")
+        _warm(runner, caches, key, steps, job)
+        # The model forward of a staged masked job: not one synchronising operation.
+        g = torch.Generator().manual_seed(0)
+        args = (torch.randn(2, 9, 16, 16, generator=g).to(CUDA, torch.bfloat16), torch.tensor([500, 500], device=CUDA),
+                torch.randn(2, 7, unet.config.cross_attention_dim, generator=g).to(CUDA, torch.bfloat16))
+        masks = ctrl.token_masks(blob_mask(128, 128, 0.2, seed=3), (16, 16)).prepare(CUDA)
+        staged = runner.stager.take("x", 0, caches.ready(key, 0))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.no_grad(), ctrl.batch([RowGroup(2, "masked", token_mask=masks, cache=staged)]):
+                unet(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        # A steady engine step of three masked jobs: exactly one synchronisation (the finiteness read).
+        batch = [job(runner, "masked", key, steps, seed=10 + i) for i in range(3)]
+        runner.step(batch)
+        for j in batch:
+            j.steps_done += 1
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                runner.step(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) == 1, [str(w.message) for w in syncs]
+    finally:
+        caches.close(wait=True)
+
+
+@pytest.mark.parametrize("family", ["sd", "flux"])
+def test_results_on_cuda_equal_the_stock_pipeline_on_cuda(family: str, tmp_path: Path) -> None:
+    from tests.test_bf16_exactness import _jobs, _world
+    from tests.test_lora_engine import run_engine
+    from workers.maskaware.activation_store import TemplateCacheKey
+    from workers.models.loader import scheduler_config
+
+    svc = _world(family, tmp_path, Path("unused"), device=CUDA)
+    jobs = _jobs(family)
+    prepared = [svc.prepare(p) for p in jobs]
+    alone = run_engine(svc.runner, prepared[:1])[0][0]
+    together, _ = run_engine(svc.runner, prepared)
+    for params, out, tol in ((jobs[0], alone, 1), (jobs[0], together[0], 2), (jobs[1], together[1], 2)):
+        diff = int(np.abs(svc.decode(out["latents"]) - svc.stock(params)).max())
+        assert diff <= tol, f"{family} seed {params.seed}: {diff}/255 from the stock pipeline on CUDA"
+    params = jobs[0]
+    layout = ("flux-kv-roped" if family == "flux" else "kv+y") + "@bfloat16/exact-x"
+    key = TemplateCacheKey("m", "t", 128, 128, str(scheduler_config(svc.folder)["_class_name"]), params.steps, 1.0,
+                           "single" if family == "flux" else "cfg2", layout)
+    rec, _ = run_engine(svc.runner, [svc.prepare(params, cache_mode="record", cache_key=key.to_dict())])
+    rec[0]["commit"].result(60)
+    for step in range(params.steps):
+        assert svc.runner.caches.wait(key, step, 30) is not None
+    out, _ = run_engine(svc.runner, [svc.prepare(params, cache_mode="masked", cache_key=key.to_dict())])
+    assert out[0]["masked_steps"] == params.steps
+    diff = int(np.abs(svc.decode(out[0]["latents"]) - svc.stock(params)).max())
+    assert diff <= 2, f"{family}: exact mask-aware path {diff}/255 from the stock pipeline on CUDA"
