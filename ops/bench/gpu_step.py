@@ -15,6 +15,8 @@ service pools them). Parts:
 - ``profile``: one step of each kind under ``torch.profiler``: kernels launched, memory copies,
   host synchronisations (``cudaStreamSynchronize`` & co., ``item``/``nonzero``), kernel time, and
   wall time per step (host and device, synchronised): wall / kernel time says how host-bound it is.
+- ``dispatch`` (any machine): operators and host-sync operators of one full and one mask-aware
+  step at true size, counted by dispatch on the meta device (no memory, no compute).
 
 ``--quick``: the shrunk models (``true_size.shrunk``) at small sizes, one round, on whatever device
 there is: the test suite's smoke run on the CPU (graphs then replay eagerly). Writes Markdown
@@ -223,16 +225,17 @@ def flux_case(args: Any, device: torch.device, ratios: Sequence[float]) -> Case:
     return case
 
 
-_MODEL_CACHE: dict[str, torch.nn.Module] = {}
+_MODEL_CACHE: dict[str, torch.nn.Module] = {}  # "<key>@<device>"
 _CONTROLLERS: dict[int, Any] = {}
 
 
 def _model(args: Any, key: str, comp: true_size.Component, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """One model per key for the whole run (the batch part reuses the step part's SD 1.5)."""
-    if key not in _MODEL_CACHE:
+    """One model per key and device for the whole run (the batch part reuses the step part's SD 1.5)."""
+    slot = f"{key}@{device}"
+    if slot not in _MODEL_CACHE:
         log.info("building %s on %s", MODELS[key], device)
-        _MODEL_CACHE[key] = build_on(comp, dtype, device, args.seed)
-    return _MODEL_CACHE[key]
+        _MODEL_CACHE[slot] = build_on(comp, dtype, device, args.seed)
+    return _MODEL_CACHE[slot]
 
 
 def _controller(model: torch.nn.Module, make: Callable[[torch.nn.Module], Any]) -> Any:
@@ -360,7 +363,32 @@ def part_profile(args: Any, device: torch.device) -> list[str]:
     return lines + [""]
 
 
-PARTS = {"step": part_step, "batch": part_batch, "profile": part_profile}
+def part_dispatch(args: Any, device: torch.device) -> list[str]:
+    """Operators and host-sync operators of one step, counted by dispatch on the meta device: the
+    true-size models at their true sizes with no memory and no compute (what holds without a GPU)."""
+    from ops.bench.harness.dispatch import DispatchCounter
+
+    meta = torch.device("meta")
+    lines = ["## Operators per step at true size (dispatch counts on the meta device; one job, ratio 0.2)", "",
+             "| model | full: operators / kernel-launching | mask-aware: operators / kernel-launching | ratio | "
+             "host-sync operators (mask-aware) |", "|---|---|---|---|---|"]
+    for key in args.models:
+        case = flux_case(args, meta, [0.2]) if key == "flux" else unet_case(key, args, meta, ratios=[0.2])
+        counts = {}
+        for name in ("full eager", "masked 0.2 eager"):
+            counts[name] = DispatchCounter()
+            with torch.no_grad(), counts[name]:
+                case.calls[name]()
+        full, masked = counts["full eager"], counts["masked 0.2 eager"]
+        args.results.setdefault("dispatch", {})[key] = {
+            "full": [full.total, full.kernels], "masked": [masked.total, masked.kernels], "syncs": masked.syncs}
+        lines.append(f"| {case.label} | {full.total} / {full.kernels} | {masked.total} / {masked.kernels} | "
+                     f"{masked.total / full.total:.3f} / {masked.kernels / full.kernels:.3f} | "
+                     f"{sum(masked.syncs.values())} |")
+    return lines + [""]
+
+
+PARTS = {"step": part_step, "batch": part_batch, "profile": part_profile, "dispatch": part_dispatch}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
