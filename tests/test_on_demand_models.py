@@ -59,6 +59,10 @@ def test_a_failed_training_leaves_no_model_and_says_what_ran(tmp_path: Path) -> 
     assert sorted(p.name for p in folder.iterdir()) == [".train.lock", "README.md"]
 
 
+def test_models_are_trained_where_the_loader_reads_them() -> None:
+    assert on_demand.TRAINED_DIR == loader.TRAINED_DIR
+
+
 def test_an_id_without_a_model_or_a_recipe_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="'nope' has no training recipe"):
         on_demand.ensure_trained("nope", tmp_path, RECIPES)

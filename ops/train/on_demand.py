@@ -21,12 +21,12 @@ import tempfile
 from pathlib import Path
 from typing import Mapping
 
-from workers.models.loader import TRAINED_DIR
-
 log = logging.getLogger(__name__)
 
-# The recorded runs' paths (--vae-from, --plot) are relative to the repository root.
+# The recorded runs' paths (--vae-from, --plot) are relative to the repository root. The trained
+# models' folder is the loader's TRAINED_DIR (not imported: the loader names these commands).
 REPO_ROOT = Path(__file__).resolve().parents[2]
+TRAINED_DIR = REPO_ROOT / "workers" / "models" / "trained"
 
 # Model id -> (trainer module, its arguments but --out). The recorded run of the SDXL-layout model
 # stopped on its 30-minute cap at UNet step 5128 (its training_log.json); the same run stops there by
