@@ -69,6 +69,15 @@ def encode_dataset(vae: torch.nn.Module, crops: common.Crops, n: int, rng: np.ra
     return {k: torch.cat(v) for k, v in out.items()}
 
 
+def build_unet_for(args: argparse.Namespace) -> torch.nn.Module:
+    """The untrained UNet of a run's arguments (its shape and layout; seeded)."""
+    from workers.models.tiny_sd import build_unet
+
+    return build_unet(args.seed, hidden=tuple(args.unet_channels), cross_dim=args.cross_dim,
+                      layers_per_block=args.layers_per_block, layout=args.unet_layout,
+                      transformer_layers=tuple(args.transformer_layers) if args.transformer_layers else None)
+
+
 def train_unet(args: argparse.Namespace, data: dict[str, torch.Tensor], held: dict[str, torch.Tensor],
                captions: list[str], held_captions: list[str]) -> tuple[torch.nn.Module, torch.nn.Module, dict]:
     from diffusers import DDPMScheduler
@@ -77,9 +86,7 @@ def train_unet(args: argparse.Namespace, data: dict[str, torch.Tensor], held: di
 
     torch.manual_seed(args.seed)
     tok = byte_level_clip_tokenizer()
-    unet = build_unet(args.seed, hidden=tuple(args.unet_channels), cross_dim=args.cross_dim,
-                      layers_per_block=args.layers_per_block, layout=args.unet_layout,
-                      transformer_layers=tuple(args.transformer_layers) if args.transformer_layers else None)
+    unet = build_unet_for(args)
     text = build_text_encoder(args.seed, hidden=args.cross_dim, vocab_size=len(tok))
     noise_sched = DDPMScheduler(num_train_timesteps=1000, **SD_BETAS)
     all_caps = [""] + captions + held_captions
@@ -163,7 +170,7 @@ def plot(log_data: dict, out: Path) -> None:
     log.info("wrote %s", out)
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="workers/models/trained/tiny-sd-inpaint-trained")
     p.add_argument("--seed", type=int, default=0)
@@ -186,7 +193,11 @@ def main() -> int:
                    help="UNet target; saved in the scheduler config, which every diffusers sampler reads")
     p.add_argument("--vae-from", default="", help="reuse the VAE of a saved pipeline folder (skips stage 1)")
     p.add_argument("--plot", default="docs/bench/training_loss.png")
-    args = p.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     t_all = time.monotonic()
     rng, crops, held_crops, held_x = common.setup(args)
 

@@ -172,6 +172,7 @@ def _save_tiny_sdxl(out: Path, seed: int = 0) -> None:
 
 # The trained default ships in the repository (ops/train/sd.py wrote it): a few MB of
 # safetensors in save_pretrained layout, copied into the home like the built ones are saved.
+# Benchmark-only trained models ship without weights (ops/train/on_demand.py trains them in place).
 TRAINED_DIR = Path(__file__).resolve().parent / "trained"
 
 
@@ -179,7 +180,11 @@ def _copy_trained(name: str, trainer: str) -> Callable[[Path, int], None]:
     def copy(out: Path, seed: int = 0) -> None:
         src = TRAINED_DIR / name
         if not (src / "model_index.json").is_file():
-            raise FileNotFoundError(f"trained model folder {src} is missing (train it: python -m {trainer})")
+            from ops.train.on_demand import RECIPES, command
+
+            how = command(name) if name in RECIPES else f"python -m {trainer}"
+            raise FileNotFoundError(f"trained model folder {src} has no model: train it from the repository "
+                                    f"root with `{how}` (benchmarks that use it train it on first use)")
         shutil.copytree(src, out, dirs_exist_ok=True)
 
     return copy
@@ -191,7 +196,8 @@ EMBEDDED_MODELS: dict[str, Callable[[Path, int], None]] = {
     "tiny-sd-inpaint-trained": _copy_trained("tiny-sd-inpaint-trained", "ops.train.sd"),
     "tiny-flux-fill-trained": _copy_trained("tiny-flux-fill-trained", "ops.train.flux"),
     # SDXL's transformer layout (none at the finest level, the deepest at the coarsest) in SD classes:
-    # measures coarse-level mask pooling's fidelity (BENCHMARKS.md, true-size models).
+    # measures coarse-level mask pooling's fidelity (BENCHMARKS.md, true-size models). Not shipped:
+    # trained on first use by the benchmarks (ops/train/on_demand.py).
     "tiny-sd-sdxl-layout-trained": _copy_trained("tiny-sd-sdxl-layout-trained", "ops.train.sd"),
     "tiny-sd-inpaint": _save_tiny_sd,
     "tiny-flux-fill": _save_tiny_flux,
