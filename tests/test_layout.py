@@ -114,5 +114,5 @@ def test_benchmarks_import_only_the_harness_shared_packages_and_the_product() ->
 def test_ops_is_packages_and_the_documented_scripts() -> None:
     """``ops/`` holds packages and the entry scripts the README, CI and compose call; nothing else."""
     top = sorted(p.name for p in (ROOT / "ops").iterdir() if p.name != "__pycache__")
-    assert top == ["__init__.py", "bench", "bootstrap.sh", "compose_check.sh", "data", "demo.sh", "deploy", "sim",
-                   "test.sh", "train"]
+    assert top == ["__init__.py", "bench", "bootstrap.sh", "compose_check.sh", "data", "demo.sh", "deploy",
+                   "gpu_checks.sh", "sim", "test.sh", "train"]

@@ -38,8 +38,8 @@ from app.fidelity import policy_schedule
 from app.jobs import JobParams
 from app.maskgen import make_mask
 from app.storage.local import LocalStore
-from ops.bench.gpu_step import DTYPES, _device, _hardware
 from ops.bench.harness.cli import parser, start
+from ops.bench.harness.gpu import DTYPES, device_of, hardware, sync
 from workers.engine.engine import Engine
 from workers.engine.scheduler import BatchScheduler
 from workers.engine.sd_runner import SDRunner
@@ -84,11 +84,6 @@ class Edits:
         return Image.fromarray(self.masks[i].astype(np.uint8) * 255)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_stock(folder: Path, edits: Edits, args: Any, device: torch.device) -> dict[str, Any]:
     from diffusers import StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline
 
@@ -105,12 +100,12 @@ def run_stock(folder: Path, edits: Edits, args: Any, device: torch.device) -> di
              generator=[torch.Generator("cpu").manual_seed(edits.params[i].seed) for i in idx])
 
     call([0])  # warm-up
-    _sync(device)
+    sync(device)
     latencies, t0 = [], time.perf_counter()
     for start_ in range(0, len(edits.params), args.max_batch):
         idx = list(range(start_, min(start_ + args.max_batch, len(edits.params))))
         call(idx)
-        _sync(device)
+        sync(device)
         latencies += [time.perf_counter() - t0] * len(idx)
     total = time.perf_counter() - t0
     del pipe
@@ -168,7 +163,7 @@ class Stencil:
                 meta = dict(meta, cache_mode="masked", cache_key=key.to_dict(),
                             refresh_steps=policy_schedule("fast", edits.steps))
             jobs.append((tensors, meta))
-        _sync(self.device)
+        sync(self.device)
         prepared = time.perf_counter()
         engine = Engine(self.runner, BatchScheduler(max_batch=args.max_batch))
         handles = [engine.submit(f"j{i}", t, m, total_steps=edits.steps) for i, (t, m) in enumerate(jobs)]
@@ -177,7 +172,7 @@ class Stencil:
         results = [h.future.result() for h in handles]
         for out in results:
             decode_latents(self.pipe, out["latents"])
-        _sync(self.device)
+        sync(self.device)
         total = time.perf_counter() - t0
         prep_s, decode_s = prepared - t0, time.perf_counter() - stepped
         # a job's latency: all prepares (the burst is prepared first), its steps, one decode each before it
@@ -243,7 +238,7 @@ def phase_profile(stencil: Stencil, edits: Edits, args: Any, key: TemplateCacheK
         with profile(activities=activities) as prof:
             with record_function("stencil.step"):
                 engine.step_once()
-            _sync(stencil.device)
+            sync(stencil.device)
     finally:
         for name in PHASES:
             delattr(runner, name)
@@ -269,8 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", default="docs/bench/gpu_engine.json")
     run = start(p, argv, __file__, quick=dict(jobs=3, steps=3, max_batch=2, dtype="float32", threads=1, json=""))
     args = run.args
-    device = _device(args)
-    hw = _hardware(device)
+    device = device_of(args)
+    hw = hardware(device)
     side = 64 if args.quick else MODELS[args.model][1]
     edits = Edits(side, args.jobs, args.steps, args.seed)
     rows: list[dict[str, Any]] = []

@@ -37,6 +37,7 @@ import torch
 
 from app.settings import Settings
 from ops.bench.harness.cli import parser, report_parts, start
+from ops.bench.harness.gpu import DTYPES, Clock, build_on, device_of, hardware, sync
 from ops.bench.harness.models import pixel_mask
 from ops.bench.harness.timing import interleave, median
 from workers.engine.graph_calls import flux_call, unet_call
@@ -48,56 +49,8 @@ log = logging.getLogger(__name__)
 
 MODELS = {"sd15": "sd15-inpaint", "sdxl": "sdxl-inpaint", "flux": "flux-fill"}
 SIDE_PX = {"sd15": 512, "sdxl": 1024, "flux": 1024}
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item",
                "aten::_local_scalar_dense", "aten::nonzero")
-
-
-def build_on(comp: true_size.Component, dtype: torch.dtype, device: torch.device, seed: int) -> torch.nn.Module:
-    """The component with random weights made on ``device`` (PyTorch's default init there): seconds
-    for a 12 B-parameter transformer, where a host init takes minutes."""
-    model = true_size.build_meta(comp).to(dtype)
-    buffers = {n: b.clone() for n, b in model.named_buffers()}
-    model = model.to_empty(device=device)
-    for name, b in buffers.items():
-        model.get_buffer(name).copy_(b)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            reset = getattr(m, "reset_parameters", None)
-            if callable(reset) and any(True for _ in m.parameters(recurse=False)):
-                reset()
-            else:
-                for pname, p in m.named_parameters(recurse=False):
-                    if pname == "bias":
-                        p.zero_()
-                    elif p.dim() == 1:
-                        p.fill_(1.0)
-                    else:
-                        p.normal_(std=0.02)
-    return model.eval()
-
-
-class Clock:
-    """Device time of a call: CUDA events around ``reps`` calls (no host work in between besides
-    the launches), or the host clock off CUDA."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn: Callable[[], Any], reps: int = 1) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3 / reps
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t0) / reps
 
 
 @dataclass
@@ -267,14 +220,14 @@ def profile_call(call: Callable[[], Any], device: torch.device) -> dict[str, flo
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.no_grad():
         call()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         call()
-        _sync(device)
+        sync(device)
         wall = time.perf_counter() - t0
         with profile(activities=activities) as prof:
             call()
-            _sync(device)
+            sync(device)
     kernels = copies = syncs = 0
     kernel_us = 0.0
     for ev in prof.events():
@@ -290,28 +243,6 @@ def profile_call(call: Callable[[], Any], device: torch.device) -> dict[str, flo
     syncs -= 1 if device.type == "cuda" else 0  # ours, closing the profiled region
     return {"kernels": kernels, "copies": copies, "syncs": max(syncs, 0), "kernel_ms": kernel_us / 1e3,
             "wall_ms": wall * 1e3}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _device(args: Any) -> torch.device:
-    if args.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(args.device)
-
-
-def _hardware(device: torch.device) -> str:
-    import diffusers
-
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        driver = torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") else "?"
-        return (f"{props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}, driver {driver}, "
-                f"torch {torch.__version__}, diffusers {diffusers.__version__}")
-    return f"CPU ({torch.get_num_threads()} threads), torch {torch.__version__}, diffusers {diffusers.__version__}"
 
 
 def part_step(args: Any, device: torch.device) -> list[str]:
@@ -406,8 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                  out="", json=""))
     args = run.args
     args.results = {}
-    device = _device(args)
-    hw = _hardware(device)
+    device = device_of(args)
+    hw = hardware(device)
     log.info("gpu_step on %s", hw)
     report_parts(run, f"Mask-aware steps on {hw}", PARTS, device)
     if args.json:
