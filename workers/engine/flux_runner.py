@@ -58,11 +58,7 @@ class FluxRunner(BaseRunner):
         # Steps replayed as CUDA graphs (``workers/engine/graphs.py``): on CUDA unless turned off.
         self.graphs = StepGraphs(self.device) if (self.device.type == "cuda" if graphs is None else graphs) else None
 
-    @property
-    def writable_caches(self) -> bool:  # type: ignore[override]
-        """Staged caches in one flat buffer (one copy into a graph's input) where steps are graphed;
-        the model only reads them, so elsewhere they are handed over as decoded."""
-        return self.graphs is not None
+    writable_caches = True  # MaskAwareFlux writes a step's fresh K/V (and output) into its staged cache
 
     def init_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> FluxJobState:
         if meta.get("family") != "flux":

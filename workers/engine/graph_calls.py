@@ -92,7 +92,7 @@ def flux_call(graphs: StepGraphs, transformer: Any, ctrl: Any, kwargs: dict[str,
             spec.append(("full", g.rows))
             continue
         tok = g.token_mask
-        parts = [] if tok.sel is None else [tok.sel, tok.unsel] + ([] if tok.key_order is None else [tok.key_order])
+        parts = [] if tok.sel is None else [tok.sel, tok.unsel]
         inputs += [g.cache.flat, *parts]
         spec.append(("masked", g.rows, tok.m, tok.numel(), len(parts), g.cache.layout))
 
@@ -107,7 +107,7 @@ def flux_call(graphs: StepGraphs, transformer: Any, ctrl: Any, kwargs: dict[str,
                 continue
             cache = StagedCache.over(next(rest), sp[5])
             parts = [next(rest) for _ in range(sp[4])]
-            tok = FluxTokens(g.token_mask.mask, sp[2], *(parts + [None] * (3 - len(parts))))
+            tok = FluxTokens(g.token_mask.mask, sp[2], *(parts + [None] * (2 - len(parts))))
             replayed.append(RowGroup(g.rows, "masked", token_mask=tok, cache=cache))
         return _untimed(ctrl, replayed, lambda: transformer(**kw)[0])
 

@@ -84,7 +84,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -121,17 +121,15 @@ class FluxTokens:
     m: int  # computed tokens
     sel: torch.Tensor | None  # sorted positions of the computed tokens (None: every token)
     unsel: torch.Tensor | None  # sorted positions taken from the cache
-    key_order: torch.Tensor | None  # [computed, cached] keys -> the job's token order
 
     @classmethod
     def build(cls, mask: torch.Tensor, device: torch.device | str) -> "FluxTokens":
         host = mask.detach().to("cpu").flatten().bool()
         m = int(host.sum())
         if m == host.numel():
-            return cls(host, m, None, None, None)
+            return cls(host, m, None, None)
         sel, unsel = host.nonzero().flatten(), (~host).nonzero().flatten()
-        order = torch.argsort(torch.cat([sel, unsel]))
-        return cls(host, m, sel.to(device), unsel.to(device), order.to(device))
+        return cls(host, m, sel.to(device), unsel.to(device))
 
     def numel(self) -> int:
         return self.mask.numel()
@@ -201,7 +199,13 @@ class _Row:
     unsel: torch.Tensor | None = None   # sorted positions taken from the cache (sel is not None)
     unsel_cache: torch.Tensor | None = None  # the same tokens' indices in the cache (its own order)
     own: int = 0                  # tokens of this job (N unless placed on a larger grid)
-    key_order: torch.Tensor | None = None  # half precision: [computed, cached] keys -> the job's token order
+    sel_own: torch.Tensor | None = None  # the computed tokens' indices in the job's own order
+    pos_own: torch.Tensor | None = None  # grid positions of all the job's tokens (None: the call's grid)
+
+    @property
+    def fresh(self) -> bool:
+        """Every token of the job is computed (full and record rows, ratio 1): no cache is read."""
+        return self.m == self.own
 
 
 @dataclass
@@ -233,7 +237,6 @@ class _Plan:
         self._rot_src: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rot_all: torch.Tensor | None = None
         self._rots: dict[tuple[Any, ...], _Rot] = {}
-        self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._moved: dict[int, torch.Tensor] = {}
         self._layouts: dict[str, layout.Layout] = {}
         self._rec: list[dict[str, list[torch.Tensor]] | None] = [
@@ -246,9 +249,10 @@ class _Plan:
             sel, unsel, unsel_cache, cache = None, None, None, None
             pos = None if g.positions is None else g.positions.to(self.device)
             own = self.N if pos is None else int(pos.numel())
-            key_order = None
+            sel_own = None
             if g.mode == "masked":
-                tok = g.token_mask if isinstance(g.token_mask, FluxTokens) else FluxTokens.build(g.token_mask, self.device)
+                tok = g.token_mask if isinstance(g.token_mask, FluxTokens) else FluxTokens.build(g.token_mask,
+                                                                                                 self.device)
                 if tok.numel() != own:
                     raise ValueError(f"group {gi}: token mask has {tok.numel()} tokens, the job has {own}")
                 if tok.sel is not None:
@@ -258,15 +262,14 @@ class _Plan:
                     cache = g.cache
                     if tok.m > 0:
                         self._check_cache(gi, g.rows, cache, own)
-                    if self.half and tok.m < own:
-                        key_order = tok.key_order
             if sel is None and pos is not None and own != self.N:  # all its tokens, on a larger grid
                 sel = pos
                 unsel = unsel_cache = pos[:0]
             for crow in range(g.rows):
                 m = self.N if sel is None else int(sel.numel())
                 self.rows.append(_Row(r, gi, sel, m, cache, g.mode == "record", crow, unsel=unsel,
-                                      unsel_cache=unsel_cache, own=own, key_order=key_order))
+                                      unsel_cache=unsel_cache, own=own, sel_own=sel_own,
+                                      pos_own=pos if pos is not None and own != self.N else None))
                 r += 1
         off, a = 0, 0
         for row in self.rows:
@@ -317,9 +320,9 @@ class _Plan:
         return t[row.crow if t.shape[0] > 1 else 0]
 
     def rot(self, rope: tuple[torch.Tensor, torch.Tensor], key: tuple[Any, ...],
-            pos: torch.Tensor | slice) -> _Rot:
-        """RoPE at rope rows ``pos`` (text first, so image token i is row T + i), computed once per call
-        and position set: the text, a row's computed tokens, a row's cached tokens."""
+            pos: torch.Tensor | slice | Callable[[], torch.Tensor]) -> _Rot:
+        """RoPE at rope rows ``pos`` (text first, so image token i is row T + i; a callable is asked
+        only the first time), computed once per call and position set."""
         if self._rot_src is not rope:
             cos, sin = rope
             pairs = _pairwise(cos, sin)
@@ -328,40 +331,63 @@ class _Plan:
             self._rot_src, self._rots = rope, {}
         r = self._rots.get(key)
         if r is None:
+            if callable(pos):
+                pos = pos()
             if isinstance(pos, torch.Tensor):
                 pos = pos.to(rope[0].device)
             freqs = None if self._rot_all is None else self._rot_all[pos]
             r = self._rots[key] = _Rot(rope[0][pos], rope[1][pos], freqs)
         return r
 
-    def row_rots(self, rope: tuple[torch.Tensor, torch.Tensor], row: _Row) -> tuple[_Rot, _Rot | None]:
-        """(RoPE at the row's computed tokens, RoPE at its cached tokens or None)."""
-        T = self.T
+    def row_rot(self, rope: tuple[torch.Tensor, torch.Tensor], row: _Row) -> _Rot:
+        """RoPE at the row's queries: its text, then its computed tokens at their grid positions."""
         if row.sel is None:
-            return self.rot(rope, ("all",), slice(T, T + self.N)), None
-        return (self.rot(rope, ("sel", row.row), row.sel + T),
-                self.rot(rope, ("unsel", row.row), row.unsel + T))
+            return self.rot(rope, ("all",), slice(0, self.T + self.N))
+        return self.rot(rope, ("sel", row.row), lambda: self._text_then(row.sel))  # type: ignore[arg-type]
 
-    def attn_buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-call query [T + max m, H, hd] and key/value [T + N, H, hd] buffers, reused by every row
-        and block (attention copies its output out before the next row writes them)."""
-        if self._bufs is None or self._bufs[1].shape[1:] != like.shape[1:] or self._bufs[1].dtype != like.dtype:
-            kv = (self.T + self.N, *like.shape[1:])
-            q = (self.T + max(row.m for row in self.active), *like.shape[1:])
-            self._bufs = (like.new_empty(q), like.new_empty(kv), like.new_empty(kv))
-        return self._bufs
+    def own_rot(self, rope: tuple[torch.Tensor, torch.Tensor], row: _Row) -> _Rot:
+        """RoPE at the row's keys: its text, then every token of the job at its grid position."""
+        if row.pos_own is None:
+            return self.rot(rope, ("all",), slice(0, self.T + self.N))
+        return self.rot(rope, ("own", row.row), lambda: self._text_then(row.pos_own))  # type: ignore[arg-type]
+
+    def _text_then(self, image_pos: torch.Tensor) -> torch.Tensor:
+        """RoPE table rows of the text, then of image tokens at ``image_pos``."""
+        return torch.cat([torch.arange(self.T, device=image_pos.device), image_pos + self.T])
+
+    def staged(self, row: _Row, key: str, like: torch.Tensor) -> torch.Tensor:
+        """The row's [N, C] slice of a cache tensor, to write the step's fresh tokens into: in place
+        in a staged cache (private to the job, ``workers/engine/staging.py``), else in a copy (the
+        cache is read-only)."""
+        t = row.cache[key]  # type: ignore[index]
+        shared = t.shape[0] == 1 and self.ctx.groups[row.group].rows > 1
+        t = t[row.crow if t.shape[0] > 1 else 0]
+        if (getattr(row.cache, "writable", False) and not shared and t.device == like.device
+                and t.dtype == like.dtype):
+            return t
+        return t.to(device=like.device, dtype=like.dtype, copy=True)
+
+    def single(self) -> _Row | None:
+        """The one active row, if the call computes for exactly one (then whole-pack tensors are that
+        row's and per-segment work is a plain expression, as in the stock forward)."""
+        return self.active[0] if len(self.active) == 1 else None
 
     def modulate_(self, y: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, base: int = 0) -> torch.Tensor:
         """In place: ``y * (1 + scale) + shift`` with each row's own modulation, per packed image segment
         (starting at ``base``); one fused pass, no gathered [M, D] modulation tensors."""
         s1 = 1 + scale
+        if base == 0 and self.single() is not None:  # the whole pack is one row's: the stock expression
+            return _muladd(y, s1[self.active[0].active], shift[self.active[0].active])
         for a, lo, hi in self.img_segs:
             seg = y[base + lo:base + hi]
             _muladd_into(seg, seg, s1[a], shift[a])
         return y
 
     def gated_add_(self, x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, base: int = 0) -> torch.Tensor:
-        """In place: ``x + gate * y`` per packed image segment (starting at ``base``)."""
+        """``x + gate * y`` per packed image segment (starting at ``base``), in place into ``x``; one
+        row's whole pack: a new tensor (the stock expression)."""
+        if base == 0 and self.single() is not None:
+            return _muladd(y, gate[self.active[0].active], x)
         for a, lo, hi in self.img_segs:
             _muladd_into(x[base + lo:base + hi], y[base + lo:base + hi], gate[a], x[base + lo:base + hi])
         return x
@@ -442,6 +468,13 @@ def _muladd_into(out: torch.Tensor, t: torch.Tensor, s: torch.Tensor, add: torch
     out.copy_(t * s + add)
 
 
+def _muladd(t: torch.Tensor, s: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
+    """``t * s + add`` as a new tensor, rounded as ``_muladd_into`` rounds it."""
+    if t.dtype == torch.float32:
+        return torch.addcmul(add, t, s)
+    return t * s + add
+
+
 def _qkv(attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if getattr(attn, "fused_projections", False):
         return attn.to_qkv(x).chunk(3, dim=-1)
@@ -463,71 +496,62 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return apply_rotary_emb(x, (cos, sin), sequence_dim=1)
 
 
-def _rope_to(x: torch.Tensor, rot: _Rot, out: torch.Tensor) -> None:
-    """``_rope(x)`` written straight into ``out`` ([S, H, hd]). Flux's RoPE rotates (even, odd) channel
-    pairs, i.e. it is a complex multiply: one pass over x instead of diffusers' five, and no copy."""
+def _rotate(x: torch.Tensor, rot: _Rot) -> torch.Tensor:
+    """``_rope(x)`` at ``rot``'s positions ([S, H, hd]). float32: Flux's RoPE rotates (even, odd)
+    channel pairs, i.e. it is a complex multiply, one pass instead of diffusers' five; half
+    precision: diffusers' own computation, so that results round as the stock forward's do."""
     if x.shape[0] == 0:
-        return
-    if rot.freqs is None or x.dtype != torch.float32 or out.dtype != torch.float32:
-        out.copy_(_rope(x, rot.cos, rot.sin))
-        return
+        return x
+    if rot.freqs is None or x.dtype != torch.float32:
+        return _rope(x, rot.cos, rot.sin)
     if x.stride(-1) != 1 or x.stride(-2) % 2:
         x = x.contiguous()
-    torch.mul(torch.view_as_complex(x.unflatten(-1, (-1, 2))), rot.freqs,
-              out=torch.view_as_complex(out.unflatten(-1, (-1, 2))))
+    return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rot.freqs).flatten(-2)
 
 
 def _attend(plan: _Plan, attn: Any, name: str, rope: tuple[torch.Tensor, torch.Tensor],
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            tq: torch.Tensor, tk: torch.Tensor, tv: torch.Tensor,
-            img_out: torch.Tensor, txt_out: torch.Tensor) -> None:
-    """Joint attention, SDPA per row, written into ``img_out`` [M, H*hd] and ``txt_out`` [Ba, T, H*hd]
-    (may be column slices of a wider buffer).
+            q: torch.Tensor, k: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor,
+            tq: torch.Tensor, tk: torch.Tensor, tv: torch.Tensor) -> list[torch.Tensor]:
+    """Joint attention per active row, as the stock forward computes it: queries are the row's text
+    and computed tokens, keys and values its text and every token of the job in the job's own
+    order; returns each row's output [T + m, H, hd] (its text, then its computed tokens).
 
-    q, k: [M, H, hd] qk-normed image tokens (no RoPE yet), v: [M, H, hd]; tq, tk, tv: [Ba, T, H, hd]
-    (tq, tk normed). Per row the query is [text, computed tokens] and the keys/values are
-    [text, computed tokens, cached tokens] -- attention without a mask is invariant to the order of
-    its keys, so the fresh keys are RoPE'd straight into the buffer and the cached ones are gathered
-    once (only the N - m unmasked ones: nothing is written twice, no scatter). Raw cached K get the
-    qk-norm and RoPE at their own positions. The cache is only read.
+    q, k: [M, H, hd] qk-normed image tokens (no RoPE yet), ``k_raw``: [M, H*hd] before the norm,
+    v: [M, H, hd]; tq, tk, tv: [Ba, T, H, hd] (tq, tk normed). A row that computes only some tokens
+    writes its fresh keys and values into its cache's tensors (``_Plan.staged``: in place when the
+    cache is staged for it) and attends over them: ``roped`` caches hold keys after qk-norm and RoPE,
+    so only the fresh ones are rotated; ``raw`` ones get the norm and RoPE over every key, as in the
+    stock forward.
     """
     T = plan.T
     heads, hd = q.shape[1], q.shape[2]
-    qb, kb, vb = plan.attn_buffers(q)
-    txt_rot = plan.rot(rope, ("txt",), slice(0, T))
     backend = getattr(attn.processor, "_attention_backend", None)
+    outs = []
     for row in plan.active:
-        a, m = row.active, row.m
-        seg = slice(row.off, row.off + m)
-        rot, cached_rot = plan.row_rots(rope, row)
-        query = qb[:T + m]
-        if T:
-            _rope_to(tq[a], txt_rot, query[:T])
-            _rope_to(tk[a], txt_rot, kb[:T])
-            vb[:T].copy_(tv[a])
-        _rope_to(q[seg], rot, query[T:])
-        _rope_to(k[seg], rot, kb[T:T + m])
-        vb[T:T + m].copy_(v[seg])
-        end = T + m + (0 if row.unsel is None else int(row.unsel.numel()))  # this job's keys only
-        if row.unsel is not None and end > T + m:
-            ck = plan.cached(row, f"{name}.{plan.k_key}", k)               # [N, C]
-            if plan.kv_format == "raw":
-                _rope_to(attn.norm_k(ck.index_select(0, row.unsel_cache).unflatten(-1, (heads, hd))),
-                         cached_rot, kb[T + m:end])
+        a, seg = row.active, slice(row.off, row.off + row.m)
+        rot = plan.row_rot(rope, row)
+        query = _rotate(torch.cat([tq[a], q[seg]]), rot)
+        if row.fresh:
+            key = _rotate(torch.cat([tk[a], k[seg]]), rot)
+            value = torch.cat([tv[a], v[seg]])
+            if plan.kv_format == "roped":
+                plan.record_row(row, name, K_SUFFIX["roped"], key[T:])
+        else:
+            if plan.kv_format == "roped":
+                fresh = _rotate(torch.cat([tk[a], k[seg]]), rot)
+                cached = plan.staged(row, f"{name}.{plan.k_key}", k_raw)
+                cached.index_copy_(0, row.sel_own, fresh[T:].flatten(1))  # type: ignore[arg-type]
+                key = torch.cat([fresh[:T], cached.unflatten(-1, (heads, hd))])
             else:
-                torch.index_select(ck, 0, row.unsel_cache, out=kb[T + m:end].flatten(1))
-            torch.index_select(plan.cached(row, f"{name}.v", v), 0, row.unsel_cache, out=vb[T + m:end].flatten(1))
-        elif row.unsel is None and plan.kv_format == "roped":
-            plan.record_row(row, name, K_SUFFIX["roped"], kb[T:end])
-        elif row.record and plan.kv_format == "roped":
-            plan.record_row(row, name, K_SUFFIX["roped"], kb[T:T + m])
-        if row.key_order is not None:
-            kb[T:end] = kb[T:end].index_select(0, row.key_order)
-            vb[T:end] = vb[T:end].index_select(0, row.key_order)
-        out = dispatch_attention_fn(query[None], kb[None, :end], vb[None, :end], backend=backend)[0]  # [T+m, H, hd]
-        if T:
-            txt_out[a].unflatten(-1, (heads, hd)).copy_(out[:T])
-        img_out[seg].unflatten(-1, (heads, hd)).copy_(out[T:])
+                cached = plan.staged(row, f"{name}.{plan.k_key}", k_raw)
+                cached.index_copy_(0, row.sel_own, k_raw[seg])  # type: ignore[arg-type]
+                key = _rotate(torch.cat([tk[a], attn.norm_k(cached.unflatten(-1, (heads, hd)))]),
+                              plan.own_rot(rope, row))
+            values = plan.staged(row, f"{name}.v", k_raw)
+            values.index_copy_(0, row.sel_own, v[seg].flatten(1))  # type: ignore[arg-type]
+            value = torch.cat([tv[a], values.unflatten(-1, (heads, hd))])
+        outs.append(dispatch_attention_fn(query[None], key[None], value[None], backend=backend)[0])
+    return outs
 
 
 def _call_module(module: Any, x: torch.Tensor) -> torch.Tensor:
@@ -565,18 +589,23 @@ def double_block_forward(block: FluxTransformerBlock, name: str, plan: _Plan, te
     if plan.kv_format == "raw":
         plan.record(name, "k", k)
     plan.record(name, "v", v)
-    img_attn = q.new_empty(q.shape)
-    txt_attn = tq.new_empty(tq.shape)
-    _attend(plan, attn, name, rope,
-            attn.norm_q(q.unflatten(-1, (-1, hd))), attn.norm_k(k.unflatten(-1, (-1, hd))), v.unflatten(-1, (-1, hd)),
-            attn.norm_added_q(tq.unflatten(-1, (-1, hd))), attn.norm_added_k(tk.unflatten(-1, (-1, hd))),
-            tv.unflatten(-1, (-1, hd)), img_attn, txt_attn)
+    outs = _attend(plan, attn, name, rope,
+                   attn.norm_q(q.unflatten(-1, (-1, hd))), attn.norm_k(k.unflatten(-1, (-1, hd))), k,
+                   v.unflatten(-1, (-1, hd)), attn.norm_added_q(tq.unflatten(-1, (-1, hd))),
+                   attn.norm_added_k(tk.unflatten(-1, (-1, hd))), tv.unflatten(-1, (-1, hd)))
+    T = plan.T
+    if len(outs) == 1:  # one row: its output is [text; image] as the stock forward's
+        joint = outs[0].flatten(1)
+        txt_attn, img_attn = joint[:T][None], joint[T:]
+    else:
+        txt_attn = torch.stack([o[:T] for o in outs]).flatten(2)
+        img_attn = torch.cat([o[T:] for o in outs]).flatten(1)
 
     with plan.lay("img"):
         attn_out = attn.to_out[1](attn.to_out[0](img_attn))
-        plan.gated_add_(x, gate_msa, attn_out)                  # x is this call's own pack: in place is safe
+        x = plan.gated_add_(x, gate_msa, attn_out)              # x is this call's own pack: in place is safe
         xn = plan.modulate_(block.norm2(x), scale_mlp, shift_mlp)
-        plan.gated_add_(x, gate_mlp, kern.ff(block.ff, xn))
+        x = plan.gated_add_(x, gate_mlp, kern.ff(block.ff, xn))
 
     with plan.lay("rows"):
         ctx_out = attn.to_add_out(txt_attn)
@@ -592,7 +621,8 @@ def single_block_forward(block: FluxSingleTransformerBlock, name: str, plan: _Pl
                          rope: tuple[torch.Tensor, torch.Tensor], kernels: FluxKernels | None = None) -> None:
     """``FluxSingleTransformerBlock.forward`` on the packed state: text and image tokens share weights,
     so they run as one token pack ``plan.tok`` (text rows first, then the ragged image tokens), built
-    once at the first single block and updated in place."""
+    once at the first single block; one row's pack is its [text; image] tokens, computed by the
+    stock forward's expressions."""
     ba, T, D = plan.txt.shape
     nt = ba * T
     if plan.tok is None:
@@ -603,41 +633,47 @@ def single_block_forward(block: FluxSingleTransformerBlock, name: str, plan: _Pl
         emb = block.norm.linear(block.norm.silu(temb))
     shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
     h = block.norm.norm(tok)
-    if T:
-        ht = h[:nt].view(ba, T, D)
-        _muladd_into(ht, ht, (1 + scale_msa)[:, None], shift_msa[:, None])
-    plan.modulate_(h, scale_msa, shift_msa, base=nt)
+    one = plan.single()
+    if one is not None:  # one row: its text and image tokens share the modulation (the stock expression)
+        h = _muladd(h, (1 + scale_msa)[one.active], shift_msa[one.active])
+    else:
+        if T:
+            ht = h[:nt].view(ba, T, D)
+            _muladd_into(ht, ht, (1 + scale_msa)[:, None], shift_msa[:, None])
+        plan.modulate_(h, scale_msa, shift_msa, base=nt)
 
     attn = block.attn
     hd = attn.head_dim
     with plan.lay("tok"):
         q, k, v = _qkv(attn, h)
-        width = q.shape[-1]
-        # proj_out's input [attention output, MLP activations] is written in place: no concatenation.
-        cat = h.new_empty(h.shape[0], width + block.proj_mlp.out_features)
-        if type(block.act_mlp) is torch.nn.GELU:
-            torch._C._nn.gelu(block.proj_mlp(h), approximate=block.act_mlp.approximate, out=cat[:, width:])
-        else:
-            cat[:, width:] = block.act_mlp(block.proj_mlp(h))
+        mlp = block.act_mlp(block.proj_mlp(h))
     if plan.kv_format == "raw":
         plan.record(name, "k", k[nt:])
     plan.record(name, "v", v[nt:])
-    q = attn.norm_q(q.unflatten(-1, (-1, hd)))
-    k = attn.norm_k(k.unflatten(-1, (-1, hd)))
-    v = v.unflatten(-1, (-1, hd))
-    heads = q.shape[1]
-    _attend(plan, attn, name, rope, q[nt:], k[nt:], v[nt:],
-            q[:nt].view(ba, T, heads, hd), k[:nt].view(ba, T, heads, hd), v[:nt].reshape(ba, T, heads, hd),
-            cat[nt:, :width], cat[:nt, :width].unflatten(0, (ba, T)))
+    qn = attn.norm_q(q.unflatten(-1, (-1, hd)))
+    kn = attn.norm_k(k.unflatten(-1, (-1, hd)))
+    vh = v.unflatten(-1, (-1, hd))
+    heads = qn.shape[1]
+    outs = _attend(plan, attn, name, rope, qn[nt:], kn[nt:], k[nt:], vh[nt:],
+                   qn[:nt].view(ba, T, heads, hd), kn[:nt].view(ba, T, heads, hd), vh[:nt].reshape(ba, T, heads, hd))
+    if len(outs) == 1:  # one row: [text; image], the pack's order
+        attention = outs[0].flatten(1)
+    else:  # the pack's order: every row's text, then every row's image tokens
+        attention = torch.cat([torch.stack([o[:T] for o in outs]).flatten(0, 1),
+                               torch.cat([o[T:] for o in outs])]).flatten(1)
 
     with plan.lay("tok"):
-        y = (kernels or _EAGER_FLUX).pick().ff(block.proj_out, cat)
-    if T:
-        tt = tok[:nt].view(ba, T, D)
-        _muladd_into(tt, y[:nt].view(ba, T, D), gate_msa[:, None], tt)
-    plan.gated_add_(tok, gate_msa, y, base=nt)
+        y = (kernels or _EAGER_FLUX).pick().ff(block.proj_out, torch.cat([attention, mlp], dim=1))
+    if one is not None:
+        tok = _muladd(y, gate_msa[one.active], tok)
+    else:
+        if T:
+            tt = tok[:nt].view(ba, T, D)
+            _muladd_into(tt, y[:nt].view(ba, T, D), gate_msa[:, None], tt)
+        plan.gated_add_(tok, gate_msa, y, base=nt)
     if tok.dtype == torch.float16:
-        tok.clamp_(-65504, 65504)
+        tok = tok.clamp_(-65504, 65504)
+    plan.tok = tok
     plan.txt = tok[:nt].view(ba, T, D)
     plan.img = tok[nt:]
 
@@ -753,8 +789,14 @@ class _ProjOutHook(_Hook):
             return self.fn_ref.original_forward(hidden_states)
         with plan.lay("img"):
             y = self.fn_ref.original_forward(plan.img)               # [M, out]
+        one = plan.single()
         if plan.identity:
             out = y.view(plan.B, plan.N, -1)
+        elif (one is not None and plan.B == 1 and not one.fresh and one.own == plan.N and one.cache is not None
+              and OUTPUT_KEY in one.cache):  # the fresh tokens into the cached output (staged: in place)
+            out = plan.staged(one, OUTPUT_KEY, y)
+            out.index_copy_(0, one.sel_own, y)  # type: ignore[arg-type]
+            out = out.view(1, plan.N, -1)
         else:
             out = y.new_zeros(plan.B, plan.N, module.out_features)
             for row in plan.rows:
