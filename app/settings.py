@@ -165,6 +165,10 @@ class Settings:
     # steps of the (320, 640) UNet were 1.01x (full) and 1.02x (mask-aware) the eager ones, for 60-85 s
     # of compilation per worker start (docs/bench/compiled.md); on a GPU host try default or max-autotune.
     compile: str = "off"
+    # Denoising steps replayed as CUDA graphs (workers/engine/graphs.py): a step signature (each
+    # job's mode, rows and token counts) is captured the second time it is seen and replayed from
+    # then on; a capture that fails runs eagerly. auto = on with CUDA | off.
+    cuda_graphs: str = "auto"
 
     # Mask-aware inference and the template activation cache.
     mask_aware: bool = True
@@ -308,6 +312,8 @@ class Settings:
             raise ValueError(f"STENCIL_DTYPE must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.batch_invariant.strip().lower() not in ("auto", "on", "off"):
             raise ValueError(f"STENCIL_BATCH_INVARIANT must be auto, on or off, got {self.batch_invariant!r}")
+        if self.cuda_graphs.strip().lower() not in ("auto", "off"):
+            raise ValueError(f"STENCIL_CUDA_GRAPHS must be auto or off, got {self.cuda_graphs!r}")
         if self.mixed_size_calls not in MIXED_SIZE_CALLS:
             raise ValueError(f"STENCIL_MIXED_SIZE_CALLS must be one of {', '.join(MIXED_SIZE_CALLS)}, "
                              f"got {self.mixed_size_calls!r}")
@@ -330,6 +336,10 @@ class Settings:
             object.__setattr__(self, "store_dir", self.home / "store")
         if self.activations_dir == Path():
             object.__setattr__(self, "activations_dir", self.store_dir)
+
+    def cuda_graphs_for(self, device: str) -> bool:
+        """Whether engines on ``device`` replay their steps as CUDA graphs."""
+        return self.cuda_graphs.strip().lower() == "auto" and device.strip().lower().startswith("cuda")
 
     def batch_invariant_for(self, dtype: str, device: str = "cpu") -> bool:
         """Whether engines of models in ``dtype`` (a STENCIL_DTYPE name) on ``device`` multiply job by job."""

@@ -155,3 +155,18 @@ def test_graphed_flux_steps_equal_eager_steps(tmp_path: Path) -> None:
             assert torch.equal(a, b)
     finally:
         caches.close(wait=True)
+
+
+@pytest.mark.parametrize(("mode", "device", "expected"), [
+    ("auto", "cuda", True), ("auto", "cuda:1", True), ("auto", "cpu", False), ("off", "cuda", False)])
+def test_the_setting_turns_graphs_on_for_cuda_only(mode: str, device: str, expected: bool) -> None:
+    from app.settings import Settings
+
+    assert Settings(cuda_graphs=mode).cuda_graphs_for(device) is expected
+
+
+def test_the_setting_rejects_unknown_values() -> None:
+    from app.settings import Settings
+
+    with pytest.raises(ValueError, match="STENCIL_CUDA_GRAPHS"):
+        Settings(cuda_graphs="sometimes")

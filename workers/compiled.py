@@ -8,7 +8,7 @@ parameters as graph inputs), so same-shaped blocks share a graph and merged LoRA
 Compilation happens at the first call of each shape; a failure (no C++ compiler, an unsupported
 op) is logged once and that function runs eagerly from then on.
 
-CUDA graphs are not used here: see README, "Compiled steps".
+CUDA graphs of whole steps are ``workers/engine/graphs.py``'s (``STENCIL_CUDA_GRAPHS``).
 """
 
 from __future__ import annotations

@@ -213,7 +213,7 @@ def get_engine() -> Engine:
                 model = loader.load_flux_transformer(ctx.model_dir(), s.device, loader.torch_dtype(s.dtype))
                 lora = LoraPatcher(model, "transformer", bank.get, merge_buffers=s.lora_merge_buffers)
                 runner: Any = FluxRunner(model, ctx.scheduler_config(), loader.vae_scale_factor(ctx.model_dir()),
-                                         s.device, compile=s.compile,
+                                         s.device, compile=s.compile, graphs=s.cuda_graphs_for(s.device),
                                          maskaware=MaskAwareFlux(model, compile=s.compile) if s.mask_aware else None,
                                          lora=lora, **cache_options)
             else:
@@ -230,6 +230,7 @@ def get_engine() -> Engine:
                 controlnets = ControlNetBank(store_loader(ctx.object_store().get, s.device, unet.dtype),
                                              s.controlnet_cache_bytes)
                 runner = SDRunner(unet, ctx.scheduler_config(), s.device, maskaware=maskaware, lora=lora, compile=s.compile,
+                                  graphs=s.cuda_graphs_for(s.device),
                                   controlnets=controlnets, controlnet_parallel=s.controlnet_parallel == "thread",
                                   mixed_sizes=s.mixed_size_calls, **cache_options)
             caches = cache_options.get("caches")
