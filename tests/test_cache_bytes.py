@@ -158,6 +158,23 @@ def test_warm_up_at_a_read_speed_stores_fewer_units_and_edits_compute_the_rest(t
     assert all(runner.last_ctx.unit_full.get((0, u)) for u in units if u != slow)
 
 
+def test_edits_of_a_warm_up_that_stored_no_unit_count_their_steps_as_full(tmp_path: Path) -> None:
+    """Where no unit is worth its read (a slow read against units that save nothing), the warm-up
+    stores none; its edits compute every step fully and their records say so: no masked step, no
+    cached unit, every step a fallback step."""
+    steps = 3
+    unet, ctrl, runner, caches, store, cfg = _runner_setup(tmp_path, "plan")
+    _train_cost_model(runner, {u: 2 * ctrl.unit_tokens(u, (16, 16)) for u in ctrl.units}, slow="")
+    runner.read_gbps = 1e-3
+    key = TemplateCacheKey("t", "tpl", 128, 128, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout + "/noise-0")
+    manifest = _run(runner, _job(runner, "record", key, steps))["commit"].result(timeout=60)
+    assert manifest["units"] == []
+    for s in range(steps):
+        assert caches.wait(key, s, timeout=30) is not None  # the step is "resident": it holds nothing
+    out = _run(runner, _job(runner, "masked", key, steps))
+    assert (out["masked_steps"], out["fallback_steps"], out["cached_unit_share"]) == (0, steps, 0.0)
+
+
 def test_without_unit_costs_or_for_exact_regions_every_unit_is_stored(tmp_path: Path) -> None:
     steps = 2
     unet, ctrl, runner, caches, store, cfg = _runner_setup(tmp_path, "plan")
