@@ -39,82 +39,75 @@ def _sd_world(tmp_path: Path, graphs: bool | None):  # type: ignore[no-untyped-d
     return unet, ctrl, runner, caches, cfg, _job
 
 
-def _warm(runner, caches, key, steps, job_fn):  # type: ignore[no-untyped-def]
-    rec = job_fn(runner, "record", key, steps)
-    while not rec.finished:
-        runner.step([rec])
-        rec.steps_done += 1
-    runner.result(rec)["commit"].result(timeout=60)
-    for s in range(steps):
-        assert caches.wait(key, s, timeout=30) is not None
-
-
-def test_graph_replayed_steps_equal_eager_steps_on_cuda(tmp_path: Path) -> None:
-    from workers.engine.graphs import CudaGraphCall
-    from workers.engine.sd_runner import SDRunner
+@pytest.fixture()
+def warmed(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """The SD world on the GPU (graphs off) with a bfloat16 template warmed and resident."""
+    from tests.test_plan_engine import _warm
     from workers.maskaware import TemplateCacheKey
 
     steps = 6
     unet, ctrl, runner, caches, cfg, job = _sd_world(tmp_path, graphs=False)
+    key = TemplateCacheKey("t", "tpl", 128, 128, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout + "@bfloat16")
     try:
-        key = TemplateCacheKey("t", "tpl", 128, 128, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout + "@bfloat16")
-        _warm(runner, caches, key, steps, job)
-        graphed = SDRunner(unet, cfg, CUDA, maskaware=ctrl, caches=caches, prefetch_steps=0)
-        assert graphed.graphs is not None and graphed.graphs.capture is CudaGraphCall  # on by default on CUDA
-        latents = {}
-        for name, r in (("eager", runner), ("graphed", graphed)):
-            batch = [job(r, "masked", key, steps, seed=10 + i) for i in range(3)] + [job(r, "full", None, steps, seed=20)]
-            while not batch[0].finished:
-                r.step(batch)
-                for j in batch:
-                    j.steps_done += 1
-            latents[name] = [j.state.latents for j in batch]
-        assert graphed.graphs.captures >= 1 and graphed.graphs.replays >= steps - 2
-        for a, b in zip(latents["eager"], latents["graphed"]):
-            assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
+        _warm(runner, caches, key, steps)
+        yield unet, ctrl, runner, caches, cfg, job, key, steps
     finally:
         caches.close(wait=True)
 
 
-def test_a_steady_masked_forward_never_synchronises_and_a_step_once(tmp_path: Path) -> None:
-    from workers.maskaware import RowGroup, TemplateCacheKey
+def test_graph_replayed_steps_equal_eager_steps_on_cuda(warmed) -> None:  # type: ignore[no-untyped-def]
+    from workers.engine.graphs import CudaGraphCall
+    from workers.engine.sd_runner import SDRunner
+
+    unet, ctrl, runner, caches, cfg, job, key, steps = warmed
+    graphed = SDRunner(unet, cfg, CUDA, maskaware=ctrl, caches=caches, prefetch_steps=0)
+    assert graphed.graphs is not None and graphed.graphs.capture is CudaGraphCall  # on by default on CUDA
+    latents = {}
+    for name, r in (("eager", runner), ("graphed", graphed)):
+        batch = [job(r, "masked", key, steps, seed=10 + i) for i in range(3)] + [job(r, "full", None, steps, seed=20)]
+        while not batch[0].finished:
+            r.step(batch)
+            for j in batch:
+                j.steps_done += 1
+        latents[name] = [j.state.latents for j in batch]
+    assert graphed.graphs.captures >= 1 and graphed.graphs.replays >= steps - 2
+    for a, b in zip(latents["eager"], latents["graphed"]):
+        assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
+
+
+def test_a_steady_masked_forward_never_synchronises_and_a_step_once(warmed) -> None:  # type: ignore[no-untyped-def]
+    from workers.maskaware import RowGroup
     from workers.maskaware.tokens import blob_mask
 
-    steps = 4
-    unet, ctrl, runner, caches, cfg, job = _sd_world(tmp_path, graphs=False)
+    unet, ctrl, runner, caches, cfg, job, key, steps = warmed
+    # The model forward of a staged masked job: not one synchronising operation.
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 9, 16, 16, generator=g).to(CUDA, torch.bfloat16), torch.tensor([500, 500], device=CUDA),
+            torch.randn(2, 7, unet.config.cross_attention_dim, generator=g).to(CUDA, torch.bfloat16))
+    masks = ctrl.token_masks(blob_mask(128, 128, 0.2, seed=3), (16, 16)).prepare(CUDA)
+    staged = runner.stager.take("x", 0, caches.ready(key, 0))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
     try:
-        key = TemplateCacheKey("t", "tpl", 128, 128, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout + "@bfloat16")
-        _warm(runner, caches, key, steps, job)
-        # The model forward of a staged masked job: not one synchronising operation.
-        g = torch.Generator().manual_seed(0)
-        args = (torch.randn(2, 9, 16, 16, generator=g).to(CUDA, torch.bfloat16), torch.tensor([500, 500], device=CUDA),
-                torch.randn(2, 7, unet.config.cross_attention_dim, generator=g).to(CUDA, torch.bfloat16))
-        masks = ctrl.token_masks(blob_mask(128, 128, 0.2, seed=3), (16, 16)).prepare(CUDA)
-        staged = runner.stager.take("x", 0, caches.ready(key, 0))
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with torch.no_grad(), ctrl.batch([RowGroup(2, "masked", token_mask=masks, cache=staged)]):
-                unet(*args)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        # A steady engine step of three masked jobs: exactly one synchronisation (the finiteness read).
-        batch = [job(runner, "masked", key, steps, seed=10 + i) for i in range(3)]
-        runner.step(batch)
-        for j in batch:
-            j.steps_done += 1
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                runner.step(batch)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in caught if "synchroniz" in str(w.message)]
-        assert len(syncs) == 1, [str(w.message) for w in syncs]
+        with torch.no_grad(), ctrl.batch([RowGroup(2, "masked", token_mask=masks, cache=staged)]):
+            unet(*args)
     finally:
-        caches.close(wait=True)
+        torch.cuda.set_sync_debug_mode("default")
+    # A steady engine step of three masked jobs: exactly one synchronisation (the finiteness read).
+    batch = [job(runner, "masked", key, steps, seed=10 + i) for i in range(3)]
+    runner.step(batch)
+    for j in batch:
+        j.steps_done += 1
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runner.step(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
 
 
 @pytest.mark.parametrize("family", ["sd", "flux"])

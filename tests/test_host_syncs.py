@@ -17,7 +17,7 @@ from diffusers import UNet2DConditionModel
 
 from ops.bench.harness.dispatch import DispatchCounter
 from tests.test_maskaware_unet import sdxl_style_unet
-from tests.test_plan_engine import _job, _runner_setup
+from tests.test_plan_engine import _job, _runner_setup, _warm
 from workers.engine.staging import CacheStager
 from workers.maskaware import MaskAwareUNet, RowGroup, TemplateCacheKey
 from workers.maskaware.tokens import blob_mask
@@ -26,12 +26,7 @@ from workers.models.loader import TRAINED_DIR
 OPS_BOUND = 1.10
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _trained_unet() -> UNet2DConditionModel:
@@ -84,13 +79,7 @@ def test_a_steady_engine_step_reads_the_device_once(tmp_path: Path) -> None:
     unet, ctrl, runner, caches, store, cfg = _runner_setup(tmp_path, "plan", bandwidth=1e9)
     try:
         key = TemplateCacheKey("t", "tpl", 128, 128, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout)
-        rec = _job(runner, "record", key, steps)
-        while not rec.finished:
-            runner.step([rec])
-            rec.steps_done += 1
-        runner.result(rec)["commit"].result(timeout=60)
-        for s in range(steps):
-            assert caches.wait(key, s, timeout=30) is not None  # every step resident: a steady state
+        _warm(runner, caches, key, steps)
         batch = [_job(runner, "masked", key, steps, seed=10 + i) for i in range(4)]
         alone = [_job(runner, "masked", key, steps, seed=10 + i) for i in range(4)]
         counts = []
@@ -150,48 +139,13 @@ def test_steady_masked_flux_forward_has_no_host_sync_and_few_operators() -> None
 
 def test_a_steady_flux_engine_step_reads_the_device_once(tmp_path: Path) -> None:
     """Three masked Flux jobs of one template: one read per engine step, as for the UNet."""
-    import copy
+    from tests.support.flux_world import FluxWorld
 
-    from app.jobs import JobParams
-    from app.storage.local import LocalStore
-    from tests.test_lora_engine import FLUX_DIR, _flux_pipe
-    from tests.test_mixed_sizes import _image, _mask
-    from workers.engine.flux_runner import FluxRunner
-    from workers.engine.job import EngineJob
-    from workers.engine.template_cache import CacheRecorder, StepCacheProvider
-    from workers.flux_inputs import prepare_flux_job_tensors
-    from workers.maskaware.activation_store import ActivationStore
-    from workers.maskaware.flux import MaskAwareFlux
-    from workers.models.loader import scheduler_config
-
-    steps, size = 4, (96, 96)
-    pipe = _flux_pipe()
-    model = copy.deepcopy(pipe.transformer).eval()
-    store = ActivationStore(LocalStore(tmp_path))
-    caches = StepCacheProvider(store, 1 << 30)
-    ctrl = MaskAwareFlux(model)
-    runner = FluxRunner(model, scheduler_config(FLUX_DIR), pipe.vae_scale_factor, maskaware=ctrl, caches=caches,
-                        recorder=CacheRecorder(store))
-    key = TemplateCacheKey("m", "t", size[1], size[0], "FlowMatchEulerDiscreteScheduler", steps, 1.0, "single",
-                           ctrl.cache_layout)
-
-    def job(seed: int, **meta) -> EngineJob:  # type: ignore[no-untyped-def]
-        params = JobParams(prompt="a cat", steps=steps, guidance=30.0, seed=seed)
-        prep = prepare_flux_job_tensors(pipe, scheduler_config(FLUX_DIR), _image(9, size), _mask(seed, size, 0.25),
-                                        params, size[1], size[0])
-        out = EngineJob(job_id=f"f{seed}", total_steps=steps)
-        out.state = runner.init_state(prep.tensors, {**prep.meta, **meta})
-        return out
-
+    world = FluxWorld(tmp_path)
+    runner, steps = world.runner(), world.steps
     try:
-        rec = job(9, cache_mode="record", cache_key=key.to_dict())
-        while not rec.finished:
-            runner.step([rec])
-            rec.steps_done += 1
-        runner.result(rec)["commit"].result(timeout=60)
-        for s in range(steps):
-            assert caches.wait(key, s, timeout=30) is not None
-        batch = [job(20 + i, cache_mode="masked", cache_key=key.to_dict()) for i in range(3)]
+        _warm(runner, world.caches, world.key, steps, rec=world.job(runner, 9, **world.warm_meta("record")))
+        batch = [world.job(runner, 20 + i, **world.warm_meta("masked")) for i in range(3)]
         for _ in range(steps):
             counter = DispatchCounter()
             with counter:
@@ -201,4 +155,4 @@ def test_a_steady_flux_engine_step_reads_the_device_once(tmp_path: Path) -> None
                 j.steps_done += 1
         assert all(runner.result(j)["masked_steps"] == steps for j in batch)
     finally:
-        caches.close(wait=True)
+        world.caches.close(wait=True)

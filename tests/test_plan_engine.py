@@ -236,6 +236,18 @@ def _job(runner, mode: str, key: TemplateCacheKey | None, steps: int, seed: int 
     return job
 
 
+def _warm(runner, caches, key: TemplateCacheKey, steps: int, rec=None) -> None:  # type: ignore[no-untyped-def]
+    """The template's warm-up (``rec``, else an SD one) recorded and committed, every step then
+    resident (a steady state)."""
+    rec = rec if rec is not None else _job(runner, "record", key, steps)
+    while not rec.finished:
+        runner.step([rec])
+        rec.steps_done += 1
+    runner.result(rec)["commit"].result(timeout=60)
+    for s in range(steps):
+        assert caches.wait(key, s, timeout=30) is not None
+
+
 def _run(runner, job) -> torch.Tensor:  # type: ignore[no-untyped-def]
     while not job.finished:
         runner.step([job])

@@ -11,17 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_plan_engine import _job, _runner_setup
+from tests.test_plan_engine import _job, _runner_setup, _warm
 from workers.engine.graphs import EagerReplay, StepGraphs
 from workers.maskaware import TemplateCacheKey
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _double(ts):  # type: ignore[no-untyped-def]
@@ -66,13 +61,7 @@ def test_graphed_runner_steps_equal_eager_steps(tmp_path: Path) -> None:
     unet, ctrl, runner, caches, store, cfg = _runner_setup(tmp_path, "plan", bandwidth=1e9)
     try:
         key = TemplateCacheKey("t", "tpl", 128, 128, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout)
-        rec = _job(runner, "record", key, steps)
-        while not rec.finished:
-            runner.step([rec])
-            rec.steps_done += 1
-        runner.result(rec)["commit"].result(timeout=60)
-        for s in range(steps):
-            assert caches.wait(key, s, timeout=30) is not None
+        _warm(runner, caches, key, steps)
         graphed = SDRunner(unet, cfg, maskaware=ctrl, caches=caches, prefetch_steps=0, cache_plan="plan", graphs=True)
         assert graphed.graphs is not None and graphed.graphs.capture is EagerReplay
         results = {}
@@ -100,50 +89,17 @@ def test_graphed_runner_steps_equal_eager_steps(tmp_path: Path) -> None:
 def test_graphed_flux_steps_equal_eager_steps(tmp_path: Path) -> None:
     """Flux Fill: a warm-up, then three masked edits and a full-compute job; graphed steps (staged
     caches in one flat buffer, prepared token indices as inputs) equal eager ones bit for bit."""
-    import copy
+    from tests.support.flux_world import FluxWorld
 
-    from app.jobs import JobParams
-    from app.storage.local import LocalStore
-    from tests.test_lora_engine import FLUX_DIR, _flux_pipe
-    from tests.test_mixed_sizes import _image, _mask
-    from workers.engine.flux_runner import FluxRunner
-    from workers.engine.job import EngineJob
-    from workers.engine.template_cache import CacheRecorder, StepCacheProvider
-    from workers.flux_inputs import prepare_flux_job_tensors
-    from workers.maskaware.activation_store import ActivationStore
-    from workers.maskaware.flux import MaskAwareFlux
-    from workers.models.loader import scheduler_config
-
-    steps, size = 4, (96, 96)
-    pipe = _flux_pipe()
-    model = copy.deepcopy(pipe.transformer).eval()
-    store = ActivationStore(LocalStore(tmp_path))
-    caches = StepCacheProvider(store, 1 << 30)
-    ctrl = MaskAwareFlux(model)
-    key = TemplateCacheKey("m", "t", size[1], size[0], "FlowMatchEulerDiscreteScheduler", steps, 1.0, "single",
-                           ctrl.cache_layout)
-    runners = {g: FluxRunner(model, scheduler_config(FLUX_DIR), pipe.vae_scale_factor, maskaware=ctrl, caches=caches,
-                             recorder=CacheRecorder(store), graphs=g) for g in (False, True)}
-
-    def job(runner, seed: int, **meta) -> EngineJob:  # type: ignore[no-untyped-def]
-        params = JobParams(prompt="a cat", steps=steps, guidance=30.0, seed=seed)
-        prep = prepare_flux_job_tensors(pipe, scheduler_config(FLUX_DIR), _image(9, size), _mask(seed, size, 0.25),
-                                        params, size[1], size[0])
-        out = EngineJob(job_id=f"f{seed}", total_steps=steps)
-        out.state = runner.init_state(prep.tensors, {**prep.meta, "cache_mode": "full", **meta})
-        return out
-
+    world = FluxWorld(tmp_path)
+    steps = world.steps
+    runners = {g: world.runner(graphs=g) for g in (False, True)}
     try:
-        rec = job(runners[False], 9, cache_mode="record", cache_key=key.to_dict())
-        while not rec.finished:
-            runners[False].step([rec])
-            rec.steps_done += 1
-        runners[False].result(rec)["commit"].result(timeout=60)
-        for s in range(steps):
-            assert caches.wait(key, s, timeout=30) is not None
+        _warm(runners[False], world.caches, world.key, steps,
+              rec=world.job(runners[False], 9, **world.warm_meta("record")))
         latents = {}
         for g, runner in runners.items():
-            batch = [job(runner, 20 + i, cache_mode="masked", cache_key=key.to_dict()) for i in range(3)] + [job(runner, 5)]
+            batch = [world.job(runner, 20 + i, **world.warm_meta("masked")) for i in range(3)] + [world.job(runner, 5)]
             while not batch[0].finished:
                 runner.step(batch)
                 for j in batch:
@@ -154,7 +110,7 @@ def test_graphed_flux_steps_equal_eager_steps(tmp_path: Path) -> None:
         for a, b in zip(latents[False], latents[True]):
             assert torch.equal(a, b)
     finally:
-        caches.close(wait=True)
+        world.caches.close(wait=True)
 
 
 @pytest.mark.parametrize(("mode", "device", "expected"), [

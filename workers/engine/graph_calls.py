@@ -10,7 +10,7 @@ over the tensors it is given (static buffers when captured), so a replay reads t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,27 +32,54 @@ def _signature(args: Sequence[torch.Tensor]) -> tuple[Any, ...]:
     return tuple((tuple(t.shape), t.dtype) for t in args)
 
 
+Describe = Callable[[Any], tuple[list[torch.Tensor], tuple[Any, ...]]]
+
+
+def _job_inputs(groups: Sequence[Any] | None, describe: Describe) -> tuple[bool, list[torch.Tensor], list[tuple[Any, ...]]]:
+    """(whether a job is masked, each masked job's staged cache and index tensors, the groups'
+    signature). ``describe(group)``: a masked job's index tensors and what else fixes its shapes."""
+    masked = groups is not None and any(g.mode == "masked" for g in groups)
+    inputs: list[torch.Tensor] = []
+    spec: list[tuple[Any, ...]] = []
+    for g in (groups or []) if masked else []:
+        if g.mode != "masked":
+            spec.append(("full", g.rows))
+            continue
+        parts, shape = describe(g)
+        inputs += [g.cache.flat, *parts]
+        spec.append(("masked", g.rows, len(parts), g.cache.layout, *shape))
+    return masked, inputs, spec
+
+
+def _replayed(groups: Sequence[Any], spec: list[tuple[Any, ...]], tensors: Sequence[torch.Tensor],
+              full: Callable[[Any], Any], masked: Callable[[Any, tuple[Any, ...], StagedCache, list[torch.Tensor]], Any]
+              ) -> list[Any]:
+    """The row groups rebuilt over ``tensors`` (a graph's static buffers: staged caches and indices)."""
+    rest, out = iter(tensors), []
+    for g, sp in zip(groups, spec):
+        if sp[0] == "full":
+            out.append(full(g))
+            continue
+        cache = StagedCache.over(next(rest), sp[3])
+        out.append(masked(g, sp, cache, [next(rest) for _ in range(sp[2])]))
+    return out
+
+
 def unet_call(graphs: StepGraphs, unet: Any, ctrl: Any, args: tuple[torch.Tensor, torch.Tensor],
               kwargs: dict[str, Any], groups: Sequence[Any] | None, device: torch.device) -> torch.Tensor:
     """``unet(*args, **kwargs)`` (under ``ctrl.batch(groups)`` when a job is masked) through ``graphs``."""
     from workers.maskaware.unet import RowGroup
 
     added = kwargs.get("added_cond_kwargs")
-    inputs = [args[0], args[1], kwargs["encoder_hidden_states"]]
+    head = [args[0], args[1], kwargs["encoder_hidden_states"]]
     if added is not None:
-        inputs += [added["text_embeds"], added["time_ids"]]
-    head = len(inputs)
-    masked = groups is not None and any(g.mode == "masked" for g in groups)
-    spec: list[tuple[Any, ...]] = []
-    for g in (groups or []) if masked else []:
-        if g.mode != "masked":
-            spec.append(("full", g.rows))
-            continue
+        head += [added["text_embeds"], added["time_ids"]]
+
+    def describe(g: Any) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
         indices = g.token_mask.device_indices(device)
-        inputs.append(g.cache.flat)
-        inputs += [t for _, t in indices]
-        spec.append(("masked", g.rows, g.token_mask.counts(), tuple(n for n, _ in indices), g.cache.layout,
-                     frozenset(g.full_units)))
+        return [t for _, t in indices], (g.token_mask.counts(), tuple(n for n, _ in indices), frozenset(g.full_units))
+
+    masked, jobs, spec = _job_inputs(groups, describe)
 
     def forward(ts: Sequence[torch.Tensor]) -> torch.Tensor:
         kw: dict[str, Any] = {"encoder_hidden_states": ts[2], "return_dict": False}
@@ -60,17 +87,14 @@ def unet_call(graphs: StepGraphs, unet: Any, ctrl: Any, args: tuple[torch.Tensor
             kw["added_cond_kwargs"] = {"text_embeds": ts[3], "time_ids": ts[4]}
         if not masked:
             return unet(ts[0], ts[1], **kw)[0]
-        rest, replayed = iter(ts[head:]), []
-        for g, sp in zip(groups, spec):  # type: ignore[arg-type]
-            if sp[0] == "full":
-                replayed.append(RowGroup(g.rows, "full"))
-                continue
-            cache = StagedCache.over(next(rest), sp[4])
-            masks = g.token_mask.with_indices({n: next(rest) for n in sp[3]}, device)
-            replayed.append(RowGroup(g.rows, "masked", token_mask=masks, cache=cache, full_units=g.full_units))
+        replayed = _replayed(groups, spec, ts[len(head):],  # type: ignore[arg-type]
+                             lambda g: RowGroup(g.rows, "full"),
+                             lambda g, sp, cache, parts: RowGroup(
+                                 g.rows, "masked", token_mask=g.token_mask.with_indices(dict(zip(sp[5], parts)), device),
+                                 cache=cache, full_units=g.full_units))
         return _untimed(ctrl, replayed, lambda: unet(ts[0], ts[1], **kw)[0])
 
-    return graphs.run(("unet", _signature(inputs[:head]), tuple(spec)), inputs, forward)
+    return graphs.run(("unet", _signature(head), tuple(spec)), head + jobs, forward)
 
 
 _FLUX_ARGS = ("hidden_states", "timestep", "guidance", "pooled_projections", "encoder_hidden_states", "txt_ids",
@@ -83,35 +107,26 @@ def flux_call(graphs: StepGraphs, transformer: Any, ctrl: Any, kwargs: dict[str,
     from workers.maskaware.flux import FluxTokens, RowGroup
 
     names = [n for n in _FLUX_ARGS if kwargs.get(n) is not None]
-    inputs = [kwargs[n] for n in names]
-    head = len(inputs)
-    masked = groups is not None and any(g.mode == "masked" for g in groups)
-    spec: list[tuple[Any, ...]] = []
-    for g in (groups or []) if masked else []:
-        if g.mode != "masked":
-            spec.append(("full", g.rows))
-            continue
+    head = [kwargs[n] for n in names]
+
+    def describe(g: Any) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
         tok = g.token_mask
-        parts = [] if tok.sel is None else [tok.sel, tok.unsel]
-        inputs += [g.cache.flat, *parts]
-        spec.append(("masked", g.rows, tok.m, tok.numel(), len(parts), g.cache.layout))
+        return ([] if tok.sel is None else [tok.sel, tok.unsel]), (tok.m,)
+
+    masked, jobs, spec = _job_inputs(groups, describe)
 
     def forward(ts: Sequence[torch.Tensor]) -> torch.Tensor:
-        kw: dict[str, Any] = dict(zip(names, ts[:head]), return_dict=False)
+        kw: dict[str, Any] = dict(zip(names, ts[:len(head)]), return_dict=False)
         if not masked:
             return transformer(**kw)[0]
-        rest, replayed = iter(ts[head:]), []
-        for g, sp in zip(groups, spec):  # type: ignore[arg-type]
-            if sp[0] == "full":
-                replayed.append(RowGroup(g.rows, "full"))
-                continue
-            cache = StagedCache.over(next(rest), sp[5])
-            parts = [next(rest) for _ in range(sp[4])]
-            tok = FluxTokens(g.token_mask.mask, sp[2], *(parts + [None] * (2 - len(parts))))
-            replayed.append(RowGroup(g.rows, "masked", token_mask=tok, cache=cache))
+        replayed = _replayed(groups, spec, ts[len(head):],  # type: ignore[arg-type]
+                             lambda g: RowGroup(g.rows, "full"),
+                             lambda g, sp, cache, parts: RowGroup(
+                                 g.rows, "masked", cache=cache,
+                                 token_mask=FluxTokens(g.token_mask.mask, sp[4], *(parts + [None] * (2 - len(parts))))))
         return _untimed(ctrl, replayed, lambda: transformer(**kw)[0])
 
-    return graphs.run(("flux", tuple(names), _signature(inputs[:head]), tuple(spec)), inputs, forward)
+    return graphs.run(("flux", tuple(names), _signature(head), tuple(spec)), head + jobs, forward)
 
 
 def _untimed(ctrl: Any, groups: list[Any], call: Any) -> torch.Tensor:
