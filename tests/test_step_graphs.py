@@ -15,7 +15,6 @@ from tests.test_plan_engine import _job, _runner_setup, _warm
 from workers.engine.graphs import EagerReplay, StepGraphs
 from workers.maskaware import TemplateCacheKey
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -66,7 +65,8 @@ def test_graphed_runner_steps_equal_eager_steps(tmp_path: Path) -> None:
         assert graphed.graphs is not None and graphed.graphs.capture is EagerReplay
         results = {}
         for name, r in (("eager", runner), ("graphed", graphed)):
-            batch = [_job(r, "masked", key, steps, seed=10 + i) for i in range(3)] + [_job(r, "full", None, steps, seed=20)]
+            batch = [_job(r, "masked", key, steps, seed=10 + i) for i in range(3)]
+            batch.append(_job(r, "full", None, steps, seed=20))
             late = _job(r, "masked", key, steps, seed=30)
             for step in range(steps):
                 r.step(batch)

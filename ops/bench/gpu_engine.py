@@ -108,7 +108,6 @@ def run_stock(folder: Path, edits: Edits, args: Any, device: torch.device) -> di
         sync(device)
         latencies += [time.perf_counter() - t0] * len(idx)
     total = time.perf_counter() - t0
-    del pipe
     return _row("stock", total, latencies)
 
 
@@ -290,7 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"guidance 7.5, max batch {args.max_batch}; mask ratios from the spring trace "
              f"(mean {np.mean(edits.ratios):.3f}), blob masks; mask-aware: the template warmed and resident, "
              f"policy fast (refresh steps {policy_schedule('fast', args.steps)}).", "",
-             "| system | jobs/s | vs stock | vs stencil-full | mean latency s | P95 s | notes |", "|---|---|---|---|---|---|---|"]
+             "| system | jobs/s | vs stock | vs stencil-full | mean latency s | P95 s | notes |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         notes = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
                           if k not in ("system", "jobs_per_s", "mean_s", "p95_s"))

@@ -250,7 +250,8 @@ def part_step(args: Any, device: torch.device) -> list[str]:
              "| model | mode | full ms | masked ms at " + " / ".join(f"{r:g}" for r in args.ratios)
              + " | speedup vs full (same mode) | speedup vs full eager |", "|---|---|---|---|---|---|"]
     for key in args.models:
-        case = flux_case(args, device, args.ratios) if key == "flux" else unet_case(key, args, device, ratios=args.ratios)
+        case = (flux_case(args, device, args.ratios) if key == "flux"
+                else unet_case(key, args, device, ratios=args.ratios))
         t = measure(case, args, device)
         args.results.setdefault("step", {})[key] = {"notes": case.notes, "ms": {k: v * 1e3 for k, v in t.items()}}
         for mode in ("eager", "graph"):
@@ -260,14 +261,16 @@ def part_step(args: Any, device: torch.device) -> list[str]:
                          + " | " + " / ".join(f"{full / m:.2f}x" for m in masked)
                          + " | " + " / ".join(f"{t['full eager'] / m:.2f}x" for m in masked) + " |")
         log.info("%s: %s", case.label, {k: round(v * 1e3, 2) for k, v in t.items()})
-    notes = [f"- {k}: " + ", ".join(f"{n} {v:.3g}" if isinstance(v, float) else f"{n} {v}" for n, v in r["notes"].items())
+    notes = [f"- {k}: " + ", ".join(f"{n} {v:.3g}" if isinstance(v, float) else f"{n} {v}"
+                                    for n, v in r["notes"].items())
              for k, r in args.results["step"].items()]
     return lines + ["", *notes, ""]
 
 
 def part_batch(args: Any, device: torch.device) -> list[str]:
     lines = ["## SD 1.5 with J jobs (2J rows), mask ratio 0.2", "",
-             "| jobs | full eager ms | full graph ms | masked eager ms | masked graph ms | masked graph vs full graph |",
+             "| jobs | full eager ms | full graph ms | masked eager ms | masked graph ms | "
+             "masked graph vs full graph |",
              "|---|---|---|---|---|---|"]
     for jobs in args.jobs:
         case = unet_case("sd15", args, device, jobs=jobs, ratios=[0.2])

@@ -35,7 +35,8 @@ def _signature(args: Sequence[torch.Tensor]) -> tuple[Any, ...]:
 Describe = Callable[[Any], tuple[list[torch.Tensor], tuple[Any, ...]]]
 
 
-def _job_inputs(groups: Sequence[Any] | None, describe: Describe) -> tuple[bool, list[torch.Tensor], list[tuple[Any, ...]]]:
+def _job_inputs(groups: Sequence[Any] | None,
+                describe: Describe) -> tuple[bool, list[torch.Tensor], list[tuple[Any, ...]]]:
     """(whether a job is masked, each masked job's staged cache and index tensors, the groups'
     signature). ``describe(group)``: a masked job's index tensors and what else fixes its shapes."""
     masked = groups is not None and any(g.mode == "masked" for g in groups)
@@ -90,8 +91,8 @@ def unet_call(graphs: StepGraphs, unet: Any, ctrl: Any, args: tuple[torch.Tensor
         replayed = _replayed(groups, spec, ts[len(head):],  # type: ignore[arg-type]
                              lambda g: RowGroup(g.rows, "full"),
                              lambda g, sp, cache, parts: RowGroup(
-                                 g.rows, "masked", token_mask=g.token_mask.with_indices(dict(zip(sp[5], parts)), device),
-                                 cache=cache, full_units=g.full_units))
+                                 g.rows, "masked", cache=cache, full_units=g.full_units,
+                                 token_mask=g.token_mask.with_indices(dict(zip(sp[5], parts)), device)))
         return _untimed(ctrl, replayed, lambda: unet(ts[0], ts[1], **kw)[0])
 
     return graphs.run(("unet", _signature(head), tuple(spec)), head + jobs, forward)

@@ -58,11 +58,11 @@ import torch
 
 from workers.adapters import layout
 from workers.adapters.patcher import install as install_row_aware
-from workers.engine.job import EngineJob
 from workers.engine.bandwidth import host_read_gbps
+from workers.engine.job import EngineJob
+from workers.engine.plan import RESIDENT, UNAVAILABLE, BlockCost, StepPlan, Tier, UnitCostModel, plan_optimal
 from workers.engine.staging import CacheStager
 from workers.engine.stepper import make_stepper
-from workers.engine.plan import RESIDENT, UNAVAILABLE, BlockCost, StepPlan, Tier, UnitCostModel, plan_optimal
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider, UnitCache, key_stored_steps
 from workers.maskaware.activation_store import TemplateCacheKey
 

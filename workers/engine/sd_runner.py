@@ -31,9 +31,9 @@ from workers.adapters import layout
 from workers.compiled import Compiled
 from workers.controlnets.step import Concurrent, JobControl, Use, residuals
 from workers.engine.cache_codec import rows_equal
-from workers.engine.job import EngineJob
 from workers.engine.graph_calls import graphable, unet_call
 from workers.engine.graphs import StepGraphs
+from workers.engine.job import EngineJob
 from workers.engine.runner_base import BaseRunner, JobState
 from workers.maskaware.lockstep import Lockstep
 from workers.maskaware.unet import MaskAwareUNet, RowGroup

@@ -74,7 +74,8 @@ class CacheStager:
         stored, dtype, rows = _stored_view(cache)
         scope = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with scope:
-            out = self._writable(stored, dtype, rows, delta) if self.writable else self._decoded(stored, dtype, rows, delta)
+            build = self._writable if self.writable else self._decoded
+            out = build(stored, dtype, rows, delta)
             event = None
             if self.stream is not None:
                 event = torch.cuda.Event()

@@ -822,7 +822,8 @@ class _ProjOutHook(_Hook):
 class MaskAwareFlux:
     """Installs the mask-aware hooks on a ``FluxTransformer2DModel``; see the module docstring."""
 
-    def __init__(self, transformer: FluxTransformer2DModel, kv_format: KVFormat = "roped", compile: str = "off") -> None:
+    def __init__(self, transformer: FluxTransformer2DModel, kv_format: KVFormat = "roped",
+                 compile: str = "off") -> None:
         if kv_format not in K_SUFFIX:
             raise ValueError(f"kv_format must be one of {sorted(K_SUFFIX)}")
         self.model = transformer
