@@ -64,7 +64,7 @@ class StockWorker:
     def __init__(self, settings: Settings, worker_id: str) -> None:
         from diffusers import StableDiffusionInpaintPipeline
 
-        from workers.models.loader import ensure_model_dir, torch_dtype
+        from workers.models.loader import ensure_model_dir, resolve_device, torch_dtype
 
         self.s = settings
         self.worker_id = worker_id
@@ -72,8 +72,9 @@ class StockWorker:
         self.jobs = JobStore(self.r, ttl_seconds=settings.job_ttl_seconds, intake_stream=settings.intake_stream)
         self.blobs = BlobStore(self.r, settings.blob_ttl_seconds)
         self.store = open_store(settings)
-        self.pipe = StableDiffusionInpaintPipeline.from_pretrained(ensure_model_dir(settings),
-                                                                   dtype=torch_dtype(settings.dtype))
+        # On STENCIL_DEVICE, as a user runs the stock pipeline on the card (the comparison's baseline).
+        self.pipe = StableDiffusionInpaintPipeline.from_pretrained(
+            ensure_model_dir(settings), dtype=torch_dtype(settings.dtype)).to(resolve_device(settings.device))
         self.pipe.set_progress_bar_config(disable=True)
         self.busy_seconds = 0.0
         self.batches = 0
