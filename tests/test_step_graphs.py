@@ -63,6 +63,7 @@ def test_graphed_runner_steps_equal_eager_steps(tmp_path: Path) -> None:
         _warm(runner, caches, key, steps)
         graphed = SDRunner(unet, cfg, maskaware=ctrl, caches=caches, prefetch_steps=0, cache_plan="plan", graphs=True)
         assert graphed.graphs is not None and graphed.graphs.capture is EagerReplay
+        graphed.graphs.min_horizon = 1  # these jobs are short: capture even near their end
         results = {}
         for name, r in (("eager", runner), ("graphed", graphed)):
             batch = [_job(r, "masked", key, steps, seed=10 + i) for i in range(3)]
@@ -94,6 +95,7 @@ def test_graphed_flux_steps_equal_eager_steps(tmp_path: Path) -> None:
     world = FluxWorld(tmp_path)
     steps = world.steps
     runners = {g: world.runner(graphs=g) for g in (False, True)}
+    runners[True].graphs.min_horizon = 1  # these jobs are short: capture even near their end
     try:
         _warm(runners[False], world.caches, world.key, steps,
               rec=world.job(runners[False], 9, **world.warm_meta("record")))
@@ -126,3 +128,13 @@ def test_the_setting_rejects_unknown_values() -> None:
 
     with pytest.raises(ValueError, match="STENCIL_CUDA_GRAPHS"):
         Settings(cuda_graphs="sometimes")
+
+
+def test_a_signature_about_to_change_is_not_captured() -> None:
+    graphs = StepGraphs("cpu", repeats=1, min_horizon=4)
+    a, b = torch.ones(3), torch.zeros(3)
+    for horizon in (3, 2, 1):  # the batch's first job finishes within three steps: stays eager
+        assert torch.equal(graphs.run("k", [a, b], _double, horizon), a * 2)
+    assert graphs.captures == 0 and graphs.eager == 3
+    graphs.run("k", [a, b], _double, 4)
+    assert graphs.captures == 1

@@ -106,7 +106,8 @@ class FluxRunner(BaseRunner):
         times = torch.stack([s.model_times[job.steps_done] for s, job in zip(states, batch)])  # type: ignore[index]
         if len({s.latents.shape[1] for s in states}) == 1:
             hidden = torch.cat([torch.cat((s.latents, s.masked_image_latents), dim=2) for s in states])
-            return self._call(states, hidden, times, states[0].image_ids, groups)
+            horizon = min(job.total_steps - job.steps_done for job in batch)  # steps this batch can last
+            return self._call(states, hidden, times, states[0].image_ids, groups, horizon)
         if groups is None:  # no mask-aware plan to skip padding: one call per size
             outs: list[Any] = [None] * len(batch)
             by_n: dict[int, list[int]] = {}
@@ -132,7 +133,7 @@ class FluxRunner(BaseRunner):
         return [out[k:k + 1, pos] for k, pos in enumerate(positions)], recorded
 
     def _call(self, states: list[FluxJobState], hidden: torch.Tensor, times: torch.Tensor, img_ids: torch.Tensor,
-              groups: list[Any] | None) -> tuple[torch.Tensor, list[Any]]:
+              groups: list[Any] | None, horizon: int | None = None) -> tuple[torch.Tensor, list[Any]]:
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.cat([s.guidance_t for s in states])  # type: ignore[misc]
@@ -141,7 +142,8 @@ class FluxRunner(BaseRunner):
                       encoder_hidden_states=torch.cat([s.prompt_embeds for s in states]),
                       txt_ids=states[0].text_ids, img_ids=img_ids, return_dict=False)
         if self.graphs is not None and not layout.wanted() and graphable(groups):
-            return flux_call(self.graphs, self.transformer, self.maskaware, kwargs, groups), [None] * len(groups or ())
+            out = flux_call(self.graphs, self.transformer, self.maskaware, kwargs, groups, horizon)
+            return out, [None] * len(groups or ())
         if groups is None:
             return self.forward(**kwargs)[0], []
         if self.forward.active and not layout.wanted() and all(g.mode == "full" and g.positions is None

@@ -67,7 +67,8 @@ def _replayed(groups: Sequence[Any], spec: list[tuple[Any, ...]], tensors: Seque
 
 
 def unet_call(graphs: StepGraphs, unet: Any, ctrl: Any, args: tuple[torch.Tensor, torch.Tensor],
-              kwargs: dict[str, Any], groups: Sequence[Any] | None, device: torch.device) -> torch.Tensor:
+              kwargs: dict[str, Any], groups: Sequence[Any] | None, device: torch.device,
+              horizon: int | None = None) -> torch.Tensor:
     """``unet(*args, **kwargs)`` (under ``ctrl.batch(groups)`` when a job is masked) through ``graphs``."""
     from workers.maskaware.unet import RowGroup
 
@@ -95,7 +96,7 @@ def unet_call(graphs: StepGraphs, unet: Any, ctrl: Any, args: tuple[torch.Tensor
                                  token_mask=g.token_mask.with_indices(dict(zip(sp[5], parts)), device)))
         return _untimed(ctrl, replayed, lambda: unet(ts[0], ts[1], **kw)[0])
 
-    return graphs.run(("unet", _signature(head), tuple(spec)), head + jobs, forward)
+    return graphs.run(("unet", _signature(head), tuple(spec)), head + jobs, forward, horizon)
 
 
 _FLUX_ARGS = ("hidden_states", "timestep", "guidance", "pooled_projections", "encoder_hidden_states", "txt_ids",
@@ -103,7 +104,7 @@ _FLUX_ARGS = ("hidden_states", "timestep", "guidance", "pooled_projections", "en
 
 
 def flux_call(graphs: StepGraphs, transformer: Any, ctrl: Any, kwargs: dict[str, Any],
-              groups: Sequence[Any] | None) -> torch.Tensor:
+              groups: Sequence[Any] | None, horizon: int | None = None) -> torch.Tensor:
     """``transformer(**kwargs)`` (under ``ctrl.batch(groups)`` when a job is masked) through ``graphs``."""
     from workers.maskaware.flux import FluxTokens, RowGroup
 
@@ -127,7 +128,7 @@ def flux_call(graphs: StepGraphs, transformer: Any, ctrl: Any, kwargs: dict[str,
                                  token_mask=FluxTokens(g.token_mask.mask, sp[4], *(parts + [None] * (2 - len(parts))))))
         return _untimed(ctrl, replayed, lambda: transformer(**kw)[0])
 
-    return graphs.run(("flux", tuple(names), _signature(head), tuple(spec)), head + jobs, forward)
+    return graphs.run(("flux", tuple(names), _signature(head), tuple(spec)), head + jobs, forward, horizon)
 
 
 def _untimed(ctrl: Any, groups: list[Any], call: Any) -> torch.Tensor:

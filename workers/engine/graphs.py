@@ -14,7 +14,8 @@ then on a step copies its inputs into the graph's buffers and replays it. The ou
 the graph's own: the runner consumes it within the step, before any other replay.
 
 A job's mask is fixed for its life and a steady batch keeps its jobs for many steps, so a batch's
-signature repeats at every step until a job joins or leaves. Graphs share one memory pool (they
+signature repeats at every step until a job joins or leaves; a signature whose batch has fewer
+than ``min_horizon`` steps left (its first job finishes then) is not captured. Graphs share one memory pool (they
 never run concurrently and never read each other's outputs); the pool of graphs is an LRU bounded
 by count and by the bytes of its static inputs. A signature whose capture fails runs eagerly from
 then on (logged once), so an unsupported call costs nothing but its eager time.
@@ -82,8 +83,8 @@ class StepGraphs:
     """Captured denoiser calls by signature (module doc). ``run`` returns the call's output."""
 
     def __init__(self, device: torch.device | str, *, max_graphs: int = 32, budget_bytes: int | None = None,
-                 repeats: int = 2, capture: Callable[[Forward, Sequence[torch.Tensor], Any], Replayable] | None = None
-                 ) -> None:
+                 repeats: int = 2, min_horizon: int = 4,
+                 capture: Callable[[Forward, Sequence[torch.Tensor], Any], Replayable] | None = None) -> None:
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         self.capture = capture or (CudaGraphCall if cuda else EagerReplay)
@@ -91,6 +92,7 @@ class StepGraphs:
         self.max_graphs = max_graphs
         self.budget_bytes = budget_bytes if budget_bytes is not None else _default_budget(self.device)
         self.repeats = repeats
+        self.min_horizon = min_horizon
         self._graphs: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._seen: dict[Hashable, int] = {}
         self._failed: set[Hashable] = set()
@@ -100,13 +102,17 @@ class StepGraphs:
     def static_bytes(self) -> int:
         return sum(e.nbytes for e in self._graphs.values())
 
-    def run(self, key: Hashable, inputs: Sequence[torch.Tensor], forward: Forward) -> torch.Tensor:
+    def run(self, key: Hashable, inputs: Sequence[torch.Tensor], forward: Forward,
+            horizon: int | None = None) -> torch.Tensor:
         """``forward(tensors)`` on ``inputs``, replayed from a graph once ``key`` has repeated.
         ``forward`` must read only the tensors it is given (besides the model's weights) and run
-        only device work (no host reads, no host tensors)."""
+        only device work (no host reads, no host tensors). ``horizon``: steps the signature can
+        still last (the batch's fewest remaining steps); a capture costs a few eager steps, so a
+        signature about to change is not captured."""
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._maybe_capture(key, inputs, forward)
+            short = horizon is not None and horizon < self.min_horizon
+            entry = None if short else self._maybe_capture(key, inputs, forward)
             if entry is None:
                 self.eager += 1
                 return forward(inputs)

@@ -300,7 +300,8 @@ class SDRunner(BaseRunner):
         kwargs.update(self._control_kwargs(batch, sample, t_rows, text))
         args = (torch.cat([sample, torch.cat(masks)], dim=1), t_rows)
         if self.graphs is not None and not lockstep and self._graphable(groups, kwargs):
-            out = unet_call(self.graphs, self.unet, self.maskaware, args, kwargs, groups, self.device)
+            out = unet_call(self.graphs, self.unet, self.maskaware, args, kwargs, groups, self.device,
+                            horizon=min(job.total_steps - job.steps_done for job in batch))
             return out, [None] * len(groups or ())
         try:
             # ControlNets computed concurrently with the down path hook the UNet's forward: eager
