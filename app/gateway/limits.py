@@ -1,0 +1,108 @@
+"""Per-tenant limits in Redis, atomic under any number of gateway processes.
+
+- ``TokenBucket``: requests per second with a burst (one Lua script: refill by elapsed time on the
+  Redis clock, take a token or say how long until one is there: the 429's Retry-After).
+- ``JobQuota``: jobs a tenant has not seen end. A tenant's live jobs are a sorted set; a new job is
+  admitted by one script only while the set is below the quota, and ended jobs are pruned from it
+  first (the workers and the dispatcher know nothing of tenants, so the gateway reads the records).
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+import redis.asyncio
+
+from app.gateway.tenants import TENANT_PREFIX
+from app.jobs import JobStore
+
+# KEYS[1] = the bucket (hash: tokens, ts). ARGV: rate (tokens/s), burst. Returns {1, "0"} when a
+# token was taken, else {0, seconds until one is there}.
+_BUCKET_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local rate = tonumber(ARGV[1])
+local burst = tonumber(ARGV[2])
+local b = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens = tonumber(b[1])
+local ts = tonumber(b[2])
+if tokens == nil or ts == nil then tokens = burst; ts = now end
+tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
+local allowed = 0
+local wait = 0
+if tokens >= 1 then
+  tokens = tokens - 1
+  allowed = 1
+else
+  wait = (1 - tokens) / rate
+end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
+redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
+return {allowed, tostring(wait)}
+"""
+
+# KEYS[1] = the tenant's live jobs. ARGV: quota, job id, now. 1 = admitted.
+_ADMIT_LUA = """
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
+return 1
+"""
+
+
+def bucket_key(tenant: str) -> str:
+    return f"{TENANT_PREFIX}{tenant}:bucket"
+
+
+def live_key(tenant: str) -> str:
+    return f"{TENANT_PREFIX}{tenant}:live"
+
+
+class TokenBucket:
+    """The per-tenant request rate (async: the gateway checks it before a route runs)."""
+
+    def __init__(self, r: redis.asyncio.Redis) -> None:
+        self._take = r.register_script(_BUCKET_LUA)
+
+    async def take(self, tenant: str, rate_per_s: float, burst: int) -> float:
+        """0 when the request may go on, else the seconds until the tenant's next token."""
+        if rate_per_s <= 0:  # no limit
+            return 0.0
+        allowed, wait = await self._take(keys=[bucket_key(tenant)], args=[rate_per_s, max(1, burst)])
+        return 0.0 if int(allowed) else float(wait)
+
+
+class QuotaExceeded(Exception):
+    def __init__(self, tenant: str, quota: int) -> None:
+        super().__init__(f"tenant {tenant} has {quota} jobs that have not ended (its quota): "
+                         "wait for one to end")
+        self.quota = quota
+
+
+class JobQuota:
+    """The per-tenant concurrent-job quota."""
+
+    def __init__(self, r: redis.Redis, jobs: JobStore) -> None:
+        self.r = r
+        self.jobs = jobs
+        self._admit = r.register_script(_ADMIT_LUA)
+
+    def prune(self, tenant: str) -> int:
+        """Drop ended (or vanished) jobs from the tenant's live set; returns how many are left."""
+        ids = [k.decode() for k in self.r.zrange(live_key(tenant), 0, -1)]
+        ended = [j for j, s in self.jobs.statuses(ids).items() if s is None or s.terminal] if ids else []
+        if ended:
+            self.r.zrem(live_key(tenant), *ended)
+        return len(ids) - len(ended)
+
+    def admit(self, tenant: str, job_id: str, quota: int) -> None:
+        """Count ``job_id`` against the quota, or raise ``QuotaExceeded``."""
+        if quota <= 0:
+            return
+        self.prune(tenant)
+        if not int(self._admit(keys=[live_key(tenant)], args=[quota, job_id, repr(time.time())])):
+            raise QuotaExceeded(tenant, quota)
+
+    def release(self, tenant: str, job_id: str) -> None:
+        """A job that was not created after all gives its place back."""
+        self.r.zrem(live_key(tenant), job_id)
