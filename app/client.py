@@ -28,6 +28,7 @@ from app.client_base import (
     JobFailed,
     JobHandle,
     content_id,
+    controlnet_folder,
     image_bytes,
 )
 from app.controls import control_blob, control_spec
@@ -192,11 +193,7 @@ class StencilClient(ClientBase):
         from app.controls import CONTROL_FILES, controlnet_meta_key, controlnet_upload_key
 
         controlnet_id = object_id("controlnet id", controlnet_id)
-        folder = Path(folder)
-        missing = [n for n in CONTROL_FILES if not (folder / n).is_file()]
-        if missing:
-            raise InvalidAdapter(f"{folder.name}: not a diffusers ControlNetModel folder with safetensors weights "
-                                 f"(missing {', '.join(missing)}; pickle-based .bin weights are refused)")
+        folder = controlnet_folder(folder)
         digest = hashlib.sha256()
         for name in CONTROL_FILES:
             with open(folder / name, "rb") as fh:

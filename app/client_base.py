@@ -35,6 +35,18 @@ class JobFailed(RuntimeError):
         self.record = record
 
 
+def controlnet_folder(folder: Path) -> Path:
+    """A diffusers ControlNetModel folder with safetensors weights, else ``InvalidAdapter``."""
+    from app.controls import CONTROL_FILES
+
+    folder = Path(folder)
+    missing = [n for n in CONTROL_FILES if not (folder / n).is_file()]
+    if missing:
+        raise InvalidAdapter(f"{folder.name}: not a diffusers ControlNetModel folder with safetensors weights "
+                             f"(missing {', '.join(missing)}; pickle-based .bin weights are refused)")
+    return folder
+
+
 def content_id(data: bytes, prefix: str) -> str:
     """Content id of template bytes (``UPLOAD_PREFIX``: uploaded with a job, warmed when seen again;
     ``TEMPLATE_PREFIX``: added as a template, warmed on its first edit)."""
