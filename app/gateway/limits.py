@@ -50,6 +50,9 @@ return 1
 """
 
 
+CREATE_GRACE_S = 60.0  # longer than any submission takes between admission and its record
+
+
 def bucket_key(tenant: str) -> str:
     return f"{TENANT_PREFIX}{tenant}:bucket"
 
@@ -88,12 +91,18 @@ class JobQuota:
         self._admit = r.register_script(_ADMIT_LUA)
 
     def prune(self, tenant: str) -> int:
-        """Drop ended (or vanished) jobs from the tenant's live set; returns how many are left."""
-        ids = [k.decode() for k in self.r.zrange(live_key(tenant), 0, -1)]
-        ended = [j for j, s in self.jobs.statuses(ids).items() if s is None or s.terminal] if ids else []
+        """Drop ended jobs from the tenant's live set; returns how many are left. A job without a
+        record is dropped only after ``CREATE_GRACE_S``: it may be one being submitted right now."""
+        rows = self.r.zrange(live_key(tenant), 0, -1, withscores=True)
+        if not rows:
+            return 0
+        admitted = {k.decode(): score for k, score in rows}
+        old = time.time() - CREATE_GRACE_S
+        ended = [j for j, s in self.jobs.statuses(list(admitted)).items()
+                 if (s is not None and s.terminal) or (s is None and admitted[j] < old)]
         if ended:
             self.r.zrem(live_key(tenant), *ended)
-        return len(ids) - len(ended)
+        return len(admitted) - len(ended)
 
     def admit(self, tenant: str, job_id: str, quota: int) -> None:
         """Count ``job_id`` against the quota, or raise ``QuotaExceeded``."""
