@@ -81,13 +81,13 @@ function paint(event) {
 }
 
 function maskBlob() {
-  // White where painted, black elsewhere: the mask the service takes (white = edit).
+  // White where painted, transparent elsewhere. A canvas PNG has an alpha channel, and the service
+  // reads an RGBA mask from its alpha (opaque = edit).
   const src = $("mask-canvas");
   const data = src.getContext("2d").getImageData(0, 0, src.width, src.height);
   for (let i = 0; i < data.data.length; i += 4) {
-    const v = data.data[i + 3] > 0 ? 255 : 0;
-    data.data[i] = data.data[i + 1] = data.data[i + 2] = v;
-    data.data[i + 3] = 255;
+    data.data[i] = data.data[i + 1] = data.data[i + 2] = 255;
+    data.data[i + 3] = data.data[i + 3] > 0 ? 255 : 0;
   }
   const out = document.createElement("canvas");
   out.width = src.width;
@@ -106,6 +106,8 @@ function logProgress(job) {
   $("progress").max = Math.max(1, job.progress.total);
   $("progress").value = job.progress.step;
   say(`job ${job.id}: ${text}${job.error ? ` (${job.error})` : ""}`, job.status === "failed");
+  const previous = $("progress-log").lastElementChild;
+  if (previous && previous.textContent === text) return;
   const li = document.createElement("li");
   li.textContent = text;
   li.dataset.status = job.status;
