@@ -36,6 +36,7 @@ from app.webhooks import (
     DEAD_KEY,
     DUE_KEY,
     EVENT_ID_HEADER,
+    HEARTBEAT_KEY,
     INFLIGHT_KEY,
     SIGNATURE_HEADER,
     WATCH_KEY,
@@ -113,8 +114,9 @@ class WebhookSender:
         self.pool.shutdown(wait=True)
 
     def round(self) -> None:
-        self.collect_ended()
         now = time.time()
+        self.r.set(HEARTBEAT_KEY, repr(now), ex=30)
+        self.collect_ended()
         self._reap(keys=[INFLIGHT_KEY, DUE_KEY], args=[now])
         for member in self._claim(keys=[DUE_KEY, INFLIGHT_KEY], args=[now, self.lease_s, CLAIM]):
             self.pool.submit(self._deliver_claimed, member)

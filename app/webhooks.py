@@ -29,6 +29,7 @@ WATCH_KEY = "stencil:webhooks:watch"  # sorted set: job id -> registration time
 DUE_KEY = "stencil:webhooks:due"  # sorted set: delivery (JSON) -> when its next attempt is due
 INFLIGHT_KEY = "stencil:webhooks:inflight"  # sorted set: delivery -> when its claim lapses
 DEAD_KEY = "stencil:webhooks:dead"  # list: deliveries that failed every attempt (newest first, capped)
+HEARTBEAT_KEY = "stencil:webhooks:heartbeat"  # a sender's last round (its container's healthcheck)
 MAX_URL_CHARS = 2048
 DEFAULT_TOLERANCE_S = 300
 

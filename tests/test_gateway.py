@@ -460,3 +460,28 @@ def test_webhooks_are_signed_and_retried_by_the_sender(stack: EmbeddedStack, gat
     assert "does not match image size" in failed_payload["job"]["error"]
     record = requests.get(gateway.url + f"/v1/jobs/{job['id']}", headers=auth(key), timeout=10).json()["record"]
     assert record["webhook_status"] == "delivered" and record["webhook_attempts"] == "2"
+
+
+# -- the README's walkthrough -----------------------------------------------------------------------
+
+def test_the_readme_curl_walkthrough_runs_as_written(stack: EmbeddedStack, gateway: Gateway, tmp_path: Path) -> None:
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- api-walkthrough -->\n```bash\n(.*?)```", readme, flags=re.S)
+    assert block, "README.md has no api-walkthrough block"
+    script = block.group(1)
+    assert "curl" in script and "python" not in script
+    tenant = tenant_name("readme")
+    key = make_key(stack, tenant)
+    Image.fromarray(np.asarray(template(62))).save(tmp_path / "template.png")
+    Image.fromarray(make_mask(0.2, (SIZE, SIZE), "blob", seed=7).astype(np.uint8) * 255).save(tmp_path / "mask.png")
+    run = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={"PATH": "/usr/bin:/bin", "STENCIL": gateway.url, "KEY": key})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert '"status":"done"' in run.stdout and "event: update" in run.stdout
+    with Image.open(tmp_path / "result.png") as result:
+        assert result.format == "PNG" and result.size == (SIZE, SIZE)
+    listed = json.loads(run.stdout[run.stdout.rindex('{"jobs":'):])  # curl prints no newline of its own
+    assert [j["status"] for j in listed["jobs"]] == ["done", "done"]
+    assert listed["jobs"][0]["template_id"] == "shoe" and listed["jobs"][0]["record"]["idempotency_key"] == "order-17"
