@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -24,7 +25,7 @@ from PIL import Image
 
 from app.embedded import EmbeddedStack
 from app.maskgen import make_mask
-from tests.support.gateway import ROOT, Gateway, Process, auth, make_key
+from tests.support.gateway import ROOT, Gateway, auth, make_key
 from tests.test_service import SIZE, template
 
 pytestmark = pytest.mark.integration
@@ -428,7 +429,7 @@ def test_webhooks_are_signed_and_retried_by_the_sender(stack: EmbeddedStack, gat
 
     tenant = tenant_name("hook")
     key = make_key(stack, tenant)
-    sender = Process(stack, "webhook-sender", ["webhook-sender"], {"STENCIL_WEBHOOK_ALLOW_PRIVATE": "1"})
+    stack.start_webhook_sender(STENCIL_WEBHOOK_ALLOW_PRIVATE="1")
     try:
         job = submit(gateway, key, image=template(55), steps=3, webhook_url=receiver).json()
         failing = submit(gateway, key, image=template(55), mask=np.ones((64, 64), bool), steps=3,
@@ -436,11 +437,11 @@ def test_webhooks_are_signed_and_retried_by_the_sender(stack: EmbeddedStack, gat
         deadline = time.monotonic() + 90
         events_wanted = {f"{job['id']}.done", f"{failing['id']}.failed"}
         while Counter(c["event"] for c in Receiver.calls) != {e: 2 for e in events_wanted}:
-            assert time.monotonic() < deadline, (Receiver.calls, sender.log())
+            assert time.monotonic() < deadline, Receiver.calls
             time.sleep(0.2)
         time.sleep(0.5)  # a third (wrong) delivery would show up now
     finally:
-        sender.stop()
+        stack.kill("webhook-sender", signal.SIGTERM)
     secret = Tenants(stack.redis(), stack.settings).webhook_secret(tenant)
     by_event: dict[str, list[dict[str, Any]]] = {}
     for call in Receiver.calls:

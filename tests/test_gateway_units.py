@@ -45,21 +45,27 @@ def test_keys_are_stored_hashed_bound_to_tenant_and_scopes_and_revoked_at_once(r
 
 
 def test_token_bucket_allows_the_burst_then_the_rate(redis_server) -> None:  # type: ignore[no-untyped-def]
-    async def run() -> tuple[list[float], float, list[float]]:
+    async def run() -> tuple[list[float], float, list[float], list[object]]:
         r = redis.asyncio.Redis.from_url(redis_server.url)
         await r.flushdb()
-        bucket = TokenBucket(r)
-        first = [await bucket.take("t", 10.0, 5) for _ in range(7)]
+        bucket = TokenBucket(r, Settings(api_rate_per_s=10.0, api_burst=5, api_max_jobs_per_tenant=3))
+        first = [(await bucket.take("t"))[0] for _ in range(7)]
         await asyncio.sleep(0.35)  # 3.5 tokens back
-        later = [await bucket.take("t", 10.0, 5) for _ in range(4)]
-        other = await bucket.take("u", 10.0, 5)
+        later = [(await bucket.take("t"))[0] for _ in range(4)]
+        other, limits = await bucket.take("u")
+        await r.hset("stencil:tenant:own", mapping={"rate_per_s": "0.5", "max_jobs": "9"})
+        own = [await bucket.take("own") for _ in range(6)]
         await r.aclose()
-        return first, other, later
+        return first, other, later, [limits, *own]
 
-    first, other, later = asyncio.run(run())
+    first, other, later, limits = asyncio.run(run())
     assert first[:5] == [0.0] * 5 and 0.05 < first[5] <= 0.1 and first[6] > 0
     assert later[:3] == [0.0] * 3 and later[3] > 0
     assert other == 0.0  # another tenant's bucket
+    assert limits[0].__dict__ == {"rate_per_s": 10.0, "burst": 5, "max_jobs": 3}
+    own = limits[1:]
+    assert own[0][1].__dict__ == {"rate_per_s": 0.5, "burst": 5, "max_jobs": 9}  # a tenant's own limits win
+    assert [w == 0.0 for w, _ in own] == [True] * 5 + [False] and 1.9 < own[5][0] <= 2.0
 
 
 def test_job_quota_counts_live_jobs_and_prunes_ended_ones(redis_client: redis.Redis) -> None:

@@ -57,13 +57,12 @@ class Gate:
             return
         gw = scope["app"].state.gw
         headers = Headers(scope=scope)
-        found = await gw.authenticate(bearer_token(headers.get("authorization", "")))
-        if found is None:
+        principal = await gw.authenticate(bearer_token(headers.get("authorization", "")))
+        if principal is None:
             await problem_response(401, "a valid API key is required: Authorization: Bearer <key>",
                                    headers={"WWW-Authenticate": 'Bearer realm="stencil"'})(scope, receive, send)
             return
-        principal, limits = found
-        wait = await gw.bucket.take(principal.tenant, limits.rate_per_s, limits.burst)
+        wait, limits = await gw.bucket.take(principal.tenant)
         if wait > 0:
             await problem_response(
                 429, f"tenant {principal.tenant} is over its rate of {limits.rate_per_s:g} requests/s "

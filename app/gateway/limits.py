@@ -14,17 +14,23 @@ import time
 import redis
 import redis.asyncio
 
-from app.gateway.tenants import TENANT_PREFIX
+from app.gateway.tenants import TENANT_PREFIX, Limits
 from app.jobs import JobStore
+from app.settings import Settings
 
-# KEYS[1] = the bucket (hash: tokens, ts). ARGV: rate (tokens/s), burst. Returns {1, "0"} when a
-# token was taken, else {0, seconds until one is there}.
+# KEYS[1] = the tenant's record, KEYS[2] = its bucket (hash: tokens, ts). ARGV: the settings' rate
+# (requests/s), burst and job quota, used where the tenant has none of its own. Returns the tenant's
+# limits and {1, "0"} when a token was taken, else {0, seconds until one is there}: one round trip.
 _BUCKET_LUA = """
+local own = redis.call('HMGET', KEYS[1], 'rate_per_s', 'burst', 'max_jobs')
+local rate = tonumber(own[1]) or tonumber(ARGV[1])
+local burst = tonumber(own[2]) or tonumber(ARGV[2])
+local jobs = tonumber(own[3]) or tonumber(ARGV[3])
+if rate <= 0 then return {1, '0', tostring(rate), tostring(burst), tostring(jobs)} end
+if burst < 1 then burst = 1 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local rate = tonumber(ARGV[1])
-local burst = tonumber(ARGV[2])
-local b = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local b = redis.call('HMGET', KEYS[2], 'tokens', 'ts')
 local tokens = tonumber(b[1])
 local ts = tonumber(b[2])
 if tokens == nil or ts == nil then tokens = burst; ts = now end
@@ -37,9 +43,9 @@ if tokens >= 1 then
 else
   wait = (1 - tokens) / rate
 end
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
-redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
-return {allowed, tostring(wait)}
+redis.call('HSET', KEYS[2], 'tokens', tostring(tokens), 'ts', tostring(now))
+redis.call('PEXPIRE', KEYS[2], math.ceil(burst / rate * 1000) + 1000)
+return {allowed, tostring(wait), tostring(rate), tostring(burst), tostring(jobs)}
 """
 
 # KEYS[1] = the tenant's live jobs. ARGV: quota, job id, now. 1 = admitted.
@@ -62,17 +68,19 @@ def live_key(tenant: str) -> str:
 
 
 class TokenBucket:
-    """The per-tenant request rate (async: the gateway checks it before a route runs)."""
+    """The per-tenant request rate (async: the gateway checks it before a route runs), with the
+    tenant's limits read in the same script."""
 
-    def __init__(self, r: redis.asyncio.Redis) -> None:
+    def __init__(self, r: redis.asyncio.Redis, settings: Settings) -> None:
         self._take = r.register_script(_BUCKET_LUA)
+        self.defaults = [settings.api_rate_per_s, settings.api_burst, settings.api_max_jobs_per_tenant]
 
-    async def take(self, tenant: str, rate_per_s: float, burst: int) -> float:
-        """0 when the request may go on, else the seconds until the tenant's next token."""
-        if rate_per_s <= 0:  # no limit
-            return 0.0
-        allowed, wait = await self._take(keys=[bucket_key(tenant)], args=[rate_per_s, max(1, burst)])
-        return 0.0 if int(allowed) else float(wait)
+    async def take(self, tenant: str) -> tuple[float, Limits]:
+        """(0 when the request may go on, else the seconds until the tenant's next token; its limits)."""
+        allowed, wait, rate, burst, jobs = await self._take(keys=[TENANT_PREFIX + tenant, bucket_key(tenant)],
+                                                            args=self.defaults)
+        limits = Limits(rate_per_s=float(rate), burst=int(float(burst)), max_jobs=int(float(jobs)))
+        return (0.0 if int(allowed) else float(wait)), limits
 
 
 class QuotaExceeded(Exception):

@@ -9,7 +9,7 @@ import redis.asyncio
 from app.client import StencilClient
 from app.gateway.apikeys import KEY_PREFIX, ApiKeys, Principal, key_id_of, principal_from
 from app.gateway.limits import JobQuota, TokenBucket
-from app.gateway.tenants import Limits, Tenants, limits_from
+from app.gateway.tenants import Tenants
 from app.settings import Settings
 
 
@@ -22,17 +22,12 @@ class Gateway:
         self.keys = ApiKeys(self.redis)
         self.tenants = Tenants(self.redis, settings)
         self.quota = JobQuota(self.redis, self.client.jobs)
-        self.bucket = TokenBucket(self.aredis)
+        self.bucket = TokenBucket(self.aredis, settings)
 
-    async def authenticate(self, token: str) -> tuple[Principal, Limits] | None:
-        """The key's principal and its tenant's limits, or None: read from Redis on every call."""
+    async def authenticate(self, token: str) -> Principal | None:
+        """The key's principal, or None: its record is read from Redis on every call."""
         key_id = key_id_of(token)
-        if key_id is None:
-            return None
-        principal = principal_from(token, await self.aredis.hgetall(KEY_PREFIX + key_id))
-        if principal is None:
-            return None
-        return principal, limits_from(await self.aredis.hgetall(Tenants.key(principal.tenant)), self.settings)
+        return principal_from(token, await self.aredis.hgetall(KEY_PREFIX + key_id)) if key_id else None
 
     async def key_active(self, key_id: str) -> bool:
         """Whether a key still exists unrevoked (long streams check it as they go)."""
