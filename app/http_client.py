@@ -121,6 +121,7 @@ class HttpStencilClient(ClientBase):
                loras: AdapterSet | list[Any] | str = (), lora_patch: str = "", controls: Iterable[Any] = (),
                webhook_url: str = "") -> JobHandle:
         """As ``StencilClient.submit`` over Redis; ``webhook_url``: a signed POST when the job ends."""
+        controls = list(controls)
         values = dict(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
                       strength=strength, seed=seed, priority=priority, width=width, height=height)
         data = self._form(values, loras, controls)
@@ -142,6 +143,7 @@ class HttpStencilClient(ClientBase):
                       loras: AdapterSet | list[Any] | str = (), controls: Iterable[Any] = ()) -> JobHandle:
         values = dict(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance,
                       strength=strength, seed=seed, priority=priority, width=width, height=height)
+        controls = list(controls)
         files = self._control_files(controls)
         if mask is not None:
             files.append(("mask", ("mask.png", image_bytes(mask, mask=True), "image/png")))

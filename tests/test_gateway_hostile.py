@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -201,12 +202,10 @@ def test_a_burst_of_2000_requests_is_limited_and_other_tenants_are_not(stack: Em
                 quiet_codes.append(s.get(gateway.url + "/v1/jobs?limit=1", timeout=30).status_code)
                 time.sleep(0.05)
 
-    threads = [threading.Thread(target=hammer, args=(125,)) for _ in range(16)] + [threading.Thread(target=steady)]
     t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(17) as pool:  # .result() re-raises a thread's failed assertion here
+        for done in [pool.submit(hammer, 125) for _ in range(16)] + [pool.submit(steady)]:
+            done.result()
     elapsed = time.monotonic() - t0
     assert sum(codes.values()) == 2000 and set(codes) == {200, 429}, codes
     assert burst <= codes[200] <= burst + rate * elapsed + 5, (codes, elapsed)

@@ -14,6 +14,7 @@ from fastapi.staticfiles import StaticFiles
 
 from app.gateway import account_api, addons_api, catalogs, catalogs_api, errors, jobs_api, templates_api
 from app.gateway.gate import Gate
+from app.gateway.observe import Observe
 from app.gateway.state import Gateway
 from app.settings import Settings
 
@@ -79,6 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if hasattr(module, "uploads"):
             app.include_router(module.uploads)
     app.add_middleware(Gate, body_limit=body_limit(settings))
+    app.add_middleware(Observe)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> JSONResponse:

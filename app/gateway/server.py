@@ -16,7 +16,10 @@ def serve(settings: Settings, *, host: str = "", port: int | None = None, access
     """Serve until SIGTERM / SIGINT. ``host`` defaults to STENCIL_BIND_ADDRESS (loopback)."""
     import uvicorn
 
+    from app.metrics import start_metrics_server
+
     check_secrets()
+    start_metrics_server(settings.metrics_port, settings.metrics_address)
     host = host or settings.bind_address
     port = settings.api_port if port is None else port
     config = uvicorn.Config(create_app(settings), host=host, port=port,

@@ -25,6 +25,7 @@ import os
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ import requests
 from PIL import Image
 
 from app.demo import demo_templates
-from app.embedded import EmbeddedStack
+from app.embedded import EmbeddedStack, free_port
 from app.gateway.apikeys import ApiKeys
 from app.gateway.tenants import Tenants
 from app.maskgen import make_mask
@@ -86,11 +87,10 @@ class RssSampler(threading.Thread):
             self.samples.append({name: group_rss_mib(pid) for name, pid in self.pids.items()})
 
 
-class Client(threading.Thread):
-    """One client: submit, follow, read, fetch, while the shared budget of edits lasts."""
+class Client:
+    """One client (a thread of its own): submit, follow, read, fetch, while the shared budget lasts."""
 
     def __init__(self, url: str, key: str, budget: "Budget", steps: int, templates: list[bytes], seed: int) -> None:
-        super().__init__(daemon=True)
         self.url = url
         self.session = requests.Session()
         self.session.headers["Authorization"] = f"Bearer {key}"
@@ -164,6 +164,36 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1000 if values else float("nan")
 
 
+ROUTES = {"submit": "/v1/edits", "events (first event)": "/v1/jobs/{job_id}/events", "status": "/v1/jobs/{job_id}",
+          "result": "/v1/jobs/{job_id}/result"}
+
+
+def server_latency(metrics_text: str) -> dict[str, dict[str, float]]:
+    """The gateway's own view (``stencil_api_request_seconds``: arrival to first byte), per request
+    kind: count, and the bucket bounds (ms) the median and the 99th percentile fall in."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: dict[str, dict[float, float]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != "stencil_api_request_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                per = buckets.setdefault(sample.labels["route"], {})
+                le = float(sample.labels["le"])
+                per[le] = per.get(le, 0.0) + sample.value
+    out = {}
+    for kind, route in ROUTES.items():
+        cumulative = sorted(buckets.get(route, {}).items())
+        total = cumulative[-1][1] if cumulative else 0.0
+
+        def bound(q: float) -> float:
+            return next((le * 1000 for le, n in cumulative if n >= q * total), float("nan"))
+
+        out[kind] = {"n": total, "p50": bound(0.5), "p99": bound(0.99)}
+    return out
+
+
 def rss_summary(samples: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     """Per process group: the median of the first and last tenth of the run (after the first
     tenth's start-up) and the peak."""
@@ -181,7 +211,8 @@ def run_load(args: Any) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="stencil-api-load-"))
     overrides: dict[str, Any] = {"max_batch": args.max_batch, "model_id": args.model}
     with EmbeddedStack.start(workdir, cpu_concurrency=args.cpu_concurrency, **overrides) as stack:
-        url = stack.start_api()
+        metrics_port = free_port()
+        url = stack.start_api(STENCIL_METRICS_PORT=str(metrics_port))
         stack.start_webhook_sender()
         for name in ("gpu0", "cpu"):  # the inference processes yield the CPU to the gateway (--worker-nice)
             os.setpriority(os.PRIO_PGRP, stack.procs[name].pid, args.worker_nice)
@@ -200,10 +231,8 @@ def run_load(args: Any) -> dict[str, Any]:
         sampler = RssSampler(pids)
         sampler.start()
         t0 = time.monotonic()
-        for c in clients:
-            c.start()
-        for c in clients:
-            c.join()
+        with ThreadPoolExecutor(len(clients), thread_name_prefix="client") as pool:
+            list(pool.map(Client.run, clients))
         elapsed = time.monotonic() - t0
         sampler.stop.set()
         sampler.join()
@@ -212,6 +241,7 @@ def run_load(args: Any) -> dict[str, Any]:
         for job_id, _ in jobs:
             by_tenant[job_id.split(".")[0]].add(job_id)
         listed = {t: {k.decode() for k in r.zrange(Tenants.jobs_key(t), 0, -1)} for t in tenants}
+        server = server_latency(requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text)
         results = sorted(p.name for p in (Path(stack.settings.store_dir) / "results").glob("load-*.png"))
     statuses: dict[str, int] = {}
     for _, status in jobs:
@@ -224,7 +254,7 @@ def run_load(args: Any) -> dict[str, Any]:
             "none_lost": listed == by_tenant and sum(map(len, listed.values())) == len(jobs) == args.edits,
             "latency": {k: {"n": len(v), "p50": pct(v, 50), "p99": pct(v, 99), "max": pct(v, 100)}
                         for k, v in latency.items()},
-            "p99_requests_ms": pct(requests_only, 99), "rss": rss_summary(sampler.samples),
+            "p99_requests_ms": pct(requests_only, 99), "rss": rss_summary(sampler.samples), "server": server,
             "samples": len(sampler.samples)}
 
 
@@ -243,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     run = cli.start(p, argv, __file__, quick=dict(edits=8, clients=2, steps=2))
     args = run.args
     before = uptime()
+    limits = Settings.from_env()
     out = run_load(args)
     lat = out["latency"]
     ok = (out["statuses"] == {"done": args.edits} and out["one_result_each"] and out["none_lost"]
@@ -255,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
              f"(max batch {args.max_batch}, both at nice {args.worker_nice}), the dispatcher, `stencil api`, "
              "`stencil webhook-sender`; model "
              f"`{args.model}`, {SIZE} px, {args.steps} steps; {args.clients} client threads in {args.tenants} "
-             "tenants with the shipped limits (20 requests/s, burst 40, 32 jobs per tenant).\n",
+             f"tenants with the limits of the settings ({limits.api_rate_per_s:g} requests/s, burst "
+             f"{limits.api_burst}, {limits.api_max_jobs_per_tenant} jobs per tenant).\n",
              f"**{out['jobs']} edits in {out['elapsed_s']:.1f} s ({out['jobs'] / out['elapsed_s']:.2f} edits/s)**; "
              f"statuses {out['statuses']}; exactly one result per job: {'yes' if out['one_result_each'] else 'NO'}; "
              f"no job lost: {'yes' if out['none_lost'] else 'NO'}; client errors: {len(out['errors'])}"
@@ -268,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {kind} | {v['n']} | {v['p50']:.1f} | {v['p99']:.1f} | {v['max']:.1f} |")
     lines += ["", f"**p99 of submit, status and result requests together: {out['p99_requests_ms']:.1f} ms** "
                   f"(target < 50 ms).\n",
+              "The gateway's own view (`stencil_api_request_seconds`: from a request's arrival to its first byte, "
+              "histogram bucket bounds):\n", "| request | n | p50 <= ms | p99 <= ms |", "|---|---|---|---|"]
+    for kind, v in out["server"].items():
+        lines.append(f"| {kind} | {v['n']:.0f} | {v['p50']:g} | {v['p99']:g} |")
+    lines += ["",
               f"RSS per process group ({out['samples']} samples, one a second; first = median of the run's second "
               "tenth, last = median of its last tenth):\n",
               "| process | first MiB | last MiB | growth MiB | peak MiB |", "|---|---|---|---|---|"]
