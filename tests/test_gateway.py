@@ -231,6 +231,11 @@ def test_revoked_key_is_refused_at_once_and_scopes_hold(stack: EmbeddedStack, ga
     rows = json.loads(listed.stdout)
     assert [r["key_id"] for r in rows] == [key_id] and key not in listed.stdout and "sha256" not in listed.stdout
     other_key = make_key(stack, tenant)
+    limited = subprocess.run([sys.executable, "-m", "app.cli", "tenant", "limits", tenant, "--max-jobs", "5",
+                              "--rate", "7.5"], env=env, capture_output=True, text=True, timeout=60)
+    assert json.loads(limited.stdout) == {"tenant": tenant, "rate_per_s": 7.5, "burst": 40, "max_jobs": 5}
+    me = requests.get(gateway.url + "/v1/me", headers=auth(key), timeout=10).json()
+    assert (me["rate_per_s"], me["max_jobs"], me["scopes"]) == (7.5, 5, ["read", "submit"])
 
     job = submit(gateway, key, image=template(47), steps=150).json()
     stream = requests.get(gateway.url + f"/v1/jobs/{job['id']}/events", headers=auth(key), stream=True, timeout=60)

@@ -38,25 +38,41 @@ def png(img: Image.Image) -> bytes:
 MASK = png(Image.fromarray(make_mask(0.2, (SIZE, SIZE), seed=1).astype(np.uint8) * 255))
 
 
-def snapshot(stack: EmbeddedStack) -> tuple[set[str], set[str]]:
-    """Redis keys (without rate-limit buckets, which every request touches) and stored files."""
-    keys = {k.decode() for k in stack.redis().scan_iter("*", count=1000) if not k.endswith(b":bucket")}
-    root = Path(stack.settings.store_dir)
-    return keys, {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+class Tenants:
+    """Fresh tenants of one test, and what the service holds in their namespaces: every job, upload,
+    template, result, idempotency key and catalog of a tenant is named ``<tenant>.<id>`` (jobs and
+    templates of other tests, or their background warm-ups, are in other namespaces)."""
+
+    def __init__(self, stack: EmbeddedStack) -> None:
+        self.stack = stack
+        self.names: list[str] = []
+
+    def key(self, role: str, scopes: str = "submit,read,admin", **limits: float) -> str:
+        name = f"{role}-{uuid.uuid4().hex[:8]}"
+        self.names.append(name)
+        return make_key(self.stack, name, scopes, **limits)
+
+    def stored(self) -> set[str]:
+        """Redis keys and object-store files in the tenants' namespaces, but for the tenant record
+        and its rate bucket (which every request touches)."""
+        bookkeeping = {f"stencil:tenant:{n}{suffix}" for n in self.names for suffix in ("", ":bucket")}
+        keys = {k.decode() for k in self.stack.redis().scan_iter("*", count=1000)} - bookkeeping
+        root = Path(self.stack.settings.store_dir)
+        files = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+        return {k for k in keys | files if any(n in k for n in self.names)}
 
 
 @pytest.fixture()
-def nothing_stored(stack: EmbeddedStack) -> Iterator[None]:
-    before = snapshot(stack)
-    yield
-    after = snapshot(stack)
-    assert after[0] - before[0] == set(), "Redis keys were written"
-    assert after[1] - before[1] == set(), "objects were stored"
+def tenants(stack: EmbeddedStack) -> Iterator[Tenants]:
+    """The test's tenants; after the test, nothing may be stored in their namespaces."""
+    made = Tenants(stack)
+    yield made
+    assert made.stored() == set(), "a refused request stored something"
 
 
 @pytest.fixture()
-def key(stack: EmbeddedStack) -> str:
-    return make_key(stack, f"hostile-{uuid.uuid4().hex[:8]}", "submit,read,admin")
+def key(tenants: Tenants) -> str:
+    return tenants.key("hostile")
 
 
 def raw(gateway: Gateway, request: bytes, *, pause_after: float = 0.0, timeout: float = 10.0) -> tuple[bytes, float]:
@@ -93,7 +109,7 @@ def head(key: str, path: str, extra: str, method: str = "POST") -> bytes:
             f"{extra}\r\n").encode()
 
 
-def test_oversized_chunked_and_over_limit_bodies(gateway: Gateway, key: str, nothing_stored: None) -> None:
+def test_oversized_chunked_and_over_limit_bodies(gateway: Gateway, key: str, tenants: Tenants) -> None:
     # Over the route's body limit: 413 from the headers alone, no byte of the body read.
     answer, _ = raw(gateway, head(key, "/v1/edits", "Content-Type: multipart/form-data; boundary=x\r\n"
                                                     "Content-Length: 50000000\r\n"))
@@ -116,7 +132,7 @@ def test_oversized_chunked_and_over_limit_bodies(gateway: Gateway, key: str, not
         assert bad.json()["error"]["parameter"] == "mask"
 
 
-def test_wrong_content_types_and_malformed_multipart(gateway: Gateway, key: str, nothing_stored: None) -> None:
+def test_wrong_content_types_and_malformed_multipart(gateway: Gateway, key: str, tenants: Tenants) -> None:
     url = gateway.url + "/v1/edits"
     for ctype, body in (("application/json", b'{"prompt": "x"}'), ("application/x-www-form-urlencoded", b"prompt=x"),
                         ("text/plain", b"hello"), ("", b"hello")):
@@ -139,7 +155,7 @@ def test_wrong_content_types_and_malformed_multipart(gateway: Gateway, key: str,
     assert resp.status_code == 422 and resp.json()["error"]["parameter"] == "steps"
 
 
-def test_path_like_ids_name_nothing(gateway: Gateway, key: str, nothing_stored: None) -> None:
+def test_path_like_ids_name_nothing(gateway: Gateway, key: str, tenants: Tenants) -> None:
     h = auth(key)
     for path in ("/v1/jobs/..%2F..%2Fetc%2Fpasswd", "/v1/jobs/%2e%2e", "/v1/jobs/../../etc/passwd",
                  "/v1/jobs/x.00000000000000000000000000000000/result", "/v1/templates/..%2F..%2Fresults/image",
@@ -162,23 +178,12 @@ def test_path_like_ids_name_nothing(gateway: Gateway, key: str, nothing_stored: 
     assert loras.status_code == 422 and loras.json()["error"]["parameter"] == "loras"
 
 
-RATE, BURST = 50.0, 50
-
-
-@pytest.fixture()
-def two_tenants(stack: EmbeddedStack) -> dict[str, tuple[str, str]]:
-    """(tenant, key) of two tenants with the same limits of their own."""
-    names = {role: f"{role}-{uuid.uuid4().hex[:8]}" for role in ("noisy", "quiet")}
-    return {role: (name, make_key(stack, name, rate_per_s=RATE, burst=BURST)) for role, name in names.items()}
-
-
 def test_a_burst_of_2000_requests_is_limited_and_other_tenants_are_not(stack: EmbeddedStack, gateway: Gateway,
-                                                                        two_tenants: dict[str, tuple[str, str]],
-                                                                        nothing_stored: None) -> None:
-    from app.gateway.tenants import Tenants
+                                                                        tenants: Tenants) -> None:
+    from app.gateway.tenants import Tenants as TenantRecords
 
-    rate, burst = RATE, BURST
-    (noisy_tenant, noisy), (_, quiet) = two_tenants["noisy"], two_tenants["quiet"]
+    rate, burst = 50.0, 50  # the two tenants' own limits
+    noisy, quiet = (tenants.key(role, "submit,read", rate_per_s=rate, burst=burst) for role in ("noisy", "quiet"))
     codes: Counter[int] = Counter()
     retry_after: set[str] = set()
     quiet_codes: list[int] = []
@@ -213,7 +218,7 @@ def test_a_burst_of_2000_requests_is_limited_and_other_tenants_are_not(stack: Em
     assert quiet_codes == [200] * 30, Counter(quiet_codes)
     # Past its rate, a submission is refused before its body is read: no job, no upload. (A rate so
     # low that no token comes back during the test, so the submission cannot slip in.)
-    Tenants(stack.redis(), stack.settings).set_limits(noisy_tenant, rate_per_s=0.001, burst=1)
+    TenantRecords(stack.redis(), stack.settings).set_limits(tenants.names[0], rate_per_s=0.001, burst=1)
     while requests.get(gateway.url + "/v1/jobs", headers=auth(noisy), timeout=10).status_code != 429:
         pass
     refused = requests.post(gateway.url + "/v1/edits", headers=auth(noisy), timeout=10,
@@ -221,7 +226,7 @@ def test_a_burst_of_2000_requests_is_limited_and_other_tenants_are_not(stack: Em
     assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
 
 
-def test_slow_clients_get_408_and_do_not_hold_up_others(gateway: Gateway, key: str, nothing_stored: None) -> None:
+def test_slow_clients_get_408_and_do_not_hold_up_others(gateway: Gateway, key: str, tenants: Tenants) -> None:
     timeout = 1.5  # the test gateway's STENCIL_API_HEADER_TIMEOUT_S and STENCIL_API_BODY_TIMEOUT_S
     held: list[socket.socket] = []
     try:

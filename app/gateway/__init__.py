@@ -11,7 +11,11 @@ and scopes (``submit``, ``read``, ``admin``).
 - ``limits``: the per-tenant token bucket and concurrent-job quota (429 with Retry-After);
 - ``gate``: authentication, rate limit and request-body limits before a route sees a byte;
 - ``protocol``: uvicorn's HTTP/1.1 protocol with a deadline on a request's headers (slow clients);
-- ``intake``, ``views``, ``uploads``, ``forms``: submissions, public records, checked uploads;
+- ``observe``: every request timed into ``stencil_api_request_seconds``;
+- ``state``, ``deps``, ``errors``: the process's connections, the routes' dependencies (caller,
+  scopes), the one error shape;
+- ``intake``, ``views``, ``uploads``, ``forms``: submissions, public records, checked uploads, the
+  multipart forms;
 - ``jobs_api``, ``templates_api``, ``addons_api``, ``catalogs_api``, ``account_api``: the routes;
 - ``catalogs``: catalogs fed into the tenant's quota as jobs end; ``app``: the application;
   ``server``: ``stencil api``; ``openapi``: the checked-in schema (``docs/openapi.json``);

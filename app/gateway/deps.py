@@ -6,7 +6,7 @@ checked by the gate (``app/gateway/gate.py``) before the route's body was read.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -32,19 +32,22 @@ class Caller:
         return self.principal.tenant
 
 
-def gateway(request: Request) -> Gateway:
+# The dependencies are coroutines although they never wait: FastAPI runs a plain function dependency
+# in its thread pool, a hop that cost about 0.4 ms of CPU per dependency and request here.
+
+async def gateway(request: Request) -> Gateway:
     return request.app.state.gw
 
 
-def _caller(request: Request, _: HTTPAuthorizationCredentials | None = Security(bearer)) -> Caller:
+async def _caller(request: Request, _: HTTPAuthorizationCredentials | None = Security(bearer)) -> Caller:
     principal = getattr(request.state, "principal", None)
     if principal is None:  # only /v1/ routes pass the gate
         raise ApiProblem(401, "a valid API key is required: Authorization: Bearer <key>")
     return Caller(principal, request.state.limits)
 
 
-def requires(scope: str) -> Callable[..., Caller]:
-    def check(caller: Caller = Depends(_caller)) -> Caller:
+def requires(scope: str) -> Callable[..., Awaitable[Caller]]:
+    async def check(caller: Caller = Depends(_caller)) -> Caller:
         if scope not in caller.principal.scopes:
             raise ApiProblem(403, f"this key lacks the {scope!r} scope")
         return caller

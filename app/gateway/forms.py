@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
-from fastapi import File, Form, Request, Response, UploadFile
+from fastapi import Depends, File, Form, Request, Response, UploadFile
 from fastapi.routing import APIRoute
 
 from app.adapters import adapter_set
@@ -43,23 +43,8 @@ CONTROLS_HELP = ('ControlNets as JSON, one per control image in order: '
 class GenerationForm:
     """Form fields of an edit and a warm-up (ids are the tenant's own: no prefix)."""
 
-    def __init__(self,
-                 prompt: Annotated[str, Form()] = "",
-                 negative_prompt: Annotated[str, Form()] = "",
-                 steps: Annotated[int, Form()] = 20,
-                 guidance: Annotated[float, Form()] = 7.5,
-                 strength: Annotated[float, Form()] = 1.0,
-                 seed: Annotated[int, Form()] = 0,
-                 priority: Annotated[int, Form()] = 0,
-                 width: Annotated[int | None, Form()] = None,
-                 height: Annotated[int | None, Form()] = None,
-                 loras: Annotated[str, Form(description="LoRA adapters and scales: `id:scale;id:scale`")] = "",
-                 controls: Annotated[str, Form(description=CONTROLS_HELP)] = "",
-                 control_images: Annotated[list[UploadFile], File(description="control images, in the order of "
-                                                                               "`controls`")] = []) -> None:
-        self.values: dict[str, Any] = dict(prompt=prompt, negative_prompt=negative_prompt, steps=steps,
-                                           guidance=guidance, strength=strength, seed=seed, priority=priority,
-                                           width=width, height=height)
+    def __init__(self, values: dict[str, Any], loras: str, controls: str, control_images: list[UploadFile]) -> None:
+        self.values = values
         self.loras = loras
         self.controls = controls
         self.control_images = control_images
@@ -96,3 +81,26 @@ class GenerationForm:
     def control_blobs(self, settings: Settings) -> dict[str, bytes]:
         return {control_blob(i): read_image(f, f"control_images[{i}]", settings)
                 for i, f in enumerate(self.control_images)}
+
+
+async def generation_form(
+        prompt: Annotated[str, Form()] = "",
+        negative_prompt: Annotated[str, Form()] = "",
+        steps: Annotated[int, Form()] = 20,
+        guidance: Annotated[float, Form()] = 7.5,
+        strength: Annotated[float, Form()] = 1.0,
+        seed: Annotated[int, Form()] = 0,
+        priority: Annotated[int, Form()] = 0,
+        width: Annotated[int | None, Form()] = None,
+        height: Annotated[int | None, Form()] = None,
+        loras: Annotated[str, Form(description="LoRA adapters and scales: `id:scale;id:scale`")] = "",
+        controls: Annotated[str, Form(description=CONTROLS_HELP)] = "",
+        control_images: Annotated[list[UploadFile], File(description="control images, in the order of "
+                                                                      "`controls`")] = []) -> GenerationForm:
+    """The dependency that reads a ``GenerationForm`` (a coroutine: see ``app/gateway/deps.py``)."""
+    values = dict(prompt=prompt, negative_prompt=negative_prompt, steps=steps, guidance=guidance, strength=strength,
+                  seed=seed, priority=priority, width=width, height=height)
+    return GenerationForm(values, loras, controls, control_images)
+
+
+FormDep = Annotated[GenerationForm, Depends(generation_form)]

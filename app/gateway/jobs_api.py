@@ -12,14 +12,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, File, Form, Header, Query, Request, Response, UploadFile
+from fastapi import APIRouter, File, Form, Header, Query, Request, Response, UploadFile
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from app.gateway import intake
 from app.gateway.deps import Caller, GatewayDep, Reader, Submitter
 from app.gateway.errors import ApiProblem, ErrorResponse, not_found
-from app.gateway.forms import GenerationForm, MultipartRoute
+from app.gateway.forms import FormDep, MultipartRoute
 from app.gateway.state import Gateway
 from app.gateway.tenants import owns
 from app.gateway.uploads import read_image
@@ -46,14 +46,23 @@ class Cancelled(BaseModel):
     job: JobView
 
 
-def read_job(gw: Gateway, caller: Caller, job_id: str) -> dict[str, str]:
-    """The caller's job's record, or 404."""
+def job_key(caller: Caller, job_id: str) -> str:
+    """The record key of a job id in the caller's namespace, or 404 (malformed, another tenant's)."""
     if not owns(caller.tenant, job_id):
         raise not_found(f"job {job_id[:80]!r}")
-    fields = decode(gw.redis.hgetall(JOB_PREFIX + job_id))
+    return JOB_PREFIX + job_id
+
+
+def owned(caller: Caller, job_id: str, fields: dict[str, str]) -> dict[str, str]:
+    """The record if it exists and is the caller's, else 404."""
     if not fields or fields.get("tenant") != caller.tenant:
         raise not_found(f"job {job_id!r}")
     return fields
+
+
+def read_job(gw: Gateway, caller: Caller, job_id: str) -> dict[str, str]:
+    """The caller's job's record, or 404."""
+    return owned(caller, job_id, decode(gw.redis.hgetall(job_key(caller, job_id))))
 
 
 def created_response(response: Response, job_id: str, created: bool) -> None:
@@ -65,7 +74,7 @@ def created_response(response: Response, job_id: str, created: bool) -> None:
               responses={200: {"description": "The job an Idempotency-Key already named", "model": JobView}})
 def submit_edit(response: Response, caller: Submitter, gw: GatewayDep,
                 mask: Annotated[UploadFile, File(description="the mask (white = edit), the template's size")],
-                form: Annotated[GenerationForm, Depends()],
+                form: FormDep,
                 template: Annotated[UploadFile | None, File(description="the template image (or template_id)")] = None,
                 template_id: Annotated[str, Form(description="a stored template (or upload template)")] = "",
                 deadline: Annotated[float | None, Form(description="absolute, epoch seconds")] = None,
@@ -117,8 +126,10 @@ def list_jobs(caller: Reader, gw: GatewayDep,
 
 
 @router.get("/jobs/{job_id}", response_model=JobView, summary="A job: status, progress, record")
-def get_job(job_id: str, caller: Reader, gw: GatewayDep) -> dict[str, Any]:
-    return job_view(caller.tenant, job_id, read_job(gw, caller, job_id))
+async def get_job(job_id: str, caller: Reader, gw: GatewayDep) -> dict[str, Any]:
+    # A coroutine on the async connection: the most frequent request takes no thread-pool hop.
+    fields = decode(await gw.aredis.hgetall(job_key(caller, job_id)))
+    return job_view(caller.tenant, job_id, owned(caller, job_id, fields))
 
 
 @router.get("/jobs/{job_id}/result", summary="The result image (PNG)",
@@ -185,9 +196,7 @@ def event_stream(stream: AsyncIterator[bytes]) -> StreamingResponse:
             responses={200: {"content": {"text/event-stream": {}},
                              "description": "`update` events (data: the job, as GET /v1/jobs/{id}) until it ends"}})
 async def job_events(job_id: str, request: Request, caller: Reader, gw: GatewayDep) -> StreamingResponse:
-    if not owns(caller.tenant, job_id):
-        raise not_found(f"job {job_id[:80]!r}")
-    key = JOB_PREFIX + job_id
+    key = job_key(caller, job_id)
     if (await gw.aredis.hget(key, "tenant") or b"").decode() != caller.tenant:
         raise not_found(f"job {job_id!r}")
     terminal = {s.value for s in TERMINAL}

@@ -22,9 +22,10 @@ def serve(settings: Settings, *, host: str = "", port: int | None = None, access
     start_metrics_server(settings.metrics_port, settings.metrics_address)
     host = host or settings.bind_address
     port = settings.api_port if port is None else port
-    config = uvicorn.Config(create_app(settings), host=host, port=port,
-                            http=protocol_with(settings.api_header_timeout_s), lifespan="on", timeout_keep_alive=5,
-                            server_header=False, proxy_headers=False, access_log=access_log, log_config=None)
+    protocol = protocol_with(settings.api_header_timeout_s)
+    config = uvicorn.Config(create_app(settings), host=host, port=port, http=protocol, loop="auto", lifespan="on",
+                            timeout_keep_alive=5, server_header=False, proxy_headers=False, access_log=access_log,
+                            log_config=None)
     log.info("Stencil API on http://%s:%d (keys: stencil api-key create)", host, port)
     uvicorn.Server(config).run()
     return 0

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, File, Form, Response, UploadFile
+from fastapi import APIRouter, File, Form, Response, UploadFile
 from pydantic import BaseModel
 
 from app.client_base import content_id
 from app.gateway import intake
 from app.gateway.deps import GatewayDep, Reader, Submitter
 from app.gateway.errors import not_found
-from app.gateway.forms import GenerationForm, MultipartRoute
+from app.gateway.forms import FormDep, MultipartRoute
 from app.gateway.jobs_api import ERRORS, created_response, read_job
 from app.gateway.tenants import public, scoped
 from app.gateway.uploads import read_image
@@ -83,7 +83,7 @@ def template_image(template_id: str, caller: Reader, gw: GatewayDep) -> Response
 @uploads.post("/templates/{template_id}/warm", status_code=201, response_model=JobView,
               summary="Warm a template (a job): later edits compute only their masked tokens")
 def warm_template(template_id: str, response: Response, caller: Submitter, gw: GatewayDep,
-                  form: Annotated[GenerationForm, Depends()],
+                  form: FormDep,
                   mask: Annotated[UploadFile | None, File(description="a region warm-up: edits with this mask, "
                                                                       "prompt, negative prompt, seed are exact")] = None
                   ) -> dict[str, Any]:
