@@ -147,8 +147,7 @@ class StencilClient(ClientBase):
         the dispatcher never sees a job without its inputs. ``params`` are checked already; the
         HTTP gateway names the job (``job_id``) and adds fields (``extra``: its tenant)."""
         job_id = job_id or new_job_id()
-        for name, data in blobs.items():
-            self.blobs.put(job_id, name, data)
+        self.blobs.put_many(job_id, blobs)
         job_id_final, created = self.jobs.create(params, idempotency_key=idempotency_key, job_id=job_id,
                                                  extra=dict(extra or {}))
         if not created:

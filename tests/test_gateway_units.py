@@ -70,7 +70,7 @@ def test_token_bucket_allows_the_burst_then_the_rate(redis_server) -> None:  # t
 
 def test_job_quota_counts_live_jobs_and_prunes_ended_ones(redis_client: redis.Redis) -> None:
     jobs = JobStore(redis_client, ttl_seconds=60, intake_stream="test:intake")
-    quota = JobQuota(redis_client, jobs)
+    quota = JobQuota(redis_client)
     ids = [new_owned_id("acme") for _ in range(3)]
     for job_id in ids[:2]:
         quota.admit("acme", job_id, 2)

@@ -170,8 +170,8 @@ def feed(gw: Gateway, catalog_id: str) -> int:
         spec = json.loads(gw.redis.lindex(k["rows"], index))
         blobs = {name: gw.redis.hget(k["blobs"], f"{index}:{name}") or b"" for name in spec["blobs"]}
         try:
-            job_id, _ = intake.submit(gw, tenant, limits.max_jobs, JobParams.from_fields(spec["params"]), blobs,
-                                      idempotency=f"{tenant}:catalog:{catalog_id}:{index}")
+            job_id, _, _ = intake.submit(gw, tenant, limits.max_jobs, JobParams.from_fields(spec["params"]), blobs,
+                                         idempotency=f"{tenant}:catalog:{catalog_id}:{index}")
         except ApiProblem:  # the quota is full: the next round goes on
             return submitted
         gw.redis.hset(k["jobs"], str(index), job_id)

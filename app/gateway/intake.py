@@ -37,12 +37,13 @@ def require_template(gw: Gateway, template_id: str, public_id: str) -> None:
 
 def submit(gw: Gateway, tenant: str, max_jobs: int, params: JobParams, blobs: dict[str, bytes], *,
            template_data: bytes | None = None, idempotency: str | None = None,
-           webhook_url: str = "") -> tuple[str, bool]:
-    """Create the job; returns ``(job id, created)`` (False: the idempotency key's earlier job)."""
+           webhook_url: str = "") -> tuple[str, bool, dict[str, str] | None]:
+    """Create the job; returns ``(job id, created, its record)`` (created False: the idempotency key's
+    earlier job, whose record is not read here)."""
     if idempotency:
         existing = gw.client.existing_job(idempotency)
         if existing is not None:
-            return existing, False
+            return existing, False, None
     if webhook_url:
         webhook_url = check_url(webhook_url, allow_private=gw.settings.webhook_allow_private)
     job_id = new_owned_id(tenant)
@@ -62,8 +63,8 @@ def submit(gw: Gateway, tenant: str, max_jobs: int, params: JobParams, blobs: di
         if not created:
             gw.quota.release(tenant, job_id)
     if not created:
-        return handle.id, False
-    gw.tenants.record_job(tenant, job_id)
+        return handle.id, False, None
+    fields = gw.tenants.record_job(tenant, job_id)
     if webhook_url:
         watch(gw.redis, job_id)
-    return job_id, True
+    return job_id, True, fields

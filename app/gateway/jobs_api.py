@@ -65,9 +65,12 @@ def read_job(gw: Gateway, caller: Caller, job_id: str) -> dict[str, str]:
     return owned(caller, job_id, decode(gw.redis.hgetall(job_key(caller, job_id))))
 
 
-def created_response(response: Response, job_id: str, created: bool) -> None:
+def submitted(gw: Gateway, caller: Caller, response: Response, job_id: str, created: bool,
+              fields: dict[str, str] | None) -> dict[str, Any]:
+    """The answer to a submission: 201 and the new job, or 200 and the job an Idempotency-Key named."""
     response.status_code = 201 if created else 200
     response.headers["Location"] = f"/v1/jobs/{job_id}"
+    return job_view(caller.tenant, job_id, fields or read_job(gw, caller, job_id))
 
 
 @uploads.post("/edits", status_code=201, response_model=JobView, summary="Submit an edit",
@@ -95,10 +98,9 @@ def submit_edit(response: Response, caller: Submitter, gw: GatewayDep,
     if template_data is None:
         intake.require_template(gw, params.template_id, template_id)
     blobs = {"mask": read_image(mask, "mask", settings), **form.control_blobs(settings)}
-    job_id, created = intake.submit(gw, caller.tenant, caller.limits.max_jobs, params, blobs,
-                                    template_data=template_data, idempotency=idem, webhook_url=webhook_url)
-    created_response(response, job_id, created)
-    return job_view(caller.tenant, job_id, read_job(gw, caller, job_id))
+    job_id, created, fields = intake.submit(gw, caller.tenant, caller.limits.max_jobs, params, blobs,
+                                            template_data=template_data, idempotency=idem, webhook_url=webhook_url)
+    return submitted(gw, caller, response, job_id, created, fields)
 
 
 @router.get("/jobs", response_model=JobList, summary="List your jobs, newest first")

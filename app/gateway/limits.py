@@ -15,7 +15,7 @@ import redis
 import redis.asyncio
 
 from app.gateway.tenants import TENANT_PREFIX, Limits
-from app.jobs import JobStore
+from app.jobs import JOB_PREFIX
 from app.settings import Settings
 
 # KEYS[1] = the tenant's record, KEYS[2] = its bucket (hash: tokens, ts). ARGV: the settings' rate
@@ -48,13 +48,25 @@ redis.call('PEXPIRE', KEYS[2], math.ceil(burst / rate * 1000) + 1000)
 return {allowed, tostring(wait), tostring(rate), tostring(burst), tostring(jobs)}
 """
 
-# KEYS[1] = the tenant's live jobs. ARGV: quota, job id, now. 1 = admitted.
+# KEYS[1] = the tenant's live jobs. ARGV: quota (<= 0: count only), job id, now, the job-record key
+# prefix, the grace for jobs without a record. Drops ended jobs (a terminal record; no record after
+# the grace: a submission that died), then admits the job while fewer than the quota are left.
+# Returns {admitted (1/0), jobs left}. The records are read by key from their ids, so Redis must not
+# be a cluster (as everywhere here: one Redis holds the intake, the records and the broker).
 _ADMIT_LUA = """
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+local rows = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+local now = tonumber(ARGV[3])
+local left = 0
+for i = 1, #rows, 2 do
+  local status = redis.call('HGET', ARGV[4] .. rows[i], 'status')
+  local ended = status == 'done' or status == 'failed' or status == 'cancelled' or status == 'expired'
+  if not status then ended = tonumber(rows[i + 1]) < now - tonumber(ARGV[5]) end
+  if ended then redis.call('ZREM', KEYS[1], rows[i]) else left = left + 1 end
+end
+if tonumber(ARGV[1]) <= 0 or left >= tonumber(ARGV[1]) then return {0, left} end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[2])
-return 1
+return {1, left + 1}
 """
-
 
 CREATE_GRACE_S = 60.0  # longer than any submission takes between admission and its record
 
@@ -93,31 +105,23 @@ class QuotaExceeded(Exception):
 class JobQuota:
     """The per-tenant concurrent-job quota."""
 
-    def __init__(self, r: redis.Redis, jobs: JobStore) -> None:
+    def __init__(self, r: redis.Redis) -> None:
         self.r = r
-        self.jobs = jobs
         self._admit = r.register_script(_ADMIT_LUA)
+
+    def _run(self, tenant: str, quota: int, job_id: str = "") -> tuple[bool, int]:
+        admitted, left = self._admit(keys=[live_key(tenant)],
+                                     args=[quota, job_id, repr(time.time()), JOB_PREFIX, CREATE_GRACE_S])
+        return bool(int(admitted)), int(left)
 
     def prune(self, tenant: str) -> int:
         """Drop ended jobs from the tenant's live set; returns how many are left. A job without a
         record is dropped only after ``CREATE_GRACE_S``: it may be one being submitted right now."""
-        rows = self.r.zrange(live_key(tenant), 0, -1, withscores=True)
-        if not rows:
-            return 0
-        admitted = {k.decode(): score for k, score in rows}
-        old = time.time() - CREATE_GRACE_S
-        ended = [j for j, s in self.jobs.statuses(list(admitted)).items()
-                 if (s is not None and s.terminal) or (s is None and admitted[j] < old)]
-        if ended:
-            self.r.zrem(live_key(tenant), *ended)
-        return len(admitted) - len(ended)
+        return self._run(tenant, 0)[1]
 
     def admit(self, tenant: str, job_id: str, quota: int) -> None:
-        """Count ``job_id`` against the quota, or raise ``QuotaExceeded``."""
-        if quota <= 0:
-            return
-        self.prune(tenant)
-        if not int(self._admit(keys=[live_key(tenant)], args=[quota, job_id, repr(time.time())])):
+        """Count ``job_id`` against the quota, or raise ``QuotaExceeded`` (one script: pruned first)."""
+        if quota > 0 and not self._run(tenant, quota, job_id)[0]:
             raise QuotaExceeded(tenant, quota)
 
     def release(self, tenant: str, job_id: str) -> None:

@@ -21,7 +21,7 @@ class Gateway:
         self.aredis = redis.asyncio.Redis.from_url(settings.redis_url)
         self.keys = ApiKeys(self.redis)
         self.tenants = Tenants(self.redis, settings)
-        self.quota = JobQuota(self.redis, self.client.jobs)
+        self.quota = JobQuota(self.redis)
         self.bucket = TokenBucket(self.aredis, settings)
 
     async def authenticate(self, token: str) -> Principal | None:

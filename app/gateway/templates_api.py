@@ -12,10 +12,10 @@ from app.gateway import intake
 from app.gateway.deps import GatewayDep, Reader, Submitter
 from app.gateway.errors import not_found
 from app.gateway.forms import FormDep, MultipartRoute
-from app.gateway.jobs_api import ERRORS, created_response, read_job
+from app.gateway.jobs_api import ERRORS, submitted
 from app.gateway.tenants import public, scoped
 from app.gateway.uploads import read_image
-from app.gateway.views import JobView, job_view
+from app.gateway.views import JobView
 from app.keys import TEMPLATE_PREFIX, template_key
 from app.storage.base import ObjectNotFound
 from app.validation import InvalidParameter, object_id
@@ -93,6 +93,4 @@ def warm_template(template_id: str, response: Response, caller: Submitter, gw: G
     blobs = form.control_blobs(gw.settings)
     if mask is not None:
         blobs["mask"] = read_image(mask, "mask", gw.settings)
-    job_id, created = intake.submit(gw, caller.tenant, caller.limits.max_jobs, params, blobs)
-    created_response(response, job_id, created)
-    return job_view(caller.tenant, job_id, read_job(gw, caller, job_id))
+    return submitted(gw, caller, response, *intake.submit(gw, caller.tenant, caller.limits.max_jobs, params, blobs))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import redis
 
+from app.jobs import JOB_PREFIX
 from app.settings import Settings
 from app.validation import InvalidParameter
 
@@ -125,13 +126,16 @@ class Tenants:
     def limits(self, tenant: str) -> Limits:
         return limits_from(self.r.hgetall(self.key(tenant)), self.settings)
 
-    def record_job(self, tenant: str, job_id: str) -> None:
-        """Index a job under its tenant (listing); entries older than the job TTL are dropped."""
+    def record_job(self, tenant: str, job_id: str) -> dict[str, str]:
+        """Index a job under its tenant (listing; entries older than the job TTL are dropped) and
+        return its record, in one round trip."""
         now = time.time()
         pipe = self.r.pipeline(transaction=False)
         pipe.zadd(self.jobs_key(tenant), {job_id: now})
         pipe.zremrangebyscore(self.jobs_key(tenant), "-inf", now - self.settings.job_ttl_seconds)
-        pipe.execute()
+        pipe.hgetall(JOB_PREFIX + job_id)
+        raw = pipe.execute()[-1]
+        return {k.decode(): v.decode() for k, v in raw.items()}
 
     def job_ids(self, tenant: str, limit: int, before: float | None = None) -> list[tuple[str, float]]:
         """The tenant's newest job ids (submitted before ``before``), with their submission times."""
