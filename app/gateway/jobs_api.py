@@ -31,6 +31,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 408, 411, 413, 415, 422, 429)}
 EVENT_POLL_S = 0.2
 EVENT_HEARTBEAT_S = 15.0
+EVENT_KEY_CHECK_S = 1.0
 
 router = APIRouter(prefix="/v1", tags=["jobs"], responses=ERRORS)
 uploads = APIRouter(prefix="/v1", tags=["jobs"], responses=ERRORS, route_class=MultipartRoute)
@@ -165,13 +166,15 @@ def sse(event: str, data: Any) -> bytes:
 async def follow(gw: Gateway, caller: Caller, read: Callable[[], Awaitable[tuple[Any, bool]]]) -> AsyncIterator[bytes]:
     """Server-sent events of ``read()`` (a view, None once gone; whether it is final): an ``update``
     whenever the view changes until it is final, a comment every 15 s, and an ``error`` event if the
-    record vanishes or the caller's key is revoked meanwhile."""
+    record vanishes or the caller's key is revoked meanwhile (checked every second)."""
     last: Any = None
-    beat = time.monotonic()
+    beat = checked = time.monotonic()
     while True:
-        if not await gw.key_active(caller.principal.key_id):
-            yield sse("error", {"code": "unauthenticated", "message": "the API key was revoked"})
-            return
+        if time.monotonic() - checked >= EVENT_KEY_CHECK_S:
+            if not await gw.key_active(caller.principal.key_id):
+                yield sse("error", {"code": "unauthenticated", "message": "the API key was revoked"})
+                return
+            checked = time.monotonic()
         view, final = await read()
         if view is None:
             yield sse("error", {"code": "not_found", "message": "the record expired"})

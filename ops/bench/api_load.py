@@ -25,6 +25,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -54,20 +55,32 @@ def png(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def group_rss_mib(pid: int) -> float:
-    """Resident memory of a process group (a process started in its own session and its children)."""
-    total = 0
+def _group(pid: int) -> Iterator[tuple[Path, list[str]]]:
+    """(/proc entry, stat fields after the command) of each live process in the group ``pid`` leads
+    (a process started in a session of its own and its children)."""
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[2]) != pid:  # field 5: the process group
+        if entry.name.isdigit():
+            try:
+                fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
                 continue
-            for line in Path(entry.path, "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except (OSError, ValueError, IndexError):
+            if int(fields[2]) == pid:  # the process group
+                yield Path(entry.path), fields
+
+
+def group_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by a process group's live processes."""
+    return sum(int(f[11]) + int(f[12]) for _, f in _group(pid)) / os.sysconf("SC_CLK_TCK")
+
+
+def group_rss_mib(pid: int) -> float:
+    """Resident memory of a process group."""
+    total = 0
+    for path, _ in _group(pid):
+        try:
+            total += next(int(line.split()[1]) for line in (path / "status").read_text().splitlines()
+                          if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
             continue
     return total / 1024
 
@@ -230,10 +243,12 @@ def run_load(args: Any) -> dict[str, Any]:
                 "cpu worker": stack.procs["cpu"].pid, "dispatcher": stack.procs["dispatcher"].pid}
         sampler = RssSampler(pids)
         sampler.start()
+        gateway_cpu = group_cpu_s(pids["gateway"])
         t0 = time.monotonic()
         with ThreadPoolExecutor(len(clients), thread_name_prefix="client") as pool:
             list(pool.map(Client.run, clients))
         elapsed = time.monotonic() - t0
+        gateway_cpu = group_cpu_s(pids["gateway"]) - gateway_cpu
         sampler.stop.set()
         sampler.join()
         jobs = [j for c in clients for j in c.jobs]
@@ -255,6 +270,7 @@ def run_load(args: Any) -> dict[str, Any]:
             "latency": {k: {"n": len(v), "p50": pct(v, 50), "p99": pct(v, 99), "max": pct(v, 100)}
                         for k, v in latency.items()},
             "p99_requests_ms": pct(requests_only, 99), "rss": rss_summary(sampler.samples), "server": server,
+            "gateway_cpu_ms_per_edit": gateway_cpu / max(1, len(jobs)) * 1000,
             "samples": len(sampler.samples)}
 
 
@@ -304,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
               "histogram bucket bounds):\n", "| request | n | p50 <= ms | p99 <= ms |", "|---|---|---|---|"]
     for kind, v in out["server"].items():
         lines.append(f"| {kind} | {v['n']:.0f} | {v['p50']:g} | {v['p99']:g} |")
-    lines += ["",
+    lines += ["", f"Gateway CPU per edit (its submit, status and result requests and its event stream, whose "
+                  f"server polls the record every 0.2 s): {out['gateway_cpu_ms_per_edit']:.1f} ms.\n",
               f"RSS per process group ({out['samples']} samples, one a second; first = median of the run's second "
               "tenth, last = median of its last tenth):\n",
               "| process | first MiB | last MiB | growth MiB | peak MiB |", "|---|---|---|---|---|"]
