@@ -40,6 +40,7 @@ from app.validation import InvalidParameter, object_id
 
 log = logging.getLogger(__name__)
 
+
 class StencilClient(ClientBase):
     """Over Redis (the service's own settings), or over HTTP with ``api_url`` and ``api_key``
     (or ``STENCIL_API_URL`` / ``STENCIL_API_KEY``): the same methods and errors either way."""
