@@ -7,6 +7,8 @@ abandoned job cannot leak memory.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import redis
 
 BLOB_PREFIX = "stencil:blob:"
@@ -25,6 +27,13 @@ class BlobStore:
         key = self.key(job_id, name)
         self.r.set(key, data, ex=self.ttl)
         return key
+
+    def put_many(self, job_id: str, blobs: Mapping[str, bytes]) -> None:
+        """Several payloads of one job in one round trip."""
+        pipe = self.r.pipeline(transaction=False)
+        for name, data in blobs.items():
+            pipe.set(self.key(job_id, name), data, ex=self.ttl)
+        pipe.execute()
 
     def get(self, job_id: str, name: str) -> bytes | None:
         value = self.r.get(self.key(job_id, name))

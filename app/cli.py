@@ -296,6 +296,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  redis_url=os.environ.get("STENCIL_REDIS_URL", ""))
 
 
+def cmd_api(args: argparse.Namespace) -> int:
+    from app.gateway.server import serve
+
+    return serve(Settings.from_env(), host=args.host, port=args.port, access_log=args.access_log)
+
+
+def cmd_webhook_sender(args: argparse.Namespace) -> int:
+    from app.webhook_sender import WebhookSender
+
+    check_secrets()
+    _run_until_sigterm(WebhookSender(Settings.from_env(), threads=args.threads).run)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from app.demo import run_demo
 
@@ -471,6 +485,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="user:password (without: Flower on 127.0.0.1 without auth)")
     s.set_defaults(func=cmd_serve)
 
+    s = sub.add_parser("api", help="the HTTP gateway (API keys per tenant, OpenAPI at /docs, a web page at /)")
+    s.add_argument("--host", default="", help="listen address (default STENCIL_BIND_ADDRESS: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="default STENCIL_API_PORT (8080)")
+    s.add_argument("--access-log", action="store_true", help="log every request")
+    s.set_defaults(func=cmd_api)
+
+    s = sub.add_parser("webhook-sender", help="deliver signed webhooks of jobs that ended (retried with backoff)")
+    s.add_argument("--threads", type=int, default=8, help="POSTs in flight at most")
+    s.set_defaults(func=cmd_webhook_sender)
+
     s = sub.add_parser("demo", help="run the embedded stack end to end and write results")
     s.add_argument("--jobs", type=int, default=4)
     s.add_argument("--out", default="demo-out")
@@ -493,8 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_run_bench)
 
     from app.catalog import add_catalog_commands
+    from app.gateway.admin_cli import add_admin_commands
 
     add_catalog_commands(sub)
+    add_admin_commands(sub)
     return p
 
 

@@ -12,120 +12,52 @@ object store, so it needs the same ``STENCIL_*`` settings as the service (or exp
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
-import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import redis
-from PIL import Image
 
 from app.adapters import AdapterSet, lora_meta_key, lora_upload_key
 from app.blobs import BlobStore
+from app.client_base import (
+    ClientBase,
+    ImageLike,
+    InvalidAdapter,
+    JobFailed,
+    JobHandle,
+    content_id,
+    controlnet_folder,
+    image_bytes,
+)
 from app.controls import control_blob, control_spec
 from app.jobs import IDEMPOTENCY_PREFIX, JobParams, JobRecord, JobStatus, JobStore, new_job_id
 from app.keys import TEMPLATE_PREFIX, UPLOAD_PREFIX, template_key
-from app.masks import mask_from_array
 from app.settings import Settings
 from app.storage import ObjectStore, open_store
 from app.validation import InvalidParameter, object_id
 
 log = logging.getLogger(__name__)
 
-ImageLike = bytes | Image.Image | np.ndarray | Path
 
+class StencilClient(ClientBase):
+    """Over Redis (the service's own settings), or over HTTP with ``api_url`` and ``api_key``
+    (or ``STENCIL_API_URL`` / ``STENCIL_API_KEY``): the same methods and errors either way."""
 
-class InvalidAdapter(ValueError):
-    """An add-on (LoRA adapter, ControlNet) the service refused (format, shapes that do not fit...)."""
+    def __new__(cls, settings: Settings | None = None, *, redis_url: str | None = None,
+                store: ObjectStore | None = None, api_url: str | None = None,
+                api_key: str | None = None) -> "StencilClient":
+        settings = settings or Settings.from_env()
+        if api_url or (redis_url is None and store is None and settings.api_url):
+            from app.http_client import HttpStencilClient
 
+            return HttpStencilClient(settings, api_url=api_url, api_key=api_key)  # type: ignore[return-value]
+        return super().__new__(cls)
 
-class JobFailed(RuntimeError):
-    """The job ended in failed, cancelled or expired; ``record`` holds the reason."""
-
-    def __init__(self, record: JobRecord) -> None:
-        super().__init__(f"job {record.id} {record.status.value}: {record.error or 'no reason given'}")
-        self.record = record
-
-
-def content_id(data: bytes, prefix: str) -> str:
-    """Content id of template bytes (``UPLOAD_PREFIX``: uploaded with a job, warmed when seen again;
-    ``TEMPLATE_PREFIX``: added as a template, warmed on its first edit)."""
-    return prefix + hashlib.sha256(data).hexdigest()[:32]
-
-
-def _image_bytes(value: ImageLike, *, mask: bool) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, Path):
-        return value.read_bytes()
-    if isinstance(value, np.ndarray):
-        if mask:
-            value = mask_from_array(value)
-        else:
-            value = Image.fromarray(np.asarray(value, dtype=np.uint8))
-    if isinstance(value, Image.Image):
-        buf = io.BytesIO()
-        value.save(buf, format="PNG")
-        return buf.getvalue()
-    raise TypeError(f"expected bytes, a PIL image, a numpy array or a Path, got {type(value).__name__}")
-
-
-class JobHandle:
-    """A submitted job. Cheap to create from an id (``client.job(id)``)."""
-
-    def __init__(self, client: "StencilClient", job_id: str, created: bool = True) -> None:
-        self.client = client
-        self.id = job_id
-        self.created = created
-
-    def __repr__(self) -> str:
-        return f"JobHandle({self.id})"
-
-    def record(self) -> JobRecord:
-        rec = self.client.jobs.get(self.id)
-        if rec is None:
-            raise KeyError(f"job {self.id} does not exist (or expired)")
-        return rec
-
-    def status(self) -> JobStatus:
-        return self.record().status
-
-    def progress(self) -> tuple[int, int]:
-        """(steps done, total steps)."""
-        return self.record().progress
-
-    def wait(self, timeout: float | None = None, poll: float = 0.05) -> JobRecord:
-        """Block until the job is terminal; returns its record. Raises TimeoutError."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            rec = self.record()
-            if rec.status.terminal:
-                return rec
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"job {self.id} still {rec.status.value} after {timeout}s")
-            time.sleep(poll)
-
-    def result_bytes(self) -> bytes:
-        rec = self.record()
-        if rec.status != JobStatus.DONE or not rec.result_key:
-            raise JobFailed(rec) if rec.status.terminal else RuntimeError(f"job {self.id} is {rec.status.value}")
-        return self.client.store.get(rec.result_key)
-
-    def result(self) -> Image.Image:
-        """The edited image (PIL). Raises ``JobFailed`` for failed/cancelled/expired jobs."""
-        return Image.open(io.BytesIO(self.result_bytes()))
-
-    def cancel(self) -> bool:
-        """Cancel a queued or running job; False if it had already ended."""
-        return self.client.jobs.cancel(self.id)
-
-
-class StencilClient:
     def __init__(self, settings: Settings | None = None, *, redis_url: str | None = None,
-                 store: ObjectStore | None = None) -> None:
+                 store: ObjectStore | None = None, api_url: str | None = None,
+                 api_key: str | None = None) -> None:
         self.settings = settings or Settings.from_env()
         self.redis = redis.Redis.from_url(redis_url or self.settings.redis_url)
         self.jobs = JobStore(self.redis, ttl_seconds=self.settings.job_ttl_seconds,
@@ -137,14 +69,14 @@ class StencilClient:
     def add_template(self, image: ImageLike, template_id: str | None = None) -> str:
         """Store a template image for reuse by many jobs; returns its id. Without an id the
         template is content-addressed (``upload_id``): the same bytes are stored once."""
-        data = _image_bytes(image, mask=False)
+        data = image_bytes(image, mask=False)
         if template_id is None:
-            return self._store_once(content_id(data, TEMPLATE_PREFIX), data)
+            return self.store_once(content_id(data, TEMPLATE_PREFIX), data)
         template_id = object_id("template id", template_id)
         self.store.put(template_key(template_id), data)
         return template_id
 
-    def _store_once(self, template_id: str, data: bytes) -> str:
+    def store_once(self, template_id: str, data: bytes) -> str:
         """Store template bytes under their content id unless they are there already: repeated
         uploads of one template share its id, hence its warm-up and activation cache."""
         if not self.store.exists(template_key(template_id)):
@@ -192,19 +124,33 @@ class StencilClient:
                            width=width, height=height, keep_unmasked=keep_unmasked,
                            fidelity=fidelity, loras=loras, lora_patch=lora_patch,  # type: ignore[arg-type]
                            controls=tuple(c for c, _ in specs)).check(self.settings.max_steps, *self._limits())
-        job_id = new_job_id()
         if idempotency_key:  # a retry of an accepted submission: nothing to upload again
-            existing = self.redis.get(IDEMPOTENCY_PREFIX + idempotency_key)
-            if existing is not None and self.jobs.get(existing.decode()) is not None:
-                return JobHandle(self, existing.decode(), created=False)
-        # Payloads first, then the record: the dispatcher never sees a job without its inputs.
+            existing = self.existing_job(idempotency_key)
+            if existing is not None:
+                return JobHandle(self, existing, created=False)
         if not isinstance(template, str):
-            data = _image_bytes(template, mask=False)
-            params.template_id = self._store_once(content_id(data, UPLOAD_PREFIX), data)
-        self.blobs.put(job_id, "mask", _image_bytes(mask, mask=True))
-        for i, (_c, image) in enumerate(specs):
-            self.blobs.put(job_id, control_blob(i), _image_bytes(image, mask=False))
-        job_id_final, created = self.jobs.create(params, idempotency_key=idempotency_key, job_id=job_id)
+            data = image_bytes(template, mask=False)
+            params.template_id = self.store_once(content_id(data, UPLOAD_PREFIX), data)
+        blobs = {"mask": image_bytes(mask, mask=True)}
+        blobs.update({control_blob(i): image_bytes(image, mask=False) for i, (_c, image) in enumerate(specs)})
+        return self.enqueue(params, blobs, idempotency_key=idempotency_key)
+
+    def existing_job(self, idempotency_key: str) -> str | None:
+        """The id of the live job an idempotency key names, if any."""
+        existing = self.redis.get(IDEMPOTENCY_PREFIX + idempotency_key)
+        if existing is not None and self.jobs.get(existing.decode()) is not None:
+            return existing.decode()
+        return None
+
+    def enqueue(self, params: JobParams, blobs: Mapping[str, bytes], *, idempotency_key: str | None = None,
+                job_id: str | None = None, extra: Mapping[str, str] | None = None) -> JobHandle:
+        """Store a job's uploads (``blobs``: mask, control images), then its record and intake entry:
+        the dispatcher never sees a job without its inputs. ``params`` are checked already; the
+        HTTP gateway names the job (``job_id``) and adds fields (``extra``: its tenant)."""
+        job_id = job_id or new_job_id()
+        self.blobs.put_many(job_id, blobs)
+        job_id_final, created = self.jobs.create(params, idempotency_key=idempotency_key, job_id=job_id,
+                                                 extra=dict(extra or {}))
         if not created:
             self.blobs.delete_job(job_id)
         return JobHandle(self, job_id_final, created)
@@ -228,12 +174,10 @@ class StencilClient:
                            steps=steps, guidance=guidance, strength=strength, seed=seed, priority=priority,
                            width=width, height=height, loras=loras,  # type: ignore[arg-type]
                            controls=tuple(c for c, _ in specs)).check(self.settings.max_steps, *self._limits())
-        job_id = new_job_id()
+        blobs = {control_blob(i): image_bytes(image, mask=False) for i, (_c, image) in enumerate(specs)}
         if mask is not None:
-            self.blobs.put(job_id, "mask", _image_bytes(mask, mask=True))
-        for i, (_c, image) in enumerate(specs):
-            self.blobs.put(job_id, control_blob(i), _image_bytes(image, mask=False))
-        return JobHandle(self, self.jobs.create(params, job_id=job_id)[0])
+            blobs["mask"] = image_bytes(mask, mask=True)
+        return self.enqueue(params, blobs)
 
     def _limits(self) -> tuple[int, int]:
         return self.settings.max_loras_per_job, self.settings.max_controls_per_job
@@ -249,11 +193,7 @@ class StencilClient:
         from app.controls import CONTROL_FILES, controlnet_meta_key, controlnet_upload_key
 
         controlnet_id = object_id("controlnet id", controlnet_id)
-        folder = Path(folder)
-        missing = [n for n in CONTROL_FILES if not (folder / n).is_file()]
-        if missing:
-            raise InvalidAdapter(f"{folder.name}: not a diffusers ControlNetModel folder with safetensors weights "
-                                 f"(missing {', '.join(missing)}; pickle-based .bin weights are refused)")
+        folder = controlnet_folder(folder)
         digest = hashlib.sha256()
         for name in CONTROL_FILES:
             with open(folder / name, "rb") as fh:
@@ -341,20 +281,22 @@ class StencilClient:
                 out.append(json.loads(self.store.get(key)))
         return out
 
-    def submit_many(self, requests: Iterable[Mapping[str, Any]]) -> list[JobHandle]:
-        """Submit several jobs (each mapping holds ``submit``'s keyword arguments)."""
-        return [self.submit(**dict(req)) for req in requests]
+    # -- what a JobHandle asks of its client (app/http_client.py answers over HTTP) ---------------
+    def _record(self, job_id: str) -> JobRecord:
+        rec = self.jobs.get(job_id)
+        if rec is None:
+            raise KeyError(f"job {job_id} does not exist (or expired)")
+        return rec
 
-    def job(self, job_id: str) -> JobHandle:
-        return JobHandle(self, job_id, created=False)
+    def _result_bytes(self, job_id: str) -> bytes:
+        rec = self._record(job_id)
+        if rec.status != JobStatus.DONE or not rec.result_key:
+            raise JobFailed(rec) if rec.status.terminal else RuntimeError(f"job {job_id} is {rec.status.value}")
+        return self.store.get(rec.result_key)
 
-    def wait_all(self, handles: Iterable[JobHandle], timeout: float | None = None) -> list[JobRecord]:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        out = []
-        for handle in handles:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            out.append(handle.wait(remaining))
-        return out
+    def _cancel(self, job_id: str) -> bool:
+        return self.jobs.cancel(job_id)
 
 
-__all__ = ["InvalidAdapter", "InvalidParameter", "JobFailed", "JobHandle", "StencilClient", "content_id"]
+__all__ = ["ImageLike", "InvalidAdapter", "InvalidParameter", "JobFailed", "JobHandle", "StencilClient",
+           "content_id"]

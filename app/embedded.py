@@ -1,5 +1,6 @@
 """An embedded stack on one machine: its own redis-server on a free loopback port, the local
-object store, CPU and GPU Celery workers and the dispatcher, as child processes.
+object store, CPU and GPU Celery workers and the dispatcher, as child processes (and on request
+the HTTP gateway and the webhook sender).
 
 Used by ``stencil demo`` and by the integration tests, so both exercise the same processes a
 deployment runs (the same ``stencil`` subcommands docker-compose starts).
@@ -178,6 +179,28 @@ class EmbeddedStack:
 
     def start_dispatcher(self) -> subprocess.Popen:
         return self._spawn("dispatcher", ["dispatcher"])
+
+    def start_api(self, port: int | None = None, timeout: float = 60.0, **extra_env: str) -> str:
+        """The HTTP gateway (``stencil api``) on a loopback port; returns its URL once it answers."""
+        import urllib.request
+
+        port = port or free_port()
+        proc = self._spawn("api", ["api", "--port", str(port)], **extra_env)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/healthz", timeout=2) as resp:  # noqa: S310 (loopback)
+                    if resp.status == 200:
+                        return url
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway did not start; see {self.workdir / 'logs' / 'api.log'}")
+            time.sleep(0.1)
+
+    def start_webhook_sender(self, **extra_env: str) -> subprocess.Popen:
+        return self._spawn("webhook-sender", ["webhook-sender"], **extra_env)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Kill a process (and its children, e.g. prefork pool processes)."""

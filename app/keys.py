@@ -16,5 +16,11 @@ def result_key(job_id: str) -> str:
 UPLOAD_PREFIX = "upload-"
 TEMPLATE_PREFIX = "tpl-"
 
+
+def is_upload(template_id: str) -> bool:
+    """A template uploaded with a job (content-addressed), also inside a tenant's namespace
+    (``<tenant>.upload-...``, app/gateway/tenants.py): kept only while it decodes, warmed when seen again."""
+    return template_id.rpartition(".")[2].startswith(UPLOAD_PREFIX)
+
 # A GPU worker's lease on denoising a job (renewed by its engine every step).
 LEASE_PREFIX = "stencil:lease:"

@@ -58,6 +58,7 @@ CACHE_TIERS = ("device", "host", "store")
 
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _JOB_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0, 3600.0)
+_API_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 _TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 
@@ -139,6 +140,11 @@ class StencilMetrics:
             "stencil_slo_satisfaction", "Share of the jobs this process saw end with an SLO deadline that met it.",
             registry=registry, multiprocess_mode="liveall")
         self._slo_counts = [0, 0]  # met, missed (this process)
+        # The HTTP gateway: from a request's arrival to its response's first byte (a stream: its
+        # headers), by route template ("gate": refused before routing) and status code.
+        self.api_request_seconds = Histogram(
+            "stencil_api_request_seconds", "Gateway requests: seconds to the response's first byte.",
+            ["route", "status"], buckets=_API_BUCKETS, registry=registry)
 
     def observe_step(self, batch_size: int, masked_tokens: int, seconds: float) -> None:
         self.step_seconds.observe(seconds)
@@ -257,6 +263,11 @@ def observe_job_end(record_fields: Mapping[Any, Any]) -> None:
 def observe_failure(reason: str) -> None:
     """A job failed; counted by reason class (see ``failure_class``)."""
     METRICS.observe_failure(reason)
+
+
+def observe_api_request(route: str, status: int, seconds: float) -> None:
+    """A gateway request answered (its route template, its status, seconds to the first byte)."""
+    METRICS.api_request_seconds.labels(route=route, status=str(status)).observe(seconds)
 
 
 def observe_cache(tier: str, hit: bool, nbytes: int) -> None:

@@ -307,6 +307,33 @@ class Settings:
     visibility_timeout: int = 3600
     lease_seconds: float = 30.0
 
+    # HTTP gateway (`stencil api`, app/gateway/): the address it listens on (loopback unless
+    # configured; compose listens on 0.0.0.0 inside its network and publishes the port on the host's
+    # STENCIL_BIND_ADDRESS) and its port.
+    bind_address: str = "127.0.0.1"
+    api_port: int = 8080
+    # Per tenant (a tenant's own limits, `stencil tenant limits`, win): requests per second refilled
+    # into a token bucket of api_burst requests (429 + Retry-After past it), and jobs not yet ended.
+    api_rate_per_s: float = 20.0
+    api_burst: int = 40
+    api_max_jobs_per_tenant: int = 32
+    # Request bodies: edits, templates and catalogs up to this many bytes (add-on uploads:
+    # STENCIL_MAX_LORA_BYTES / STENCIL_MAX_CONTROLNET_BYTES; every image within STENCIL_MAX_UPLOAD_BYTES
+    # and STENCIL_MAX_IMAGE_PIXELS); a request's headers must arrive within api_header_timeout_s and its
+    # body may pause at most api_body_timeout_s between two reads (slow clients get 408).
+    api_max_body_bytes: int = 64 * 1024 * 1024
+    api_header_timeout_s: float = 10.0
+    api_body_timeout_s: float = 30.0
+    # The Python client over HTTP: `StencilClient()` talks to this gateway with this key when set.
+    api_url: str = ""
+    api_key: str = ""
+    # Webhooks (`stencil webhook-sender`): attempts per event (backoff 1 s doubling up to 1 h), the
+    # timeout of one POST, and whether receivers on loopback, private or link-local addresses are
+    # allowed (off: a tenant's URL could otherwise reach the deployment's own services).
+    webhook_max_attempts: int = 8
+    webhook_timeout_s: float = 10.0
+    webhook_allow_private: bool = False
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"STENCIL_DTYPE must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh clone: redis-server (OS package) if missing, a virtual
-# environment at .venv/ with the CPU build of torch==2.13.0 and this package (editable).
-# Re-running is cheap: the Python install is skipped while pyproject.toml is unchanged.
+# environment at .venv/ with the CPU build of torch==2.13.0 and this package (editable), and with
+# --browser (the test suite) Chromium and its WebDriver (OS packages) for the web page's test.
+# Re-running is cheap: the Python install is skipped while pyproject.toml is unchanged, and each
+# OS package is installed only when missing.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -12,6 +14,10 @@ if ! command -v redis-server >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
+if [ "${1:-}" = "--browser" ]; then
+  bash "$ROOT/ops/deploy/install_chromium.sh" --driver >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then

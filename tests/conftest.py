@@ -97,3 +97,20 @@ def client(stack: EmbeddedStack):  # type: ignore[no-untyped-def]
     from app.client import StencilClient
 
     return StencilClient(stack.settings)
+
+
+# The gateway of the shared stack: limits high by default (tests set a tenant's own limits where they
+# test them), short timeouts for slow-client tests, a small body limit, loopback webhook receivers.
+GATEWAY_ENV = {"STENCIL_API_RATE_PER_S": "1000", "STENCIL_API_BURST": "1000", "STENCIL_API_HEADER_TIMEOUT_S": "1.5",
+               "STENCIL_API_BODY_TIMEOUT_S": "1.5", "STENCIL_API_MAX_BODY_BYTES": str(2 << 20),
+               "STENCIL_WEBHOOK_ALLOW_PRIVATE": "1"}
+
+
+@pytest.fixture(scope="session")
+def gateway(stack: EmbeddedStack):  # type: ignore[no-untyped-def]
+    """``stencil api`` on the shared stack (a real uvicorn process on a free loopback port)."""
+    from tests.support.gateway import Gateway
+
+    gw = Gateway(stack, **GATEWAY_ENV)
+    yield gw
+    gw.stop()

@@ -54,6 +54,15 @@ def command(svc: dict[str, Any]) -> list[str]:
     return shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
 
 
+def port_binding(port: Any) -> tuple[str, str, int]:
+    """(host address, published port, container port) of a resolved port (compose v2: a mapping;
+    docker-compose 1.x: ``host:published:target/proto``)."""
+    if isinstance(port, dict):
+        return port.get("host_ip", ""), str(port["published"]), int(port["target"])
+    host, published, target = str(port).split("/")[0].rsplit(":", 2)
+    return host, published, int(target)
+
+
 def documented_commands() -> set[str]:
     """Subcommands the README's CLI block shows (``stencil <sub>``, two words for groups)."""
     block = re.search(r"## CLI\s+```(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
@@ -68,7 +77,7 @@ def documented_commands() -> set[str]:
 
 def test_compose_file_is_valid(resolved: dict[str, Any]) -> None:
     assert set(resolved["services"]) >= {"redis", "minio", "minio-init", "dispatcher", "gpu-worker-0",
-                                         "gpu-worker-cpu", "cpu-worker", "flower"}
+                                         "gpu-worker-cpu", "cpu-worker", "flower", "api", "webhook-sender"}
     assert lint.problems(resolved) == []
 
 
@@ -138,10 +147,12 @@ def test_every_stencil_service_runs_a_documented_cli_command(services: dict[str,
             assert svc["healthcheck"]["test"][-1] == worker_id, f"{name} checks another worker's health"
         if argv[1] == "stage-worker":  # the stage pool beside a GPU worker: same id, its own health name
             assert svc["healthcheck"]["test"][-1] == f"stage{args.worker_id}", f"{name} checks another pool"
+        if argv[1] == "api":  # all interfaces inside the network; the host side binds STENCIL_BIND_ADDRESS
+            assert args.host == "0.0.0.0" and args.port == 8080
         if argv[1] == "flower":
             assert args.basic_auth and ":" in args.basic_auth, "Flower must run with --basic-auth"
             assert args.port == 5555
-    assert seen >= {"dispatcher", "gpu-worker", "cpu-worker", "stage-worker", "flower"}
+    assert seen >= {"dispatcher", "gpu-worker", "cpu-worker", "stage-worker", "flower", "api", "webhook-sender"}
 
 
 def test_healthcheck_commands_parse(services: dict[str, dict[str, Any]]) -> None:
@@ -194,6 +205,12 @@ def test_deployment_wiring(services: dict[str, dict[str, Any]]) -> None:
         assert p["profiles"] == e["profiles"] and command(p)[-1] == command(e)[-1], pool
         assert p["environment"]["STENCIL_STAGE_DEVICE"] == e["environment"]["STENCIL_DEVICE"], pool
         assert p.get("deploy") == e.get("deploy"), pool
+    # Clients reach the gateway, published on the bind address; Redis is not published at all.
+    assert "ports" not in services["redis"]
+    published = {name: [port_binding(p) for p in svc["ports"]] for name, svc in services.items() if svc.get("ports")}
+    assert all(host == "127.0.0.1" for ports in published.values() for host, _, _ in ports), published
+    assert published["api"] == [("127.0.0.1", "8080", 8080)]
+    assert services["api"]["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
     # Scalable: no fixed container name or host port on the CPU workers.
     assert "container_name" not in services["cpu-worker"] and "ports" not in services["cpu-worker"]
     assert all("container_name" not in s for s in services.values())

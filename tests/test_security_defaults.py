@@ -105,7 +105,7 @@ def test_flower_refuses_a_state_file_that_is_not_a_regular_file(tmp_path) -> Non
 
 
 def test_long_running_processes_refuse_placeholder_secrets() -> None:
-    for command in (["dispatcher"], ["cpu-worker"], ["gpu-worker", "--worker-id", "0"]):
+    for command in (["dispatcher"], ["cpu-worker"], ["gpu-worker", "--worker-id", "0"], ["api"], ["webhook-sender"]):
         out = subprocess.run([sys.executable, "-m", "app.cli", *command], capture_output=True, text=True, timeout=60,
                              env=_env(STENCIL_REDIS_URL="redis://:change-me-redis@127.0.0.1:1/0"))
         assert out.returncode != 0 and "STENCIL_REDIS_URL" in out.stderr, (command, out.stderr[-500:])
@@ -119,6 +119,25 @@ def test_published_ports_and_metrics_default_to_loopback() -> None:
     for name, port in published:
         assert str(port).startswith("${STENCIL_BIND_ADDRESS:-127.0.0.1}:"), (name, port)
     assert Settings().metrics_address == "127.0.0.1"
+
+
+def test_the_gateway_listens_on_loopback_unless_configured(redis_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``stencil api`` without --host binds STENCIL_BIND_ADDRESS, 127.0.0.1 by default."""
+    assert Settings().bind_address == "127.0.0.1"
+    port = _free_port()
+    with open(tmp_path / "api.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "app.cli", "api", "--port", str(port)], stdout=log,
+                                stderr=subprocess.STDOUT, env=_env(STENCIL_REDIS_URL=redis_server.url,
+                                                                   STENCIL_HOME=str(tmp_path)))
+    try:
+        deadline = time.monotonic() + 60
+        while not _listening_addresses(port):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "api.log").read_text()[-2000:]
+            time.sleep(0.1)
+        assert _listening_addresses(port) == {"0100007F"}
+    finally:
+        proc.terminate()
+        proc.wait(15)
 
 
 def test_the_metrics_server_binds_loopback_by_default() -> None:

@@ -32,7 +32,7 @@ from app.celery_app import app
 from app.controls import control_blob, controls_digest
 from app.fidelity import expected_ssim, policy_schedule
 from app.jobs import JobParams, JobStatus
-from app.keys import UPLOAD_PREFIX, result_key, template_key
+from app.keys import is_upload, result_key, template_key
 from app.storage import ObjectNotFound, StoreUnavailable
 from app.validation import InvalidParameter, object_id
 from workers import context as ctx
@@ -112,7 +112,7 @@ def _decode_inputs(job_id: str, template_id: str, *, warm: bool) -> tuple[Image.
         image = to_rgb(decode_image(_load_template(job_id, template_id), what="template image",
                                     max_pixels=s.max_image_pixels, max_bytes=s.max_upload_bytes))
     except InvalidInput:
-        if template_id.startswith(UPLOAD_PREFIX):  # bytes nobody can use: do not keep them stored
+        if is_upload(template_id):  # bytes nobody can use: do not keep them stored
             ctx.object_store().delete(template_key(template_id))
         raise
     mask_bytes = ctx.blobs().get(job_id, "mask")
@@ -367,7 +367,7 @@ def _trigger_warm(params: JobParams, meta: dict[str, Any], digest: str) -> None:
     Uploads are warmed when their bytes come back a second time, not for a one-off edit."""
     s = ctx.settings()
     r = ctx.redis_client()
-    if params.template_id.startswith(UPLOAD_PREFIX):
+    if is_upload(params.template_id):
         seen = f"stencil:seen:{digest}"
         count = r.incr(seen)
         r.expire(seen, s.job_ttl_seconds)

@@ -13,7 +13,8 @@ with the exact command line that produced it. ``--quick`` is a smoke run in seco
   storage codec at true sizes, codec fidelity, host-tier capacity, link-speed unit selection);
 - fidelity: ``fidelity``, ``fidelity_causes``, ``fidelity_baselines``;
 - whole service: ``e2e`` (against a stock diffusers server), ``recovery`` (process faults),
-  ``replay`` (a trace against a real 2-worker stack);
+  ``replay`` (a trace against a real 2-worker stack), ``api_load`` (edits over the HTTP gateway by
+  concurrent clients: request latency, RSS over the run, one result per job);
 - dispatch: ``profile`` (fits the cost model), ``simulate`` (8-64 worker cluster simulation),
   ``batching_sim`` (continuous vs static batching by batch-cost shape), ``mixed_sizes`` (mixed image
   sizes: one-at-a-time, bucketed, mixed and SLO-aware batching, real engine and simulator),

@@ -48,7 +48,7 @@ import torch
 from app.settings import Settings
 from ops.bench.harness import cli
 from ops.bench.harness.models import flux_image_ids, job_masks
-from ops.bench.harness.timing import CLOCK_TEXT, CLOCKS, loadavg
+from ops.bench.harness.timing import CLOCK_TEXT, CLOCKS, cpu_model, loadavg
 from workers.maskaware.flux import MaskAwareFlux
 from workers.maskaware.flux import RowGroup as FluxGroup
 from workers.maskaware.flux_tokens import synthetic_token_grid
@@ -263,17 +263,6 @@ def run_unet(key: str, args: argparse.Namespace, dtype: torch.dtype) -> list[str
 def section_key(model: str, pool_threshold: float) -> str:
     """Report section of a run: the model, or model + pooling threshold when not OR (0)."""
     return model if not pool_threshold else f"{model}_pool{round(pool_threshold * 100):02d}"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (sections of one report may come from different machines)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def step_split(unet: torch.nn.Module, clock: Callable[[], float], forward: Callable[[Any], Any],

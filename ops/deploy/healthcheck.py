@@ -1,8 +1,9 @@
 """Container healthchecks for docker-compose: ``python -m ops.deploy.healthcheck KIND ...``.
 
 Each check asks the thing that matters rather than whether a process exists: the dispatcher's
-heartbeat key, the GPU engine's published state (fresh, and written by this container), a Celery
-ping to this container's CPU worker, an HTTP endpoint. Exit 0 = healthy, 1 = not.
+heartbeat key (and the webhook sender's), the GPU engine's published state (fresh, and written by
+this container), a Celery ping to this container's CPU worker, an HTTP endpoint. Exit 0 = healthy,
+1 = not.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ def _redis():  # type: ignore[no-untyped-def]
 def check_dispatcher(args: argparse.Namespace) -> bool:
     """The dispatcher refreshes this key (30 s TTL) on every loop iteration."""
     from app.dispatcher import HEARTBEAT_KEY
+
+    raw = _redis().get(HEARTBEAT_KEY)
+    return raw is not None and time.time() - float(raw) < args.max_age
+
+
+def check_webhook_sender(args: argparse.Namespace) -> bool:
+    """A webhook sender refreshes this key (30 s TTL) every round."""
+    from app.webhooks import HEARTBEAT_KEY
 
     raw = _redis().get(HEARTBEAT_KEY)
     return raw is not None and time.time() - float(raw) < args.max_age
@@ -64,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("dispatcher")
     s.add_argument("--max-age", type=float, default=30.0)
     s.set_defaults(func=check_dispatcher)
+    s = sub.add_parser("webhook-sender")
+    s.add_argument("--max-age", type=float, default=30.0)
+    s.set_defaults(func=check_webhook_sender)
     s = sub.add_parser("gpu-worker")
     s.add_argument("--worker-id", required=True)
     s.add_argument("--max-age", type=float, default=30.0)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import random
 import statistics
 import subprocess
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
@@ -74,3 +76,14 @@ def uptime() -> str:
         return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "load average: " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def cpu_model() -> str:
+    """The CPU's model name (sections of one report may come from different machines)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
