@@ -161,12 +161,9 @@ def save_strips(rows: dict[str, list[np.ndarray]], prefix: str, out_dir: Path) -
         parts: list[np.ndarray] = []
         for r in rs:
             parts += [r, gap]
-        path = out_dir / f"{prefix}_{image}.png"
-        # A 256-colour palette with Floyd-Steinberg dithering (no banding in the grey gradients):
-        # about half the RGB PNG's size.
-        strip = Image.fromarray(np.concatenate(parts[:-1], axis=0))
-        palette = strip.quantize(256, method=Image.Quantize.MEDIANCUT, kmeans=2)
-        strip.quantize(palette=palette, dither=Image.Dither.FLOYDSTEINBERG).save(path, optimize=True)
+        path = out_dir / f"{prefix}_{image}.jpg"
+        # JPEG at quality 90: an illustration, about half a palette PNG's bytes (the repository's size)
+        Image.fromarray(np.concatenate(parts[:-1], axis=0)).save(path, quality=90, optimize=True)
         written.append(str(path))
     return written
 
@@ -300,7 +297,7 @@ def markdown(summary: dict[str, dict[str, float]], keys: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default="docs/bench/training_addons.json")
-    p.add_argument("--strips", default="docs/img", help="'' to skip the strip PNGs")
+    p.add_argument("--strips", default="docs/img", help="'' to skip the strip images")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--skip", choices=["lora", "controlnet"], default=None)
     p.add_argument("--controlnet", default=str(CONTROLNET))
