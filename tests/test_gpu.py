@@ -62,6 +62,7 @@ def test_graph_replayed_steps_equal_eager_steps_on_cuda(warmed) -> None:  # type
     unet, ctrl, runner, caches, cfg, job, key, steps = warmed
     graphed = SDRunner(unet, cfg, CUDA, maskaware=ctrl, caches=caches, prefetch_steps=0)
     assert graphed.graphs is not None and graphed.graphs.capture is CudaGraphCall  # on by default on CUDA
+    runner.bucket_tokens = True  # the graphed runner's token buckets, computed eagerly
     latents = {}
     for name, r in (("eager", runner), ("graphed", graphed)):
         batch = [job(r, "masked", key, steps, seed=10 + i) for i in range(3)] + [job(r, "full", None, steps, seed=20)]

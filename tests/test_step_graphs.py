@@ -64,6 +64,8 @@ def test_graphed_runner_steps_equal_eager_steps(tmp_path: Path) -> None:
         graphed = SDRunner(unet, cfg, maskaware=ctrl, caches=caches, prefetch_steps=0, cache_plan="plan", graphs=True)
         assert graphed.graphs is not None and graphed.graphs.capture is EagerReplay
         graphed.graphs.min_horizon = 1  # these jobs are short: capture even near their end
+        assert graphed.bucket_tokens and not runner.bucket_tokens
+        runner.bucket_tokens = True  # the same computation eagerly (tests/test_token_buckets.py: against exact counts)
         results = {}
         for name, r in (("eager", runner), ("graphed", graphed)):
             batch = [_job(r, "masked", key, steps, seed=10 + i) for i in range(3)]
@@ -96,6 +98,7 @@ def test_graphed_flux_steps_equal_eager_steps(tmp_path: Path) -> None:
     steps = world.steps
     runners = {g: world.runner(graphs=g) for g in (False, True)}
     runners[True].graphs.min_horizon = 1  # these jobs are short: capture even near their end
+    runners[False].bucket_tokens = True  # the same computation eagerly
     try:
         _warm(runners[False], world.caches, world.key, steps,
               rec=world.job(runners[False], 9, **world.warm_meta("record")))

@@ -115,9 +115,12 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
     case.calls["full eager"], case.calls["full graph"] = eager(None), graphed(full_groups)
     for r in ratios:
         masks = [ctrl.token_masks(pixel_mask(latent * 8, r, ("blob", "rect")[j % 2], args.seed + j),
-                                  (latent, latent)).prepare(device) for j in range(jobs)]
-        groups = [RowGroup(2, "masked", token_mask=m, cache=s) for m, s in zip(masks, staged)]
-        case.calls[f"masked {r:g} eager"], case.calls[f"masked {r:g} graph"] = eager(groups), graphed(groups)
+                                  (latent, latent)) for j in range(jobs)]
+        groups = [RowGroup(2, "masked", token_mask=m.prepare(device), cache=s) for m, s in zip(masks, staged)]
+        # graphed steps compute token counts rounded up to their buckets, as the engine's do
+        buckets = [RowGroup(2, "masked", token_mask=m.with_buckets().prepare(device), cache=s)
+                   for m, s in zip(masks, staged)]
+        case.calls[f"masked {r:g} eager"], case.calls[f"masked {r:g} graph"] = eager(groups), graphed(buckets)
         case.notes[f"level_share {r:g}"] = [round(float(lv.float().mean()), 3) for lv in masks[0].levels]
     return case
 
@@ -172,9 +175,10 @@ def flux_case(args: Any, device: torch.device, ratios: Sequence[float]) -> Case:
 
     case.calls["full eager"], case.calls["full graph"] = eager(None), graphed([RowGroup(1, "full")])
     for r in ratios:
-        tok = ctrl.prepared(synthetic_token_grid(side, side, r, shape="blob", seed=args.seed).flatten(), device)
-        groups = [RowGroup(1, "masked", token_mask=tok, cache=staged)]
-        case.calls[f"masked {r:g} eager"], case.calls[f"masked {r:g} graph"] = eager(groups), graphed(groups)
+        grid = synthetic_token_grid(side, side, r, shape="blob", seed=args.seed).flatten()
+        groups = [RowGroup(1, "masked", token_mask=ctrl.prepared(grid, device), cache=staged)]
+        buckets = [RowGroup(1, "masked", token_mask=ctrl.prepared(grid, device, bucketed=True), cache=staged)]
+        case.calls[f"masked {r:g} eager"], case.calls[f"masked {r:g} graph"] = eager(groups), graphed(buckets)
     return case
 
 

@@ -94,7 +94,7 @@ class FluxRunner(BaseRunner):
 
     def _token_masks(self, st: JobState, tensors: dict[str, torch.Tensor]) -> Any:
         return self.maskaware.prepared(self.maskaware.token_mask(tensors["pixel_mask"].bool(), self.dilation),
-                                       self.device)
+                                       self.device, self.bucket_tokens)
 
     def _row_group(self, rows: int, mode: str, token_mask: Any = None, cache: Any = None) -> RowGroup:
         return RowGroup(rows, mode, token_mask=token_mask, cache=cache)  # type: ignore[arg-type]

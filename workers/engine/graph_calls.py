@@ -4,7 +4,9 @@ from step to step, and a function that runs it on any tensors of that structure.
 Inputs are the step's model arguments (latents, timesteps, text, ...), then for each masked job
 its staged cache (one flat buffer, ``workers/engine/staging.py``) and its token indices. The
 signature holds what fixes the call's shapes and control flow: the arguments' shapes and dtypes
-and each job's mode, rows, token counts and cache layout. The function rebuilds the row groups
+and each job's mode, rows, token counts (rounded up to token buckets where steps are graphed,
+``workers/maskaware/buckets.py``, so one graph serves every mask of its buckets), index shapes and
+cache layout. The function rebuilds the row groups
 over the tensors it is given (static buffers when captured), so a replay reads the step's data.
 """
 
@@ -48,7 +50,7 @@ def _job_inputs(groups: Sequence[Any] | None,
             continue
         parts, shape = describe(g)
         inputs += [g.cache.flat, *parts]
-        spec.append(("masked", g.rows, len(parts), g.cache.layout, *shape))
+        spec.append(("masked", g.rows, len(parts), g.cache.layout, *shape, tuple(p.shape for p in parts)))
     return masked, inputs, spec
 
 

@@ -14,8 +14,10 @@ then on a step copies its inputs into the graph's buffers and replays it. The ou
 the graph's own: the runner consumes it within the step, before any other replay.
 
 A job's mask is fixed for its life and a steady batch keeps its jobs for many steps, so a batch's
-signature repeats at every step until a job joins or leaves; a signature whose batch has fewer
-than ``min_horizon`` steps left (its first job finishes then) is not captured. Graphs share one memory pool (they
+signature repeats at every step until a job joins or leaves; token counts are rounded up to token
+buckets (``workers/maskaware/buckets.py``), so a job taking the place of one whose counts fell in
+the same buckets replays the graph already captured. A signature whose batch has fewer than
+``min_horizon`` steps left (its first job finishes then) is not captured. Graphs share one memory pool (they
 never run concurrently and never read each other's outputs); the pool of graphs is an LRU bounded
 by count and by the bytes of its static inputs. A signature whose capture fails runs eagerly from
 then on (logged once), so an unsupported call costs nothing but its eager time.

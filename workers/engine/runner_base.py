@@ -245,6 +245,19 @@ class BaseRunner(ABC):
         if self.batch_invariant:
             install_row_aware(model)
 
+    _bucket_tokens: bool | None = None
+
+    @property
+    def bucket_tokens(self) -> bool:
+        """Masked jobs compute token counts rounded up to token buckets
+        (``workers/maskaware/buckets.py``): where steps are graph-captured (a graph then serves
+        every mask of its buckets, not only the batch it was captured for)."""
+        return getattr(self, "graphs", None) is not None if self._bucket_tokens is None else self._bucket_tokens
+
+    @bucket_tokens.setter
+    def bucket_tokens(self, on: bool) -> None:
+        self._bucket_tokens = on
+
     # -- family-specific -------------------------------------------------------------------------
     @abstractmethod
     def init_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> JobState: ...

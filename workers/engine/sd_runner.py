@@ -213,7 +213,8 @@ class SDRunner(BaseRunner):
 
     def _token_masks(self, st: JobState, tensors: dict[str, torch.Tensor]) -> Any:
         latent_hw = (st.latents.shape[-2], st.latents.shape[-1])
-        return self.maskaware.token_masks(tensors["pixel_mask"].bool(), latent_hw, self.dilation)
+        masks = self.maskaware.token_masks(tensors["pixel_mask"].bool(), latent_hw, self.dilation)
+        return masks.with_buckets() if self.bucket_tokens else masks
 
     def _row_group(self, rows: int, mode: str, token_mask: Any = None, cache: Any = None) -> RowGroup:
         return RowGroup(rows, mode, token_mask=token_mask, cache=cache)  # type: ignore[arg-type]

@@ -44,13 +44,13 @@ Semantics
   dense ``[rows, T, D]`` block in double blocks; the single blocks keep text and image as one
   ``[rows*T + M, D]`` pack, built once and updated in place). Adaptive-norm modulation and gated
   residuals are applied per row segment in place (one fused pass, no gathered ``[M, D]`` tensors).
-  Attention runs per row (SDPA): queries = its text + selected image tokens; keys/values = its
-  text + its fresh selected tokens + the N - m unmasked tokens gathered from the cache, in that
-  order (attention without a mask does not depend on key order, so nothing is scattered and
-  nothing is written twice) into per-call buffers -- cached tensors are only read. RoPE is
-  applied at each token's ORIGINAL position (cos/sin for the text, each row's selected and each
-  row's cached positions are computed once per call), as one complex multiply written straight
-  into the buffers. Raw cached K get qk-norm + RoPE there; ``roped`` cached K are copied as is.
+  Attention runs per row (SDPA), in the stock forward's shape: queries = its text + selected
+  image tokens; keys/values = its text + every token of the job in its own order, i.e. the
+  cache's tensors with the fresh selected tokens written in (in place when the cache is staged
+  for the job, ``workers/engine/staging.py``, else into a copy: a shared cache is only read).
+  RoPE is applied at each token's ORIGINAL position (cos/sin for the text and each row's selected
+  positions are computed once per call), as one complex multiply. Raw cached K get qk-norm +
+  RoPE over every key; ``roped`` cached K are used as they are, only the fresh ones rotated.
 - Ratio 1 (or a full/record group) is full compute; ratio 0 skips the row (its text tokens only
   matter through masked image tokens) and returns the cached output.
 - Masked-token outputs equal full compute (to float rounding) when the cache was recorded from the
@@ -98,6 +98,7 @@ from diffusers.models.transformers.transformer_flux import FluxSingleTransformer
 from workers.adapters import layout
 from workers.adapters.patcher import install as install_row_aware
 from workers.compiled import Compiled
+from workers.maskaware.buckets import bucket_range, padded
 from workers.maskaware.flux_tokens import pixel_to_token_mask
 from workers.maskaware.tokens import row_index
 
@@ -123,12 +124,20 @@ class FluxTokens:
     unsel: torch.Tensor | None  # sorted positions taken from the cache
 
     @classmethod
-    def build(cls, mask: torch.Tensor, device: torch.device | str) -> "FluxTokens":
+    def build(cls, mask: torch.Tensor, device: torch.device | str, bucketed: bool = False) -> "FluxTokens":
+        """``bucketed``: the computed tokens padded to their token bucket, the cached ones to the
+        bucket's widest complement (``workers/maskaware/buckets.py``), so every mask of a bucket
+        has the same shapes (graph-captured steps serve them all)."""
         host = mask.detach().to("cpu").flatten().bool()
-        m = int(host.sum())
-        if m == host.numel():
-            return cls(host, m, None, None)
+        n, m = host.numel(), int(host.sum())
+        lowest = m
+        if bucketed:
+            lowest, m = bucket_range(m, n)
+        if m == n:
+            return cls(host, n, None, None)
         sel, unsel = host.nonzero().flatten(), (~host).nonzero().flatten()
+        if bucketed and sel.numel():
+            sel, unsel = padded(sel, m), padded(unsel, n - lowest)
         return cls(host, m, sel.to(device), unsel.to(device))
 
     def numel(self) -> int:
@@ -855,9 +864,10 @@ class MaskAwareFlux:
         return pixel_to_token_mask(pixel_mask, dilate=dilation)
 
     @staticmethod
-    def prepared(token_mask: torch.Tensor, device: torch.device | str) -> FluxTokens:
-        """A job's token mask with its indices on ``device``, built once for all its steps."""
-        return FluxTokens.build(token_mask, device)
+    def prepared(token_mask: torch.Tensor, device: torch.device | str, bucketed: bool = False) -> FluxTokens:
+        """A job's token mask with its indices on ``device``, built once for all its steps
+        (``bucketed``: shapes rounded up to token buckets, ``FluxTokens.build``)."""
+        return FluxTokens.build(token_mask, device, bucketed)
 
     def cache_nbytes(self, image_tokens: int, rows: int = 1, steps: int = 1,
                      dtype: torch.dtype | None = None) -> int:

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from workers.maskaware.buckets import padded, token_bucket
+
 
 def _as_bool_2d(mask: torch.Tensor) -> torch.Tensor:
     """Accept HxW (or 1xHxW / 1x1xHxW) bool/0-1/float masks; return HxW bool."""
@@ -86,11 +88,15 @@ class TokenMasks:
     Counts are Python ints computed once from the (host) masks, and ``prepare(device)`` builds
     every level's index tensor on the compute device once per job: a steady step reads both
     without touching a device value (no host-device synchronisation inside the step).
+
+    ``bucketed``: counts are rounded up to token buckets and indices padded to them
+    (``workers/maskaware/buckets.py``), so that graph-captured steps serve other masks.
     """
 
     levels: list[torch.Tensor]
     _idx: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
     _counts: dict[int, int] = field(default_factory=dict, repr=False)
+    bucketed: bool = False
 
     @property
     def latent_hw(self) -> tuple[int, int]:
@@ -113,6 +119,8 @@ class TokenMasks:
         key = (n, _device_key(device))
         if key not in self._idx:
             host = self.flat(n).cpu().nonzero().reshape(-1)
+            if self.bucketed and host.numel():
+                host = padded(host, self.count(n))
             self._idx[key] = host if key[1] == "cpu" else host.to(device)
         return self._idx[key]
 
@@ -124,16 +132,27 @@ class TokenMasks:
     def with_indices(self, indices: dict[int, torch.Tensor], device: torch.device | str) -> "TokenMasks":
         """The same masks reading their indices from ``indices`` (a captured step's static buffers)."""
         where = _device_key(device)
-        return TokenMasks(self.levels, {(n, where): t for n, t in indices.items()}, dict(self._counts))
+        return TokenMasks(self.levels, {(n, where): t for n, t in indices.items()}, dict(self._counts),
+                          self.bucketed)
 
-    def count(self, n: int) -> int:
+    def with_buckets(self) -> "TokenMasks":
+        """The same masks with counts rounded up to token buckets and indices padded to them."""
+        return TokenMasks(self.levels, {}, dict(self._counts), bucketed=True)
+
+    def masked(self, n: int) -> int:
         """Masked tokens at the level with ``n`` tokens (a Python int, memoized)."""
         if n not in self._counts:
             self._counts[n] = int(self.flat(n).sum())
         return self._counts[n]
 
+    def count(self, n: int) -> int:
+        """Tokens computed at the level with ``n`` tokens: the masked ones, rounded up to their
+        bucket when ``bucketed``."""
+        m = self.masked(n)
+        return token_bucket(m, n) if self.bucketed else m
+
     def counts(self) -> tuple[int, ...]:
-        """Masked tokens per level."""
+        """Tokens computed per level."""
         return tuple(self.count(lvl.numel()) for lvl in self.levels)
 
     def prepare(self, device: torch.device | str) -> "TokenMasks":

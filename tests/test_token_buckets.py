@@ -1,0 +1,127 @@
+"""Token-count buckets (``workers/maskaware/buckets.py``): padded counts serve every mask of a
+bucket, what the real tokens compute does not change, and a graph captured for one job is
+replayed for the next job whose counts fall in the same buckets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_plan_engine import LATENT, _job, _run, _runner_setup, _warm
+from workers.maskaware import TemplateCacheKey
+from workers.maskaware.buckets import ALIGN, GROWTH, bucket_range, token_bucket
+from workers.maskaware.tokens import blob_mask, build_token_masks
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.mark.parametrize("total", [36, 256, 4096, 16384])
+def test_buckets_cover_every_count_with_bounded_padding(total: int) -> None:
+    seen = set()
+    previous = 0
+    for count in range(total + 1):
+        lowest, bucket = bucket_range(count, total)
+        assert lowest <= count <= bucket <= total and bucket >= previous
+        assert bucket <= max(ALIGN, count * GROWTH + ALIGN), (count, bucket)
+        assert bucket_range(lowest, total) == (lowest, bucket)  # every count of the bucket shares it
+        if lowest > 1:
+            assert token_bucket(lowest - 1, total) < bucket
+        previous = bucket
+        seen.add(bucket)
+    assert token_bucket(0, total) == 0 and token_bucket(total, total) == total
+    assert len(seen) <= 40  # a few shapes serve every mask (about 30 at 4096 tokens)
+
+
+def test_bucketed_indices_hold_the_mask_padded_with_its_last_token() -> None:
+    masks = build_token_masks(blob_mask(128, 128, 0.15, seed=4), LATENT, 3)
+    buckets = masks.with_buckets().prepare("cpu")
+    for level in masks.levels:
+        n = level.numel()
+        exact, padded = masks.indices(n), buckets.indices(n) if 0 < masks.count(n) < n else None
+        assert buckets.masked(n) == masks.count(n) == int(level.sum())
+        assert buckets.count(n) == token_bucket(masks.count(n), n)
+        if padded is None:
+            continue
+        assert padded.numel() == buckets.count(n)
+        assert torch.equal(padded[:exact.numel()], exact) and bool((padded[exact.numel():] == exact[-1]).all())
+
+
+def _bucket_twin(ctrl, seed: int) -> int:  # type: ignore[no-untyped-def]
+    """A mask seed whose token counts differ from ``seed``'s at some level but fall in the same
+    buckets at every level (the jobs' masks are ``_job``'s blobs)."""
+    h, w = LATENT
+
+    def counts(s: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        masks = ctrl.token_masks(blob_mask(h * 8, w * 8, 0.15, seed=s).bool(), LATENT)
+        return masks.counts(), masks.with_buckets().counts()
+
+    exact, buckets = counts(seed)
+    for other in range(seed + 1, seed + 400):
+        e, b = counts(other)
+        if b == buckets and e != exact:
+            return other
+    raise AssertionError("no mask of the same buckets among 400 seeds")
+
+
+def test_a_job_in_a_finished_jobs_buckets_replays_its_graph(tmp_path: Path) -> None:
+    """One masked edit, then another whose token counts differ but share its buckets: with buckets
+    the second replays the first's graph at every step (no capture), with exact counts it needs
+    its own. Bucketed results equal the eager bucketed step bit for bit and the exact step to
+    float rounding."""
+    from workers.engine.sd_runner import SDRunner
+
+    steps = 5
+    unet, ctrl, runner, caches, store, cfg = _runner_setup(tmp_path, "plan", bandwidth=1e9)
+    try:
+        key = TemplateCacheKey("t", "tpl", LATENT[0] * 8, LATENT[1] * 8, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout)
+        _warm(runner, caches, key, steps)
+        twin = _bucket_twin(ctrl, 10)
+        captures, latents = {}, {}
+        for buckets in (True, False):
+            graphed = SDRunner(unet, cfg, maskaware=ctrl, caches=caches, prefetch_steps=0, graphs=True)
+            graphed.graphs.min_horizon = 1  # these jobs are short: capture even near their end
+            graphed.bucket_tokens = buckets
+            _run(graphed, _job(graphed, "masked", key, steps, seed=10))
+            assert graphed.graphs.captures == 1
+            second = _run(graphed, _job(graphed, "masked", key, steps, seed=twin))
+            assert second["masked_steps"] == steps
+            captures[buckets], latents[buckets] = graphed.graphs.captures, second["latents"]
+        assert captures == {True: 1, False: 2}
+        eager = SDRunner(unet, cfg, maskaware=ctrl, caches=caches, prefetch_steps=0)
+        eager.bucket_tokens = True
+        assert torch.equal(_run(eager, _job(eager, "masked", key, steps, seed=twin))["latents"], latents[True])
+        # float rounding of other GEMM shapes (latents ~10; a wrong token is off by ~1)
+        torch.testing.assert_close(latents[True], latents[False], rtol=1e-5, atol=1e-4)
+    finally:
+        caches.close(wait=True)
+
+
+def test_bucketed_flux_steps_equal_exact_ones(tmp_path: Path) -> None:
+    """Flux Fill: masked edits whose computed and cached token lists are padded to their buckets
+    give the exact steps' latents to float rounding, with every step masked."""
+    from tests.support.flux_world import FluxWorld
+
+    world = FluxWorld(tmp_path)
+    runners = {b: world.runner() for b in (False, True)}
+    runners[True].bucket_tokens = True
+    try:
+        _warm(runners[False], world.caches, world.key, world.steps,
+              rec=world.job(runners[False], 9, **world.warm_meta("record")))
+        latents = {}
+        for b, runner in runners.items():
+            batch = [world.job(runner, 20 + i, **world.warm_meta("masked")) for i in range(3)]
+            padded = [j.state.token_masks for j in batch]
+            assert all(t.sel is None or t.sel.numel() == t.m for t in padded)
+            while not batch[0].finished:
+                runner.step(batch)
+                for j in batch:
+                    j.steps_done += 1
+            assert all(runner.result(j)["masked_steps"] == world.steps for j in batch)
+            latents[b] = torch.cat([j.state.latents for j in batch])
+        bucketed = [j for j in (world.job(runners[True], 20 + i, **world.warm_meta("masked")) for i in range(3))]
+        assert any(j.state.token_masks.m > int(j.state.token_masks.mask.sum()) for j in bucketed)  # padding happened
+        torch.testing.assert_close(latents[True], latents[False], rtol=1e-5, atol=1e-4)
+    finally:
+        world.caches.close(wait=True)
