@@ -125,3 +125,41 @@ def test_bucketed_flux_steps_equal_exact_ones(tmp_path: Path) -> None:
         torch.testing.assert_close(latents[True], latents[False], rtol=1e-5, atol=1e-4)
     finally:
         world.caches.close(wait=True)
+
+
+def test_jobs_of_one_bucket_attend_to_their_text_in_one_call_as_they_would_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Masked jobs whose counts share buckets are adjacent runs of one token count: their
+    cross-attention is one call. Stepped together they give what each gives alone."""
+    import workers.maskaware.unet as unet_module
+    from workers.engine.sd_runner import SDRunner
+
+    steps = 4
+    unet, ctrl, runner, caches, store, cfg = _runner_setup(tmp_path, "plan", bandwidth=1e9)
+    try:
+        key = TemplateCacheKey("t", "tpl", LATENT[0] * 8, LATENT[1] * 8, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout)
+        _warm(runner, caches, key, steps)
+        bucketed = SDRunner(unet, cfg, maskaware=ctrl, caches=caches, prefetch_steps=0)
+        bucketed.bucket_tokens = True
+        seeds = (10, _bucket_twin(ctrl, 10), 11)
+        batch = [_job(bucketed, "masked", key, steps, seed=s) for s in seeds]
+        counts = [j.state.token_masks.counts() for j in batch]
+        assert counts[0] == counts[1]  # the twin: one run per level
+        calls, original = [], unet_module._runs
+
+        def counted(segs):  # type: ignore[no-untyped-def]
+            calls.append((len(segs), len(original(segs))))
+            return original(segs)
+
+        monkeypatch.setattr(unet_module, "_runs", counted)
+        while not batch[0].finished:
+            bucketed.step(batch)
+            for j in batch:
+                j.steps_done += 1
+        monkeypatch.undo()
+        assert any(runs < segs for segs, runs in calls)
+        for s, together in zip(seeds, batch):
+            alone = _run(bucketed, _job(bucketed, "masked", key, steps, seed=s))["latents"]
+            torch.testing.assert_close(together.state.latents, alone, rtol=1e-5, atol=1e-4)
+    finally:
+        caches.close(wait=True)

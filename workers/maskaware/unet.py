@@ -789,11 +789,10 @@ class MaskAwareUNet:
                 with layout.use(layout.rows((sg.gid, sg.rows) for sg in segs) if want else None):
                     k2, v2 = kern.text_kv(a2, _cat(texts))
                 outs, off, row0 = [], 0, 0
-                for sg in segs:
-                    cnt = sg.rows * sg.m
-                    outs.append(_sdpa(q2[off:off + cnt], k2[row0:row0 + sg.rows], v2[row0:row0 + sg.rows],
-                                      sg.rows, a2.heads))
-                    off, row0 = off + cnt, row0 + sg.rows
+                for rows, m in _runs(segs):  # adjacent jobs of one token count: one call
+                    cnt = rows * m
+                    outs.append(_sdpa(q2[off:off + cnt], k2[row0:row0 + rows], v2[row0:row0 + rows], rows, a2.heads))
+                    off, row0 = off + cnt, row0 + rows
                 x = kern.attn_out(a2, _cat(outs), x)
             # 3. feed-forward
             return kern.ff(blk, x)
@@ -834,6 +833,19 @@ class _Carry:
     ret: torch.Tensor
     x: torch.Tensor
     plan: _Plan
+
+
+def _runs(segs: list["_Seg"]) -> list[tuple[int, int]]:
+    """(rows, tokens per row) of each run of adjacent segments computing the same number of tokens
+    per row: their packed queries are one ``[rows, m]`` block (token buckets make equal counts
+    common, ``workers/maskaware/buckets.py``), so one attention call serves the run."""
+    out: list[tuple[int, int]] = []
+    for sg in segs:
+        if out and out[-1][1] == sg.m:
+            out[-1] = (out[-1][0] + sg.rows, sg.m)
+        else:
+            out.append((sg.rows, sg.m))
+    return out
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
