@@ -180,7 +180,7 @@ def mask_value(value: str, secret: bool) -> str:
 
 
 def effective(settings: Settings, environ: dict[str, str] | None = None) -> str:
-    """This process's settings as ``STENCIL_X=value`` lines by subject, secrets masked; a variable set
+    """This process's settings as ``STENCIL_<NAME>=value`` lines by subject, secrets masked; a variable set
     in the environment is marked ``# set``."""
     environ = dict(os.environ) if environ is None else environ
     fields = dataclasses.fields(settings)
