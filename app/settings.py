@@ -75,7 +75,7 @@ class Settings:
                          "default ./.stencil", factory=default_home)
     store_backend: str = setting("local", _IO, "object store of templates, results and caches",
                                  choices=("local", "s3"))
-    store_dir: Path = setting(Path(), _IO, "folder of the local object store; default <home>/store")
+    store_dir: Path = setting(Path(), _IO, "folder of the local object store; default STENCIL_HOME/store")
     s3_endpoint_url: str = setting("", _IO, "S3 endpoint (MinIO, ...); empty = AWS itself", secret=True)
     s3_bucket: str = setting("stencil", _IO, "S3 bucket of the object store")
     s3_region: str = setting("us-east-1", _IO, "S3 region")
@@ -111,7 +111,7 @@ class Settings:
                                    "stage pool of the GPU host a job was routed to", choices=("cpu", "gpu_host"))
     stage_device: str = setting("cpu", _MODEL, "torch device of the stage modules in the worker that serves them")
 
-    worker_id: str = setting("0", _ENGINE, "this GPU worker's id (queue gpu.<id>); set by --worker-id")
+    worker_id: str = setting("0", _ENGINE, "this GPU worker's id (its queue: gpu.ID); set by --worker-id")
     max_batch: int = setting(8, _ENGINE, "jobs denoised together by one engine")
     # static and bucketed are the baselines of the batching benchmarks.
     batching: str = setting("continuous", _ENGINE, "continuous: jobs of any size join free slots every step; "

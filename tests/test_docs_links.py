@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", ROOT / "BENCHMARKS.md", *(ROOT / "docs").rglob("*.md")])
 LOCAL_PACKAGES = {"app", "ops", "workers", "tests"}
 # Variables of the tools in ops/, not settings of the service (docs/benchmarks.md names them).
-TOOL_VARIABLES = {"STENCIL_TEST_PROCESSES", "STENCIL_TORCH_INDEX_URL", "STENCIL_TRACES_DIR", "STENCIL_PROFILE_TMP"}
+TOOL_VARIABLES = {"STENCIL_TEST_PROCESSES", "STENCIL_TORCH_INDEX_URL", "STENCIL_TRACES_DIR", "STENCIL_PROFILE_TMP",
+                  "STENCIL_IMAGE", "STENCIL_CPU_CONCURRENCY"}  # the last two: docker-compose.yml's own
 
 FENCE = re.compile(r"^```.*?^```", flags=re.S | re.M)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
