@@ -16,10 +16,10 @@ from typing import Any
 from app.validation import InvalidParameter, number, object_id
 
 MAX_LORA_SCALE = 8.0  # |scale| per adapter; diffusers' set_adapters weights are usually 0..1.5
-DEFAULT_MAX_LORAS = 4  # adapters per job (STENCIL_MAX_LORAS_PER_JOB)
+DEFAULT_MAX_LORAS = 4  # adapters per job
 # exact: a job's adapters apply from its first step (it waits in the engine until they are loaded);
-# late: it may start without them and take them once loaded, within STENCIL_LORA_LATE_MAX_FRACTION
-# of its steps (SwiftDiffusion's observation: adapters barely change the first ~30 % of steps).
+# late: it may start without them and take them once loaded, within the first 30 %
+# of its steps (the runner's lora_late_max_fraction) (SwiftDiffusion's observation: adapters barely change the first ~30 % of steps).
 LORA_PATCH_POLICIES = ("exact", "late")
 LORA_PREFIX = "loras/"
 
@@ -64,7 +64,7 @@ def adapter_set(value: Any, max_adapters: int) -> AdapterSet:
             raise InvalidParameter("loras", f"adapter {lora_id!r} is named twice")
         out[lora_id] = number("loras", scale, -MAX_LORA_SCALE, MAX_LORA_SCALE)
     if len(out) > max_adapters:
-        raise InvalidParameter("loras", f"at most {max_adapters} adapters per job (STENCIL_MAX_LORAS_PER_JOB), "
+        raise InvalidParameter("loras", f"at most {max_adapters} adapters per job, "
                                         f"got {len(out)}")
     return tuple(sorted(out.items()))
 

@@ -19,6 +19,9 @@ from typing import Any
 Predictor = Callable[[Sequence[Any]], float]
 # How far measured steps may pull the fit (one outlier step cannot swing the factor beyond this).
 BOUNDS = (0.5, 2.0)
+# The service's EWMA weight per measured step (0 = the fit as is); ops/bench/mixed_sizes.py takes
+# others as an option.
+STEP_TIME_CALIBRATION = 0.05
 
 
 class CalibratedStepTime:

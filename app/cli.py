@@ -150,6 +150,13 @@ def cmd_model_save(args: argparse.Namespace) -> int:
     return 0
 
 
+def _set_role(role: str) -> None:
+    """Tell the worker modules what this process serves (``workers.context.role``)."""
+    from workers import context
+
+    context.set_role(role)
+
+
 def _worker_argv(queues: str, pool: str, concurrency: int, name: str, loglevel: str) -> list[str]:
     return ["worker", "-Q", queues, "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "-E",
             f"--loglevel={loglevel}", "--without-mingle", "--without-gossip"]
@@ -157,7 +164,7 @@ def _worker_argv(queues: str, pool: str, concurrency: int, name: str, loglevel: 
 
 def cmd_gpu_worker(args: argparse.Namespace) -> int:
     os.environ["STENCIL_WORKER_ID"] = args.worker_id
-    os.environ["STENCIL_ROLE"] = "gpu"
+    _set_role("gpu")
     if args.max_batch:
         os.environ["STENCIL_MAX_BATCH"] = str(args.max_batch)
     if args.batching:
@@ -177,7 +184,7 @@ def cmd_gpu_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_cpu_worker(args: argparse.Namespace) -> int:
-    os.environ["STENCIL_ROLE"] = "cpu"
+    _set_role("cpu")
     from app.celery_app import CPU_QUEUE, app
     from app.metrics import start_metrics_server
 
@@ -193,7 +200,7 @@ def cmd_stage_worker(args: argparse.Namespace) -> int:
     """The stage pool co-located with GPU worker ``--worker-id``: prepare/finalize of the jobs routed
     to that worker (queue ``stage.<id>``), their text encoders and VAE on STENCIL_STAGE_DEVICE."""
     os.environ["STENCIL_WORKER_ID"] = args.worker_id
-    os.environ["STENCIL_ROLE"] = "stage"
+    _set_role("stage")
     settings = Settings.from_env()
     from workers.models.loader import DeviceUnavailable, resolve_device
 
@@ -310,6 +317,15 @@ def cmd_webhook_sender(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    """The effective settings of this process (secrets masked), or with ``--markdown`` the
+    configuration reference (docs/configuration.md)."""
+    from app import config_doc
+
+    sys.stdout.write(config_doc.markdown() if args.markdown else config_doc.effective(Settings.from_env()))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from app.demo import run_demo
 
@@ -355,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a ControlNet added with `stencil controlnet add` and its control image (repeatable)")
     s.add_argument("--lora-patch", default="", choices=("", "exact", "late"),
                    help="exact: adapters from the first step; late: may start before they are loaded "
-                        "(default: the service's STENCIL_LORA_PATCH)")
+                        "(default: exact)")
     s.add_argument("--steps", type=int, default=20)
     s.add_argument("--guidance", type=float, default=7.5)
     s.add_argument("--strength", type=float, default=1.0)
@@ -445,15 +461,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_gpu_worker)
 
     s = sub.add_parser("cpu-worker", help="start a CPU worker (prepare/finalize tasks)")
-    s.add_argument("--concurrency", type=int, default=int(os.environ.get("STENCIL_CPU_CONCURRENCY", "1")))
-    s.add_argument("--pool", default=os.environ.get("STENCIL_CPU_POOL", "prefork"))
+    s.add_argument("--concurrency", type=int, default=1)
+    s.add_argument("--pool", default="prefork")
     s.add_argument("--name", default="cpu")
     s.set_defaults(func=cmd_cpu_worker)
 
     s = sub.add_parser("stage-worker", help="start the stage pool of GPU host <id> (prepare/finalize on "
                        "STENCIL_STAGE_DEVICE, queue stage.<id>; STENCIL_STAGE_PLACEMENT=gpu_host)")
     s.add_argument("--worker-id", default=os.environ.get("STENCIL_WORKER_ID", "0"))
-    s.add_argument("--concurrency", type=int, default=int(os.environ.get("STENCIL_STAGE_CONCURRENCY", "2")))
+    s.add_argument("--concurrency", type=int, default=2)
     s.set_defaults(func=cmd_stage_worker)
 
     s = sub.add_parser("dispatcher", help="start the dispatcher")
@@ -476,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_flower)
 
     s = sub.add_parser("serve", help="a supervised local stack in the foreground (Ctrl-C stops it)")
-    s.add_argument("--workdir", default=os.environ.get("STENCIL_SERVE_DIR", "stencil-serve"),
+    s.add_argument("--workdir", default="stencil-serve",
                    help="state, logs and stencil.env (client settings) go here")
     s.add_argument("--gpu-workers", type=int, default=1, help="one per device")
     s.add_argument("--cpu-concurrency", type=int, default=2)
@@ -494,6 +510,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("webhook-sender", help="deliver signed webhooks of jobs that ended (retried with backoff)")
     s.add_argument("--threads", type=int, default=8, help="POSTs in flight at most")
     s.set_defaults(func=cmd_webhook_sender)
+
+    s = sub.add_parser("config", help="print this process's effective settings (secrets masked), for a bug report")
+    s.add_argument("--markdown", action="store_true",
+                   help="print the configuration reference instead (> docs/configuration.md)")
+    s.set_defaults(func=cmd_config)
 
     s = sub.add_parser("demo", help="run the embedded stack end to end and write results")
     s.add_argument("--jobs", type=int, default=4)

@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from app.adapters import AdapterSet, lora_meta_key, lora_upload_key
+from app.adapters import DEFAULT_MAX_LORAS, AdapterSet, lora_meta_key, lora_upload_key
 from app.blobs import BlobStore
 from app.client_base import (
     ClientBase,
@@ -31,7 +31,7 @@ from app.client_base import (
     controlnet_folder,
     image_bytes,
 )
-from app.controls import control_blob, control_spec
+from app.controls import DEFAULT_MAX_CONTROLS, control_blob, control_spec
 from app.jobs import IDEMPOTENCY_PREFIX, JobParams, JobRecord, JobStatus, JobStore, new_job_id
 from app.keys import TEMPLATE_PREFIX, UPLOAD_PREFIX, template_key
 from app.settings import Settings
@@ -60,8 +60,7 @@ class StencilClient(ClientBase):
                  api_key: str | None = None) -> None:
         self.settings = settings or Settings.from_env()
         self.redis = redis.Redis.from_url(redis_url or self.settings.redis_url)
-        self.jobs = JobStore(self.redis, ttl_seconds=self.settings.job_ttl_seconds,
-                             intake_stream=self.settings.intake_stream)
+        self.jobs = JobStore(self.redis, ttl_seconds=self.settings.job_ttl_seconds)
         self.blobs = BlobStore(self.redis, self.settings.blob_ttl_seconds)
         self.store = store or open_store(self.settings)
         self._celery: Any = None
@@ -104,8 +103,8 @@ class StencilClient(ClientBase):
         ("filmic", 0.5)]`` (or ``"papercut:0.8;filmic:0.5"``); the result equals diffusers'
         ``load_lora_weights`` + ``set_adapters`` at those scales. ``lora_patch``: ``exact`` (the
         adapters apply from the first step) or ``late`` (the job may start before they are loaded
-        and take them within ``STENCIL_LORA_LATE_MAX_FRACTION`` of its steps; the record says at
-        which step: ``lora_applied_step``); "" = the service's ``STENCIL_LORA_PATCH``.
+        and take them within the first 30 % of its steps; the record says at which step:
+        ``lora_applied_step``); "" = exact.
 
         ``controls``: ControlNets added with ``add_controlnet`` and their control images, e.g.
         ``[("canny", edges_png, 0.8)]`` or ``(id, image, scale, start, end)`` or mappings; the
@@ -180,7 +179,7 @@ class StencilClient(ClientBase):
         return self.enqueue(params, blobs)
 
     def _limits(self) -> tuple[int, int]:
-        return self.settings.max_loras_per_job, self.settings.max_controls_per_job
+        return DEFAULT_MAX_LORAS, DEFAULT_MAX_CONTROLS
 
     def add_controlnet(self, folder: Path, controlnet_id: str, *, timeout: float = 600.0) -> dict[str, Any]:
         """Add a ControlNet (a diffusers ``ControlNetModel`` folder: ``config.json`` and

@@ -73,7 +73,7 @@ def check_control(control: Sequence[Any]) -> Control:
 def check_controls(controls: Iterable[Sequence[Any]], max_controls: int) -> tuple[Control, ...]:
     out = tuple(check_control(c) for c in controls)
     if len(out) > max_controls:
-        raise InvalidParameter("controls", f"at most {max_controls} controls per job (STENCIL_MAX_CONTROLS_PER_JOB), "
+        raise InvalidParameter("controls", f"at most {max_controls} controls per job, "
                                            f"got {len(out)}")
     return out
 

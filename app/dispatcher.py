@@ -7,7 +7,7 @@ many times are dead-lettered (the job fails with a reason). A resent chain is ha
 task is idempotent against the job record.
 
 Routing sees the workers through a ``LiveWorkerView``: what every engine last published to
-``stencil:worker:<id>`` (read in one pipeline, at most every ``STENCIL_VIEW_REFRESH_MS``) plus
+``stencil:worker:<id>`` (read in one pipeline, at most every ``VIEW_REFRESH_S``) plus
 the jobs this dispatcher routed that the engines cannot show yet (still in ``prepare``). Those
 in-flight entries leave when the job appears in a worker's state, ends, or gets too old.
 
@@ -18,7 +18,7 @@ fit is scaled by the pace the engines measure (the fastest live worker's publish
 predict the same step times. A job
 without a deadline gets a default one, ``STENCIL_SLO_FACTOR`` x its standalone time (that same
 prediction, at the job's own image size with the resolution-aware batch predictor, plus
-``STENCIL_SLO_OVERHEAD_SECONDS``), recorded as ``slo_deadline``; every job with one has
+``Dispatcher.slo_overhead_s`` for prepare and finalize), recorded as ``slo_deadline``; every job with one has
 ``slo_met`` on its record when it ends (``app/jobs.py``), so SLO satisfaction is a number every
 deployment reports.
 """
@@ -29,7 +29,6 @@ import io
 import json
 import logging
 import math
-import os
 import socket
 import threading
 import time
@@ -55,7 +54,7 @@ from app.costmodel import (
     token_counts_from_mask,
 )
 from app.fidelity import policy_schedule
-from app.jobs import JobRecord, JobStatus, JobStore
+from app.jobs import INTAKE_GROUP, INTAKE_STREAM, JobRecord, JobStatus, JobStore
 from app.routing import JobDemand, JobLoad, RoutingPolicy, WorkerState, WorkerView, make_router
 from app.settings import Settings
 from app.storage import open_store
@@ -66,12 +65,22 @@ log = logging.getLogger(__name__)
 HEARTBEAT_KEY = "stencil:dispatcher:heartbeat"
 DEAD_LETTER_STREAM = "stencil:jobs:dead"
 WORKER_STATE_PREFIX = "stencil:worker:"
+# The live worker view: refreshed at most this often (a routing decision in between reuses it plus the
+# dispatcher's own assignments); a worker silent this long is presumed gone; a job routed but not yet
+# seen in its worker's state counts against that worker this long.
+VIEW_REFRESH_S = 0.05
+WORKER_STALE_S = 120.0
+INFLIGHT_TTL_S = 600.0
+# Re-sends of a stalled job's chain before it fails with the reason (app/sweeper.py).
+MAX_REDRIVES = 3
+# Intake entries pending this long in another consumer are claimed; one delivered more often than
+# MAX_DELIVERIES goes to the dead-letter stream.
+CLAIM_IDLE_MS = 60_000
+MAX_DELIVERIES = 5
+# A job whose mask cannot be decoded for routing counts as wholly masked.
+DEFAULT_MASK_RATIO = 1.0
 _LIVE_STATUSES = {JobStatus.QUEUED.value, JobStatus.ROUTED.value, JobStatus.PREPARING.value,
                   JobStatus.WAITING.value, JobStatus.DENOISING.value}
-
-
-def _env_float(name: str, default: float) -> float:
-    return float(os.environ.get(f"STENCIL_{name}", default))
 
 
 def _s(v: Any) -> str:
@@ -229,7 +238,7 @@ def load_cost_model(settings: Settings) -> CostModel | None:
     """``STENCIL_COST_MODEL`` (a file), else the newest fitted model for this model id under
     ``<home>/costmodels``; None when there is none (mask-aware routing then uses a FLOPs proxy)."""
     try:
-        return find_model(settings.home, settings.model_id, os.environ.get("STENCIL_COST_MODEL", ""))
+        return find_model(settings.home, settings.model_id, settings.cost_model)
     except (OSError, ValueError, KeyError) as exc:
         log.warning("cost model unusable (%s); routing without one", exc)
         return None
@@ -272,36 +281,35 @@ def routing_model(settings: Settings, fitted: CostModel | None) -> tuple[str, Co
 
 class Dispatcher:
     def __init__(self, settings: Settings, celery: Celery, *, router: RoutingPolicy | None = None,
-                 consumer: str | None = None, cost_model: CostModel | None = None) -> None:
+                 consumer: str | None = None, cost_model: CostModel | None = None,
+                 view_refresh_s: float = VIEW_REFRESH_S, claim_idle_ms: int = CLAIM_IDLE_MS) -> None:
         self.s = settings
         self.celery = celery
         self.r = redis.Redis.from_url(settings.redis_url)
-        self.jobs = JobStore(self.r, ttl_seconds=settings.job_ttl_seconds, intake_stream=settings.intake_stream)
+        self.jobs = JobStore(self.r, ttl_seconds=settings.job_ttl_seconds)
         self.blobs = BlobStore(self.r, settings.blob_ttl_seconds)
         self.cost_model = cost_model if cost_model is not None else load_cost_model(settings)
         # The shipped model (if any) steers routing only; deadlines and expiry need a fitted one.
         policy, model = (settings.routing_policy, self.cost_model) if router else \
             routing_model(settings, self.cost_model)
-        self.router = router or make_router(policy, settings.gpu_worker_ids, model,
-                                            size_slack=settings.routing_size_slack)
+        self.router = router or make_router(policy, settings.gpu_worker_ids, model)
         self.view = LiveWorkerView(
             self.r, settings.gpu_worker_ids, max_batch=settings.max_batch, jobs=self.jobs,
-            refresh_s=_env_float("VIEW_REFRESH_MS", 50.0) / 1000.0,
-            stale_s=_env_float("WORKER_STALE_SECONDS", 120.0),
-            inflight_ttl_s=_env_float("INFLIGHT_TTL_SECONDS", 600.0))
+            refresh_s=view_refresh_s, stale_s=WORKER_STALE_S, inflight_ttl_s=INFLIGHT_TTL_S)
         self.decisions = DecisionStats()
         self._addon_sizes: dict[str, int] = {}
         self._object_store: Any = None
-        self.slo_overhead_s = _env_float("SLO_OVERHEAD_SECONDS", 0.0)  # prepare + finalize, if known
+        self.slo_overhead_s = 0.0  # prepare + finalize, if known
         # A stable name (per host) lets a restarted dispatcher re-read its own pending entries.
         self.consumer = consumer or socket.gethostname()
-        self.stream = settings.intake_stream
-        self.group = settings.intake_group
+        self.stream = INTAKE_STREAM
+        self.group = INTAKE_GROUP
+        self.claim_idle_ms = claim_idle_ms
         stage_queue("0", settings.stage_placement)  # an unknown placement stops the dispatcher here
         self.sweeper = Sweeper(self.r, self.jobs, self.send_chain, worker_ids=settings.gpu_worker_ids,
                                stage_placement=settings.stage_placement,
-                               stall_timeout_s=settings.stall_timeout_s, max_redrives=settings.max_redrives,
-                               worker_stale_s=settings.worker_stale_seconds)
+                               stall_timeout_s=settings.stall_timeout_s, max_redrives=MAX_REDRIVES,
+                               worker_stale_s=WORKER_STALE_S)
 
     def ensure_group(self) -> None:
         try:
@@ -313,8 +321,6 @@ class Dispatcher:
     # -- what the router knows about a job ----------------------------------------------------
     def _mask(self, rec: JobRecord) -> Any:
         """The uploaded mask as a bool array, or None (never fails routing)."""
-        if os.environ.get("STENCIL_DISPATCH_DECODE_MASK", "1") in ("0", "false", "no"):
-            return None
         data = self.blobs.get(rec.id, "mask")
         if not data:
             return None
@@ -357,7 +363,7 @@ class Dispatcher:
                         grid = (max(1, int(h * scale) // cell), max(1, int(w * scale) // cell))
                         size_tokens = token_counts_from_mask(mask, grid, model.batch.spec.levels)
         if ratio is None:
-            ratio = _env_float("DEFAULT_MASK_RATIO", 1.0)
+            ratio = DEFAULT_MASK_RATIO
         cached = bool(p.template_id) and p.kind == "edit" and 0.0 < ratio < 1.0
         steps = num_denoise_steps(p.steps, p.strength)
         refresh = len(policy_schedule(p.fidelity or self.s.fidelity, steps)) / steps if cached else 0.0
@@ -415,7 +421,7 @@ class Dispatcher:
             return "missing"
         if rec.status != JobStatus.QUEUED:
             return f"skipped ({rec.status.value})"
-        reason = rec.params.validate(self.s.max_steps, self.s.max_loras_per_job, self.s.max_controls_per_job)
+        reason = rec.params.validate(self.s.max_steps)
         if reason:
             self.jobs.fail(job_id, reason)
             return "invalid"
@@ -478,7 +484,7 @@ class Dispatcher:
     def _reclaim(self) -> None:
         """Take over entries idle too long (dead consumer); dead-letter over-delivered ones."""
         _, claimed, _ = self.r.xautoclaim(self.stream, self.group, self.consumer,
-                                          min_idle_time=self.s.intake_claim_idle_ms, start_id="0-0", count=100)
+                                          min_idle_time=self.claim_idle_ms, start_id="0-0", count=100)
         if not claimed:
             return
         pending = {p["message_id"]: p["times_delivered"] for p in
@@ -486,7 +492,7 @@ class Dispatcher:
                                          consumername=self.consumer)}
         retry = []
         for entry_id, fields in claimed:
-            if pending.get(entry_id, 0) > self.s.intake_max_deliveries:
+            if pending.get(entry_id, 0) > MAX_DELIVERIES:
                 job_id = (fields.get(b"job_id") or b"").decode()
                 self.jobs.fail(job_id, "dispatch failed repeatedly (dead-lettered)")
                 self.r.xadd(DEAD_LETTER_STREAM, {"job_id": job_id, "entry": entry_id})

@@ -141,7 +141,7 @@ class JobParams:
     fidelity: str = ""
     # LoRA adapters and their scales, ``((id, scale), ...)`` (``app/adapters.py``), and when they are
     # applied: exact (from the first step) or late (once loaded, within a fraction of the steps);
-    # "" = the service's STENCIL_LORA_PATCH.
+    # "" = exact.
     loras: AdapterSet = ()
     lora_patch: str = ""
     # ControlNets: ``((controlnet id, conditioning scale, start, end), ...)`` (``app/controls.py``);
@@ -266,10 +266,19 @@ def new_job_id() -> str:
     return uuid.uuid4().hex
 
 
+# A template's own warm-up (triggered by its first edit without a cache) runs with this prompt and
+# seed; an edit's cache is keyed by them (workers/cpu_tasks.py).
+WARM_PROMPT = ""
+WARM_SEED = 0
+# The Redis stream new jobs are announced on, and the consumer group of the dispatchers reading it.
+INTAKE_STREAM = "stencil:jobs"
+INTAKE_GROUP = "dispatchers"
+
+
 class JobStore:
     """Create, read and transition job records."""
 
-    def __init__(self, client: redis.Redis, *, ttl_seconds: int, intake_stream: str) -> None:
+    def __init__(self, client: redis.Redis, *, ttl_seconds: int, intake_stream: str = INTAKE_STREAM) -> None:
         self.r = client
         self.ttl = ttl_seconds
         self.intake_stream = intake_stream

@@ -24,7 +24,7 @@ tests and the cluster simulator (ops/bench/simulate.py) run the very same object
   Ties go to the worker with fewer jobs, then round robin. Workers
   whose cheap lower bound already exceeds the best cost found are skipped (same choice, faster).
 
-Size affinity (``STENCIL_ROUTING_SIZE_SLACK``, jobs; least_requests, least_masked_tokens and
+Size affinity (``ROUTING_SIZE_SLACK`` jobs, or ``make_policy``'s ``size_slack``; least_requests, least_masked_tokens and
 mask_aware): a job whose size is known goes to a worker that is idle or already has a job of its
 latent grid, if one has at most ``slack`` more jobs than the least loaded worker; otherwise to any.
 Every image size in an engine step is one more denoiser call, and on a GPU each call pays the
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -186,11 +185,8 @@ def size_affine(workers: list[WorkerState], job: JobDemand, slack: float) -> lis
     return affine or workers
 
 
-def size_slack_setting() -> float:
-    """``STENCIL_ROUTING_SIZE_SLACK`` (jobs), as the settings module reads it."""
-    from app.settings import Settings
-
-    return Settings.from_env().routing_size_slack
+# Size affinity's slack (jobs; module docstring): the service's; the mixed-sizes benchmark varies it.
+ROUTING_SIZE_SLACK = 8.0
 
 
 def cache_steps_setting() -> int:
@@ -433,8 +429,8 @@ POLICY_VARIANTS = ("mask_aware_marginal",)
 
 
 def make_policy(name: str, model: CostModel | None = None, *, size_slack: float | None = None) -> RoutingPolicy:
-    """A policy by name (``mask_aware`` needs a cost model); ``size_slack`` None = the setting."""
-    slack = size_slack_setting() if size_slack is None else size_slack
+    """A policy by name (``mask_aware`` needs a cost model); ``size_slack`` None = ``ROUTING_SIZE_SLACK``."""
+    slack = ROUTING_SIZE_SLACK if size_slack is None else size_slack
     if name == "round_robin":
         return RoundRobinRouter()
     if name == "least_requests":
@@ -444,14 +440,11 @@ def make_policy(name: str, model: CostModel | None = None, *, size_slack: float 
     if name == "mask_aware":
         if model is None:
             raise ValueError("mask_aware routing needs a cost model (run `python -m ops.bench.profile`)")
-        return MaskAwareRouter(model, fetch_tier=os.environ.get("STENCIL_CACHE_TIER", "local"),
-                               externality=float(os.environ.get("STENCIL_ROUTING_EXTERNALITY", "0")),
-                               size_slack=slack, cache_steps=cache_steps_setting())
+        return MaskAwareRouter(model, size_slack=slack, cache_steps=cache_steps_setting())
     if name == "mask_aware_marginal":
         if model is None:
             raise ValueError("mask_aware routing needs a cost model (run `python -m ops.bench.profile`)")
-        router = MaskAwareRouter(model, fetch_tier=os.environ.get("STENCIL_CACHE_TIER", "local"), externality=1.0,
-                                 size_slack=slack, cache_steps=cache_steps_setting())
+        router = MaskAwareRouter(model, externality=1.0, size_slack=slack, cache_steps=cache_steps_setting())
         router.name = name
         return router
     raise ValueError(f"unknown routing policy {name!r}; known: {list(POLICIES)}")

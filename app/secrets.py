@@ -31,7 +31,7 @@ def check_secrets(env: Mapping[str, str] | None = None, *, flower: bool = False)
     """Raise ``InsecureConfiguration`` if a secret this process uses is a placeholder: the Redis
     and broker URLs' passwords, the S3 keys, and (``flower``) ``FLOWER_BASIC_AUTH``."""
     env = os.environ if env is None else env
-    for var in ("STENCIL_REDIS_URL", "STENCIL_BROKER_URL", "STENCIL_RESULT_BACKEND"):
+    for var in ("STENCIL_REDIS_URL", "STENCIL_BROKER_URL"):
         url = env.get(var, "")
         if url and _is_placeholder(urlsplit(url).password or ""):
             raise InsecureConfiguration(f"{var} carries a placeholder password: set a real one (.env)")

@@ -2,7 +2,7 @@
 
 Why. A batch that mixes image sizes runs one denoiser call per size (in lockstep, the transformer
 blocks packing every size's tokens, ``workers/maskaware/lockstep.py``, or one after the other:
-``STENCIL_MIXED_SIZE_CALLS``), so its step time depends on how many jobs of each size it holds,
+``workers.engine.sd_runner.mixed_size_calls``), so its step time depends on how many jobs of each size it holds,
 how many tokens each computes per level (masked or full) and how many rows (CFG) each brings: a
 single-size linear model cannot say what such a batch costs. PatchedServe predicts step latency with an SVR on task counts per resolution
 and token counts; this module does the same with features that know resolutions and sizes

@@ -14,7 +14,7 @@ Then, by status:
   (unless that GPU worker is dead and another is alive: then it moves there);
 - otherwise (a prepare/finalize whose CPU worker died, a denoise whose message or engine
   vanished): the chain is sent again, to the job's worker if it is alive, else to a live one.
-After ``STENCIL_MAX_REDRIVES`` re-drives the job fails with the reason. One dispatcher sweeps at
+After ``max_redrives`` re-drives (the dispatcher's ``MAX_REDRIVES``) the job fails with the reason. One dispatcher sweeps at
 a time (a Redis lock); each pass reads a bounded number of the oldest live jobs.
 """
 

@@ -5,7 +5,7 @@ and turns every ended one into a delivery, due now; (2) claims due deliveries (m
 set with a lease, so a sender that dies mid-POST has its claims retried once they lapse, by itself
 or another sender) and POSTs them from a small thread pool with the tenant's signature. A 2xx ends a
 delivery; anything else is retried with exponential backoff (1 s doubling, at most 1 h, +-20%
-jitter) up to ``STENCIL_WEBHOOK_MAX_ATTEMPTS``, then kept in a dead-letter list. The job record gets
+jitter) up to ``MAX_ATTEMPTS``, then kept in a dead-letter list. The job record gets
 ``webhook_status`` (delivered / failed: the reason) and ``webhook_attempts``.
 
 Receivers on loopback, private or link-local addresses are refused unless
@@ -45,6 +45,10 @@ from app.webhooks import (
 )
 
 log = logging.getLogger(__name__)
+
+# Attempts per event (backoff 1 s doubling up to 1 h: about 2 minutes in all), and one POST's timeout.
+MAX_ATTEMPTS = 8
+POST_TIMEOUT_S = 10.0
 
 BATCH = 500
 CLAIM = 32
@@ -97,13 +101,13 @@ class WebhookSender:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="webhook")
         self.session = requests.Session()
         self.rng = random.Random()
-        self.lease_s = settings.webhook_timeout_s * 3 + 5
+        self.lease_s = POST_TIMEOUT_S * 3 + 5
         self._claim = self.r.register_script(_CLAIM_LUA)
         self._reap = self.r.register_script(_REAP_LUA)
         self._hset_existing = self.r.register_script(_HSET_EXISTING_LUA)
 
     def run(self, stop: threading.Event, poll_s: float = 0.2) -> None:
-        log.info("webhook sender started (max %d attempts)", self.settings.webhook_max_attempts)
+        log.info("webhook sender started (max %d attempts)", MAX_ATTEMPTS)
         while not stop.is_set():
             try:
                 self.round()
@@ -160,7 +164,7 @@ class WebhookSender:
         if failure is None:
             log.info("webhook %s delivered (attempt %d)", delivery["event_id"], attempt)
             self._note(delivery["job_id"], webhook_status="delivered", webhook_attempts=attempt)
-        elif permanent or attempt >= self.settings.webhook_max_attempts:
+        elif permanent or attempt >= MAX_ATTEMPTS:
             log.warning("webhook %s failed after %d attempts: %s", delivery["event_id"], attempt, failure)
             pipe.lpush(DEAD_KEY, json.dumps({**delivery, "attempt": attempt, "reason": failure}))
             pipe.ltrim(DEAD_KEY, 0, DEAD_KEEP - 1)
@@ -188,7 +192,7 @@ class WebhookSender:
                    SIGNATURE_HEADER: signature(secret, body, int(time.time())), EVENT_ID_HEADER: delivery["event_id"]}
         try:
             resp = self.session.post(delivery["url"], data=body, headers=headers, allow_redirects=False,
-                                     timeout=self.settings.webhook_timeout_s)
+                                     timeout=POST_TIMEOUT_S)
         except requests.RequestException as exc:
             return f"{type(exc).__name__}"
         resp.close()

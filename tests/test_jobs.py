@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from app.jobs import JobParams, JobStatus, JobStore
+from app.jobs import INTAKE_GROUP, INTAKE_STREAM, JobParams, JobStatus, JobStore
 from tests.support.dispatch import run_until_routed
 
 pytestmark = pytest.mark.integration
@@ -104,10 +104,10 @@ def test_dispatcher_restart_rereads_unacknowledged_entries(redis_server, store: 
     dispatcher.ensure_group()
     job_id, _ = store.create(JobParams(steps=5))
     # A dispatcher read the entry and died before routing/acknowledging it.
-    store.r.xreadgroup(settings.intake_group, "d1", {settings.intake_stream: ">"}, count=10)
+    store.r.xreadgroup(INTAKE_GROUP, "d1", {INTAKE_STREAM: ">"}, count=10)
     assert store.status(job_id) == JobStatus.QUEUED
     assert run_until_routed(dispatcher, store, job_id) == JobStatus.ROUTED
-    assert store.r.xpending(settings.intake_stream, settings.intake_group)["pending"] == 0
+    assert store.r.xpending(INTAKE_STREAM, INTAKE_GROUP)["pending"] == 0
 
 
 def test_params_round_trip_through_record_fields() -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from app.client import StencilClient
 from app.embedded import EmbeddedStack
-from app.jobs import JobStatus
+from app.jobs import WARM_SEED, JobStatus
 from app.maskgen import make_mask
 from tests.test_service import SIZE, result_array, stock_result, template, wait_until
 
@@ -60,7 +60,7 @@ def test_masked_edits_with_fresh_caches_equal_full_compute_in_a_mixed_batch(
 
 def test_the_template_warm_up_serves_other_edits_approximately_and_says_so(stack: EmbeddedStack,
                                                                           client: StencilClient) -> None:
-    """The check above can fail: the template's own warm-up (no mask, STENCIL_WARM_PROMPT and
+    """The check above can fail: the template's own warm-up (no mask, WARM_PROMPT and
     seed) serves an edit with another prompt and seed under the default policy with refresh
     steps; the record says the result is approximate, and it is not the full compute."""
     from app.fidelity import policy_schedule
@@ -68,7 +68,7 @@ def test_the_template_warm_up_serves_other_edits_approximately_and_says_so(stack
     image = template(64)
     mask = make_mask(0.2, (SIZE, SIZE), "blob", seed=4)
     tid = client.add_template(image)
-    warm(client, tid, seed=stack.settings.warm_seed, steps=10)
+    warm(client, tid, seed=WARM_SEED, steps=10)
     # A first edit brings the template's cache into the worker's host tier, so the edit checked
     # below reads it on its steps instead of computing them fully while a load from the store lags
     # (a loaded CI machine: with only the last steps masked, the picture rounds to the full one).
@@ -132,7 +132,7 @@ def test_a_cache_recorded_with_another_seed_is_never_used(stack: EmbeddedStack, 
     image = template(67)
     mask = make_mask(0.2, (SIZE, SIZE), "rect", seed=6)
     tid = client.add_template(image)
-    assert stack.settings.warm_seed != 100
+    assert WARM_SEED != 100
     warm(client, tid, mask=mask, prompt="a hat", seed=100, steps=10)
     other = client.submit(template=tid, mask=mask, prompt="a hat", seed=5, steps=10).wait(120)
     same = client.submit(template=tid, mask=mask, prompt="a hat", seed=100, steps=10).wait(120)
@@ -173,7 +173,7 @@ def test_the_default_seed_with_another_prompt_is_no_worse_than_other_seeds(stack
     image = template(70)
     mask = make_mask(0.2, (SIZE, SIZE), "blob", seed=11)
     tid = client.add_template(image)
-    warm(client, tid, seed=stack.settings.warm_seed, steps=8)
+    warm(client, tid, seed=WARM_SEED, steps=8)
     psnr = {}
     for seed in (0, 1, 2, 3):
         fast = client.submit(template=tid, mask=mask, prompt="a red scarf", seed=seed, steps=8)

@@ -5,6 +5,7 @@ pixels), for SD and Flux, without the engine ever falling back to job-by-job ste
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from pathlib import Path
 
@@ -61,17 +62,18 @@ class SD:
         return prep.tensors, {**prep.meta, "cache_mode": "full", **meta}
 
 
-def test_mixed_size_calls_default_per_device_and_reject_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.settings import Settings
-    from workers.engine.sd_runner import mixed_size_calls
+def test_mixed_size_calls_default_per_device_and_reject_unknown_values(capsys: pytest.CaptureFixture[str]) -> None:
+    from ops.bench import mixed_sizes
+    from workers.engine.sd_runner import MIXED_SIZE_CALLS, SDRunner, mixed_size_calls
 
-    assert Settings().mixed_size_calls == "auto"
+    assert inspect.signature(SDRunner).parameters["mixed_sizes"].default == "auto"  # what the service builds
     assert mixed_size_calls("auto", torch.device("cpu")) == "sequential"
     assert mixed_size_calls("auto", torch.device("cuda")) == "lockstep"
     assert mixed_size_calls("lockstep", torch.device("cpu")) == "lockstep"
-    monkeypatch.setenv("STENCIL_MIXED_SIZE_CALLS", "threads")
-    with pytest.raises(ValueError, match="STENCIL_MIXED_SIZE_CALLS must be one of auto, lockstep, sequential"):
-        Settings.from_env()
+    assert MIXED_SIZE_CALLS == ("auto", "lockstep", "sequential")
+    with pytest.raises(SystemExit):  # the benchmark's option refuses it before any run
+        mixed_sizes.main(["--mixed-size-calls", "threads"])
+    assert "invalid choice: 'threads'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="'threads'"):
         mixed_size_calls("threads", torch.device("cpu"))
 
@@ -81,7 +83,7 @@ def _no_retry(caplog: pytest.LogCaptureFixture) -> None:
     assert not retries, f"the engine fell back to job-by-job steps: {retries[:1]}"
 
 
-@pytest.mark.parametrize("calls", ["lockstep", "sequential"])  # STENCIL_MIXED_SIZE_CALLS
+@pytest.mark.parametrize("calls", ["lockstep", "sequential"])  # SDRunner(mixed_sizes=...)
 def test_sd_mixed_sizes_share_steps_and_equal_each_job_alone(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                             calls: str) -> None:
     from workers.maskaware.activation_store import TemplateCacheKey

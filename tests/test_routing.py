@@ -294,21 +294,20 @@ def dispatcher_factory(redis_server):  # type: ignore[no-untyped-def]
     def make(**overrides: object) -> Dispatcher:
         cost_model = overrides.pop("cost_model", None)
         consumer = str(overrides.pop("consumer", "t"))
+        options = {k: overrides.pop(k) for k in ("view_refresh_s", "claim_idle_ms") if k in overrides}
         settings = Settings.from_env(redis_url=redis_server.url, **overrides)
-        return Dispatcher(settings, make_celery(settings), consumer=consumer, cost_model=cost_model)
+        return Dispatcher(settings, make_celery(settings), consumer=consumer, cost_model=cost_model, **options)
 
     return make
 
 
-def test_dispatcher_routes_by_published_state(redis_client, dispatcher_factory,  # type: ignore[no-untyped-def]
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dispatcher_routes_by_published_state(redis_client, dispatcher_factory) -> None:  # type: ignore[no-untyped-def]
     from app.jobs import JobParams, JobStore
 
-    monkeypatch.setenv("STENCIL_VIEW_REFRESH_MS", "0")
     store = JobStore(redis_client, ttl_seconds=60, intake_stream="stencil:jobs")
     publish(redis_client, "0", [{"job_id": f"x{i}", "mask_ratio": 0.1, "remaining": 10} for i in range(3)])
     publish(redis_client, "1", [{"job_id": "y", "mask_ratio": 0.1, "remaining": 10}])
-    d = dispatcher_factory(gpu_workers="0,1", routing_policy="least_requests")
+    d = dispatcher_factory(gpu_workers="0,1", routing_policy="least_requests", view_refresh_s=0.0)
     ids = [store.create(JobParams(steps=5))[0] for _ in range(3)]
     # Worker 1 has 1 job, worker 0 has 3: the first two go to 1 (its in-flight count grows), then tie.
     outcomes = [d.route(j) for j in ids]
@@ -336,7 +335,7 @@ def test_xautoclaim_takes_over_a_dead_dispatchers_entries(redis_server, redis_cl
     from app.jobs import JobParams, JobStatus, JobStore
 
     store = JobStore(redis_client, ttl_seconds=60, intake_stream="stencil:jobs")
-    alive = dispatcher_factory(gpu_workers="0", intake_claim_idle_ms=200, consumer="alive")
+    alive = dispatcher_factory(gpu_workers="0", claim_idle_ms=200, consumer="alive")
     alive.ensure_group()
     job_id, _ = store.create(JobParams(steps=5))
     got = redis_client.xreadgroup("dispatchers", "dead", {"stencil:jobs": ">"}, count=10)

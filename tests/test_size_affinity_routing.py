@@ -1,5 +1,5 @@
 """Size affinity in routing: a job goes to a worker that is idle or already runs its image size when
-one is within ``STENCIL_ROUTING_SIZE_SLACK`` jobs of the least loaded worker, for every load-aware
+one is within ``ROUTING_SIZE_SLACK`` jobs of the least loaded worker, for every load-aware
 policy; engines publish each job's latent grid and the dispatcher reads it back."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from app.dispatcher import parse_worker_hash
-from app.routing import JobDemand, JobLoad, WorkerState, WorkerView, make_policy, size_affine
+from app.routing import ROUTING_SIZE_SLACK, JobDemand, JobLoad, WorkerState, WorkerView, make_policy, size_affine
 from tests.test_routing import small_model
 from workers.engine.job import EngineJob
 from workers.gpu_tasks import RedisEngineHooks
@@ -61,10 +61,10 @@ def test_in_flight_jobs_count_for_their_size() -> None:
     assert router.choose(job((12, 16)), view) == "wd"
 
 
-def test_setting_selects_the_slack(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("STENCIL_ROUTING_SIZE_SLACK", "0")
-    assert make_policy("least_requests").choose(job(), two_workers(1, 4)) == "sq"
-    monkeypatch.setenv("STENCIL_ROUTING_SIZE_SLACK", "4")
+def test_the_parameter_selects_the_slack_and_the_service_has_one() -> None:
+    assert make_policy("least_requests", size_slack=0).choose(job(), two_workers(1, 4)) == "sq"
+    assert make_policy("least_requests", size_slack=4).choose(job(), two_workers(1, 4)) == "wd"
+    assert ROUTING_SIZE_SLACK >= 4  # the service's (the dispatcher passes none): affinity on
     assert make_policy("least_requests").choose(job(), two_workers(1, 4)) == "wd"
 
 

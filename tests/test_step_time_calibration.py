@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from app.calibration import CalibratedStepTime
-from app.settings import Settings
+from app.calibration import STEP_TIME_CALIBRATION, CalibratedStepTime
 from workers.engine.engine import Engine
 from workers.engine.job import EngineJob
 from workers.engine.scheduler import BatchScheduler
@@ -82,7 +81,7 @@ def test_the_engine_feeds_its_measured_steps_back() -> None:
 
 
 def test_the_service_default_corrects() -> None:
-    assert 0.0 < Settings().step_time_calibration <= 0.2
+    assert 0.0 < STEP_TIME_CALIBRATION <= 0.2
 
 
 def test_the_engine_publishes_its_factor_and_the_dispatcher_reads_it() -> None:

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.settings import Settings
-from workers.maskaware.tokens import blob_mask, build_token_masks
+from workers.maskaware.tokens import POOL_THRESHOLD, blob_mask, build_token_masks
 
 
 def _shares(levels: list[torch.Tensor]) -> list[float]:
@@ -38,7 +37,7 @@ def _losses_by_threshold() -> dict[float, float]:
 
 
 def test_default_threshold_is_the_largest_measured_within_the_fidelity_budget() -> None:
-    default = Settings().mask_pool_threshold
+    default = POOL_THRESHOLD
     worst = _losses_by_threshold()
     assert {0.25, 0.5} <= set(worst), worst
     assert worst[default] <= BUDGET, (default, worst)

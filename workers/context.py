@@ -20,6 +20,18 @@ from app.storage import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
 _lock = threading.RLock()
+# What the `stencil` command started this process as (gpu | cpu | stage; "" elsewhere): set before
+# the Celery worker starts, inherited by its pool (threads, or forked processes).
+_role = ""
+
+
+def set_role(role: str) -> None:
+    global _role
+    _role = role
+
+
+def role() -> str:
+    return _role
 
 
 @functools.cache
@@ -35,7 +47,7 @@ def redis_client() -> redis.Redis:
 @functools.cache
 def jobs() -> JobStore:
     s = settings()
-    return JobStore(redis_client(), ttl_seconds=s.job_ttl_seconds, intake_stream=s.intake_stream)
+    return JobStore(redis_client(), ttl_seconds=s.job_ttl_seconds)
 
 
 @functools.cache

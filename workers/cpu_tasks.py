@@ -31,7 +31,7 @@ from app.adapters import AdapterSet, adapter_digest
 from app.celery_app import app
 from app.controls import control_blob, controls_digest
 from app.fidelity import expected_ssim, policy_schedule
-from app.jobs import JobParams, JobStatus
+from app.jobs import WARM_PROMPT, WARM_SEED, JobParams, JobStatus
 from app.keys import is_upload, result_key, template_key
 from app.storage import ObjectNotFound, StoreUnavailable
 from app.validation import InvalidParameter, object_id
@@ -43,6 +43,9 @@ from workers.images import InvalidInput, decode_image, encode_png, target_size, 
 from workers.tensors import pack, unpack
 
 log = logging.getLogger(__name__)
+
+# Smaller images are refused: a UNet's coarsest level needs a few tokens.
+MIN_SIDE = 64
 
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, StoreUnavailable)
 
@@ -80,9 +83,7 @@ def _limit_torch_threads(**_: Any) -> None:
 @worker_ready.connect
 def _load_stage_modules(**_: Any) -> None:
     """A GPU host's stage pool loads its modules onto the device before its first job."""
-    import os
-
-    if os.environ.get("STENCIL_ROLE") == "stage":
+    if ctx.role() == "stage":
         ctx.stage_pipeline()
 
 
@@ -137,13 +138,13 @@ def job_size(image_size: tuple[int, int], params: JobParams, multiple: int) -> t
         for name, value in (("width", params.width), ("height", params.height)):
             if value % multiple:
                 raise InvalidInput(f"{name} {value} is not a multiple of {multiple} (this model's latent factor)")
-            if not s.min_side <= value <= s.max_side:
-                raise InvalidInput(f"{name} {value} is outside this service's sizes: {s.min_side} to "
-                                   f"{s.max_side} px (STENCIL_MIN_SIDE, STENCIL_MAX_SIDE)")
+            if not MIN_SIDE <= value <= s.max_side:
+                raise InvalidInput(f"{name} {value} is outside this service's sizes: {MIN_SIDE} to "
+                                   f"{s.max_side} px (STENCIL_MAX_SIDE)")
         return params.width, params.height
-    if min(image_size) < s.min_side:
+    if min(image_size) < MIN_SIDE:
         raise InvalidInput(f"image is {image_size[0]}x{image_size[1]}, under this service's minimum side of "
-                           f"{s.min_side} px (STENCIL_MIN_SIDE)")
+                           f"{MIN_SIDE} px")
     return target_size(*image_size, multiple, s.max_side)
 
 
@@ -204,7 +205,7 @@ def prepare(self: Any, job_id: str) -> dict[str, Any]:
                                                                bool(prepared.meta["do_cfg"])))
     empty = prepared.mask_ratio == 0.0 and params.kind == "edit"
     meta = dict(prepared.meta, empty=empty, mask_ratio=prepared.mask_ratio,
-                loras=[[i, s] for i, s in params.loras], lora_patch=params.lora_patch or ctx.settings().lora_patch,
+                loras=[[i, s] for i, s in params.loras], lora_patch=params.lora_patch or "exact",
                 controls=[list(c) for c in params.controls],
                 addons=addons_digest(params.loras, params.controls, control_digests))
     cache_fields = _cache_plan(job_id, params, meta, prepared) if not empty else {}
@@ -268,7 +269,7 @@ def _cache_layout() -> str:
     if ctx.model_family() == "flux":
         layout = "flux-kv-roped"  # MaskAwareFlux.cache_layout of the service's controller
     else:
-        layout = "kv+y" if ctx.settings().maskaware_kv_source == "cache" else "y"
+        layout = "kv+y"  # MaskAwareUNet's kv_source "cache": K/V and block outputs
     dtype = ctx.settings().dtype
     return layout if dtype == "float32" else f"{layout}@{dtype}"
 
@@ -302,13 +303,13 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: 
         meta["cache_mode"] = "full"
         return {**full, "cache_note": "full mask"}
     exact = template_cache_key(params, meta, region=region_digest(pixel_mask, params, meta.get("addons", "")))
-    base = template_cache_key(params, meta, s.warm_seed)
+    base = template_cache_key(params, meta, WARM_SEED)
     # Add-ons change every token's activations, yet the refresh steps' offset correction absorbs
     # that: from the template's cache recorded without them, edits with a LoRA or a ControlNet are
     # as faithful as from one recorded with them (docs/bench/addon_fidelity.md: SSIM 0.995 vs 0.995,
     # ControlNet 0.988 vs 0.988). A cache recorded with the job's add-ons is used when a user warmed
     # one; none is warmed automatically per add-on set (a long tail of sets would each need one).
-    plain = template_cache_key(params, meta, s.warm_seed, addons="") if meta.get("addons") else None
+    plain = template_cache_key(params, meta, WARM_SEED, addons="") if meta.get("addons") else None
     try:
         if ctx.activations().has(exact):
             return _use_cache(job_id, meta, exact, [], {"fidelity": policy, "cache_path": "exact", "approximate": "0"})
@@ -332,8 +333,7 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: 
     meta["cache_mode"] = "full"
     if policy == "exact":
         return {**full, "cache_note": "no exact cache for this edit"}
-    if s.auto_warm:  # the template's own warm-up (without add-ons: see above)
-        _trigger_warm(params, meta, (plain or base).digest())
+    _trigger_warm(params, meta, (plain or base).digest())  # the template's own (without add-ons: see above)
     return {**full, "cache_note": "template not warmed"}
 
 
@@ -375,7 +375,7 @@ def _trigger_warm(params: JobParams, meta: dict[str, Any], digest: str) -> None:
             return
     if not r.set(f"stencil:warming:{digest}", "1", nx=True, ex=3600):
         return  # a warm-up for this key is already under way (or recently was)
-    warm = JobParams(kind="warm", template_id=params.template_id, prompt=s.warm_prompt, seed=s.warm_seed,
+    warm = JobParams(kind="warm", template_id=params.template_id, prompt=WARM_PROMPT, seed=WARM_SEED,
                      steps=params.steps, strength=params.strength, guidance=params.guidance, priority=-10,
                      width=int(meta["width"]), height=int(meta["height"]))
     warm_id, _ = ctx.jobs().create(warm)

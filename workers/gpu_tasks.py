@@ -31,6 +31,15 @@ from workers.tensors import pack, unpack
 
 log = logging.getLogger(__name__)
 
+# The engine's fixed choices (measured, not settings; the benchmarks that varied them take them as
+# options). Concurrent background fetches of template caches per GPU worker: S3 reads are
+# latency-bound, so several requests in flight (boto3's pool allows 10) keep prefetch ahead of the queue.
+PREFETCH_THREADS = 4
+# STENCIL_HOST_CACHE_BYTES=0: this share of physical memory per GPU worker of the host, minus the weights.
+HOST_CACHE_FRACTION = 0.5
+# How long an idle engine sleeps before it looks for work again.
+ENGINE_IDLE_SLEEP_S = 0.005
+
 WORKER_STATE_PREFIX = "stencil:worker:"
 
 _engine: Engine | None = None
@@ -177,14 +186,9 @@ def get_engine() -> Engine:
     global _engine
     with _engine_lock:
         if _engine is None:
-            from workers.engine.scheduler import (
-                BatchScheduler,
-                size_switch_for,
-                slo_margin_for,
-                slo_order_for,
-                slo_yield_for,
-            )
+            from workers.engine.scheduler import SIZE_AFFINITY_STEPS, BatchScheduler, device_defaults
             from workers.engine.template_cache import CacheRecorder, StepCacheProvider
+            from workers.maskaware.tokens import POOL_THRESHOLD
             from workers.models import loader
 
             s = ctx.settings()
@@ -192,26 +196,24 @@ def get_engine() -> Engine:
             if s.mask_aware:
                 # Budget set below once the model's weights are known (auto = from memory).
                 cache_options = {"caches": StepCacheProvider(
-                    ctx.activations(), max(s.host_cache_bytes, 0), fetch_threads=s.prefetch_threads,
+                    ctx.activations(), max(s.host_cache_bytes, 0), fetch_threads=PREFETCH_THREADS,
                     device=s.device),
                                  "recorder": CacheRecorder(ctx.activations(), codec=s.cache_dtype),
-                                 "dilation": s.mask_dilation, "prefetch_steps": s.prefetch_steps,
-                                 "cache_plan": s.cache_plan, "max_wait_s": s.cache_plan_max_wait_s,
+                                 "prefetch_steps": s.prefetch_steps, "cache_plan": "plan",
                                  "read_gbps": None}  # warm-ups store units by the measured host->device read
             # Adapters: the patcher goes in before the mask-aware hooks (see workers/adapters/patcher.py).
             from workers.adapter_tasks import read_weights
             from workers.adapters.bank import AdapterBank
             from workers.adapters.patcher import LoraPatcher
 
-            bank = AdapterBank(read_weights, s.lora_cache_bytes, s.lora_fetch_threads)
-            cache_options.update(adapters=bank, lora_late_max_fraction=s.lora_late_max_fraction,
-                                 batch_invariant=s.batch_invariant_for(s.dtype, s.device))
+            bank = AdapterBank(read_weights, s.lora_cache_bytes)
+            cache_options.update(adapters=bank, batch_invariant=s.batch_invariant_for(s.dtype, s.device))
             if ctx.model_family() == "flux":
                 from workers.engine.flux_runner import FluxRunner
                 from workers.maskaware.flux import MaskAwareFlux
 
                 model = loader.load_flux_transformer(ctx.model_dir(), s.device, loader.torch_dtype(s.dtype))
-                lora = LoraPatcher(model, "transformer", bank.get, merge_buffers=s.lora_merge_buffers)
+                lora = LoraPatcher(model, "transformer", bank.get)
                 runner: Any = FluxRunner(model, ctx.scheduler_config(), loader.vae_scale_factor(ctx.model_dir()),
                                          s.device, compile=s.compile, graphs=s.cuda_graphs_for(s.device),
                                          maskaware=MaskAwareFlux(model, compile=s.compile) if s.mask_aware else None,
@@ -222,30 +224,28 @@ def get_engine() -> Engine:
                 from workers.maskaware.unet import MaskAwareUNet
 
                 unet = loader.load_unet(ctx.model_dir(), s.device, loader.torch_dtype(s.dtype))
-                lora = LoraPatcher(unet, "unet", bank.get, merge_buffers=s.lora_merge_buffers)
-                maskaware = MaskAwareUNet(unet, kv_source=s.maskaware_kv_source,  # type: ignore[arg-type]
-                                          compile=s.compile) if s.mask_aware else None
+                lora = LoraPatcher(unet, "unet", bank.get)
+                maskaware = MaskAwareUNet(unet, compile=s.compile) if s.mask_aware else None
                 if maskaware is not None:
-                    maskaware.pool_threshold = s.mask_pool_threshold
+                    maskaware.pool_threshold = POOL_THRESHOLD
                 controlnets = ControlNetBank(store_loader(ctx.object_store().get, s.device, unet.dtype),
                                              s.controlnet_cache_bytes)
                 runner = SDRunner(unet, ctx.scheduler_config(), s.device, maskaware=maskaware, lora=lora, compile=s.compile,
                                   graphs=s.cuda_graphs_for(s.device),
-                                  controlnets=controlnets, controlnet_parallel=s.controlnet_parallel == "thread",
-                                  mixed_sizes=s.mixed_size_calls, **cache_options)
+                                  controlnets=controlnets, controlnet_parallel=True, **cache_options)
             caches = cache_options.get("caches")
             if caches is not None:
                 from workers.engine.host_budget import host_cache_budget
 
                 denoiser = getattr(runner, "unet", None) or getattr(runner, "model", None) or getattr(runner, "transformer", None)
                 caches.host.budget_bytes = host_cache_budget(
-                    s.host_cache_bytes, s.host_cache_fraction, [denoiser] if denoiser is not None else [], s.device)
+                    s.host_cache_bytes, HOST_CACHE_FRACTION, [denoiser] if denoiser is not None else [], s.device)
                 if denoiser is not None:
                     caches.dtype = next(denoiser.parameters()).dtype
                 log.info("template caches stored as %s (exact-region caches: float32)", s.cache_dtype)
             step_time = None
             if s.slo_admission.strip().lower() not in ("off", "0", "false", "no"):
-                from app.calibration import calibrated
+                from app.calibration import STEP_TIME_CALIBRATION, calibrated
                 from app.costmodel import find_model, slo_admission_on, step_time_predictor
 
                 try:
@@ -255,7 +255,7 @@ def get_engine() -> Engine:
                     model = None
                 on = slo_admission_on(s.slo_admission, model)
                 step_time = calibrated(step_time_predictor(model) if on and model is not None else None,
-                                       s.step_time_calibration)
+                                       STEP_TIME_CALIBRATION)
                 log.info("SLO admission %s", f"on ({model.model_id}/{model.device_kind}, "
                          f"{'resolution-aware batch SVR' if model.batch else 'linear model'})" if on and model else
                          "off: no fitted cost model with the batch step-time predictor (`stencil profile --sizes`)")
@@ -271,19 +271,16 @@ def get_engine() -> Engine:
                                                                   None),
                                      step_time=step_time)
             _engine = Engine(runner, BatchScheduler(s.max_batch, s.batching, step_time=step_time, on_expire=expire,
-                                                     size_affinity_steps=s.size_affinity_steps,
-                                                     size_switch=size_switch_for(s.size_switch, s.device),
-                                                     slo_order=slo_order_for(s.slo_order, s.device),
-                                                     slo_yield=slo_yield_for(s.slo_yield, s.device),
-                                                     slo_margin=slo_margin_for(s.slo_margin, s.device)),
-                             hooks, idle_wait=s.engine_idle_sleep).start()
+                                                     size_affinity_steps=SIZE_AFFINITY_STEPS,
+                                                     **device_defaults(s.device)),
+                             hooks, idle_wait=ENGINE_IDLE_SLEEP_S).start()
         return _engine
 
 
 @worker_ready.connect
 def _warm_engine(sender: Any = None, **_: Any) -> None:
     queues = {q.name for q in getattr(sender.app.amqp, "queues", {}).values()} if sender else set()
-    if any(q.startswith("gpu.") for q in queues) or os.environ.get("STENCIL_ROLE") == "gpu":
+    if any(q.startswith("gpu.") for q in queues) or ctx.role() == "gpu":
         get_engine()
 
 

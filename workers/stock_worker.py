@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from app.blobs import BlobStore
-from app.jobs import JobStatus, JobStore
+from app.jobs import INTAKE_STREAM, JobStatus, JobStore
 from app.keys import result_key, template_key
 from app.settings import Settings
 from app.storage import open_store
@@ -37,19 +37,19 @@ class StockRouter:
     def __init__(self, settings: Settings) -> None:
         self.s = settings
         self.r = redis.Redis.from_url(settings.redis_url)
-        self.jobs = JobStore(self.r, ttl_seconds=settings.job_ttl_seconds, intake_stream=settings.intake_stream)
+        self.jobs = JobStore(self.r, ttl_seconds=settings.job_ttl_seconds)
         self.cycle = itertools.cycle(settings.gpu_worker_ids)
 
     def run(self, stop: threading.Event) -> None:
         group = "stock-router"
         try:
-            self.r.xgroup_create(self.s.intake_stream, group, id="0", mkstream=True)
+            self.r.xgroup_create(INTAKE_STREAM, group, id="0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
         while not stop.is_set():
             self.r.set("stencil:dispatcher:heartbeat", repr(time.time()), ex=30)
-            resp = self.r.xreadgroup(group, "router", {self.s.intake_stream: ">"}, count=64, block=500)
+            resp = self.r.xreadgroup(group, "router", {INTAKE_STREAM: ">"}, count=64, block=500)
             for _stream, entries in resp or []:
                 for entry_id, fields in entries:
                     job_id = fields[b"job_id"].decode()
@@ -57,7 +57,7 @@ class StockRouter:
                     self.r.rpush(STOCK_QUEUE.format(worker), job_id)
                     self.jobs.transition(job_id, JobStatus.ROUTED, expect=(JobStatus.QUEUED,),
                                          worker=f"stock.{worker}")
-                    self.r.xack(self.s.intake_stream, group, entry_id)
+                    self.r.xack(INTAKE_STREAM, group, entry_id)
 
 
 class StockWorker:
@@ -69,7 +69,7 @@ class StockWorker:
         self.s = settings
         self.worker_id = worker_id
         self.r = redis.Redis.from_url(settings.redis_url)
-        self.jobs = JobStore(self.r, ttl_seconds=settings.job_ttl_seconds, intake_stream=settings.intake_stream)
+        self.jobs = JobStore(self.r, ttl_seconds=settings.job_ttl_seconds)
         self.blobs = BlobStore(self.r, settings.blob_ttl_seconds)
         self.store = open_store(settings)
         # On STENCIL_DEVICE, as a user runs the stock pipeline on the card (the comparison's baseline).

@@ -123,7 +123,7 @@ def _prepare_row(gw: Gateway, tenant: str, root: Path, row: Any, where: str,
     loras = tuple((scoped(tenant, i), s) for i, s in params.pop("loras", ()))
     try:
         checked = JobParams(**params, template_id=template_id, loras=loras, controls=tuple(controls)).check(
-            settings.max_steps, settings.max_loras_per_job, settings.max_controls_per_job)
+            settings.max_steps)
     except ValueError as exc:
         raise ApiProblem(422, f"row {where}: {exc}", parameter="manifest") from None
     return PreparedRow(row.row_id, checked, blobs)

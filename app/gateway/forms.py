@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from fastapi import Depends, File, Form, Request, Response, UploadFile
 from fastapi.routing import APIRoute
 
-from app.adapters import adapter_set
+from app.adapters import DEFAULT_MAX_LORAS, adapter_set
 from app.controls import control_blob, control_spec
 from app.gateway.errors import problem_response
 from app.gateway.tenants import scoped
@@ -51,12 +51,12 @@ class GenerationForm:
 
     def params(self, tenant: str, settings: Settings, **fields: Any) -> JobParams:
         """Checked ``JobParams`` with every id in the tenant's namespace (``fields``: the route's own)."""
-        loras = tuple((scoped(tenant, i), s) for i, s in adapter_set(self.loras, settings.max_loras_per_job))
+        loras = tuple((scoped(tenant, i), s) for i, s in adapter_set(self.loras, DEFAULT_MAX_LORAS))
         controls = tuple((scoped(tenant, c[0]), *c[1:]) for c in self._controls())
         template_id = fields.pop("template_id", "")
         return JobParams(**self.values, **fields, loras=loras, controls=controls,
                          template_id=scoped(tenant, template_id) if template_id else "").check(
-            settings.max_steps, settings.max_loras_per_job, settings.max_controls_per_job)
+            settings.max_steps)
 
     def _controls(self) -> list[tuple[str, float, float, float]]:
         if not self.controls.strip():

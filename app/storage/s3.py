@@ -112,7 +112,7 @@ class S3Store(ObjectStore):
 
     @classmethod
     def from_settings(cls, settings: "Settings") -> "S3Store":
-        """The store ``STENCIL_S3_*`` names; empty endpoint means AWS itself."""
+        """The store the S3 settings name (docs/configuration.md); empty endpoint means AWS itself."""
         return cls(
             settings.s3_bucket,
             endpoint_url=settings.s3_endpoint_url or None,

@@ -645,7 +645,7 @@ def render_steady(args: argparse.Namespace, bench: Bench, links: list[Link], rat
         "order, every unit waited for; (c) plan = step s+1 planned when step s starts with the measured "
         "`lead_s` (copy-stream idle time before step s+1), its chosen units queued behind step s's, the rest "
         "computed fully; (d) ideal = all resident; (e) engine = the same job through `SDRunner.step` with "
-        f"the service's settings (`STENCIL_CACHE_PLAN=plan`, step s+1 planned during step s, "
+        f"the service's settings (the runner's `cache_plan='plan'`, step s+1 planned during step s, "
         f"{args.engine_prefetch} whole steps prefetched ahead in the background), which also pays the scheduler "
         "update and the CFG combine per step.",
         "- **(d) achievable** := the link delivers one step's cached bytes within one ideal step: "

@@ -153,7 +153,7 @@ def part_formula(args: argparse.Namespace, state: dict) -> list[str]:
               f"{sdxl[default] / MiB:.0f} MiB/step with the default codec (`{default}`), i.e. "
               f"{sdxl[default] * STEPS / GiB:.1f} GiB per 50-step template: "
               f"{sdxl[default] * STEPS / FLASHPS_SDXL_BYTES:.1f}x FlashPS's figure, not a quarter of it. Even "
-              f"the `y` layout (`STENCIL_MASKAWARE_KV_SOURCE=recompute`: block outputs only) takes "
+              f"the `y` layout (`MaskAwareUNet(kv_source='recompute')`: block outputs only) takes "
               f"{y['float16'] / MiB:.0f} MiB/step in 16 bits. 2.6 GiB at 50 steps cannot hold one float16 "
               "tensor of 1024 px SDXL's 64x64 level (640 channels) per transformer block per step for two "
               "CFG rows, so FlashPS's figure must come from a smaller cache (fewer blocks, steps or rows, or "
@@ -348,14 +348,14 @@ def steps_rows(label: str, steps: int, counts: list[int], args: argparse.Namespa
     from app.demo import demo_templates
     from app.jobs import JobParams
     from app.maskgen import SHAPES, make_mask
-    from app.settings import Settings
     from ops.bench.harness.edits import EDIT_PROMPTS, OPTIONS, Family, edit, metrics, record
     from workers.engine.template_cache import CacheRecorder
+    from workers.maskaware.tokens import POOL_THRESHOLD
 
     family, model = STEPS_MODELS[label]
     fam = Family(family, model=model)
     if family == "sd":  # the service's coarse-level pooling (the harness class default is OR)
-        fam.ctrl.pool_threshold = Settings().mask_pool_threshold  # type: ignore[union-attr]
+        fam.ctrl.pool_threshold = POOL_THRESHOLD  # type: ignore[union-attr]
     templates = [img.resize((fam.size, fam.size)) for _n, img in demo_templates(128)][:args.templates]
     empty = np.zeros((fam.size, fam.size), bool)
     warm_params = JobParams(prompt="", seed=0, steps=steps, guidance=args.guidance)

@@ -1,7 +1,7 @@
 """Fidelity of mask-aware edits against full compute, per fidelity option, at given guidance.
 
 For each mask-ratio trace, draws ratios and realistic mask shapes, warms each template the way
-production does (empty mask, ``STENCIL_WARM_PROMPT``/seed), then runs every edit through the
+production does (empty mask, ``app.jobs.WARM_PROMPT``/``WARM_SEED``), then runs every edit through the
 engine's own runner and scheduler (in process, no Redis): full compute, and mask-aware under each
 option (``OPTIONS``: the policies of ``app/fidelity.py`` and the alternatives they were chosen
 over). Reports SSIM and PSNR of the decoded images over the whole image, the unmasked region and

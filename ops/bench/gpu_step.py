@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from app.settings import Settings
 from ops.bench.harness.cli import parser, report_parts, start
 from ops.bench.harness.gpu import DTYPES, Clock, build_on, device_of, hardware, sync
 from ops.bench.harness.models import pixel_mask
@@ -43,6 +42,7 @@ from ops.bench.harness.timing import interleave, median
 from workers.engine.graph_calls import flux_call, unet_call
 from workers.engine.graphs import StepGraphs
 from workers.engine.staging import CacheStager
+from workers.maskaware.tokens import POOL_THRESHOLD
 from workers.models import true_size
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
             "text_embeds": torch.randn(rows, pooled, generator=g).to(device, dtype),
             "time_ids": torch.tensor([[px, px, 0, 0, px, px]] * rows, dtype=dtype, device=device)}
     ctrl = _controller(unet, MaskAwareUNet)
-    ctrl.pool_threshold = Settings().mask_pool_threshold
+    ctrl.pool_threshold = POOL_THRESHOLD
     with torch.no_grad(), ctrl.batch([RowGroup(2, "record") for _ in range(jobs)]) as ctx:
         unet(x, t, **kwargs)
     caches = ctx.recorded

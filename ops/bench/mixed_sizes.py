@@ -1,28 +1,28 @@
 """Mixed image sizes in one batch, and SLO-aware scheduling: four systems on one mixed-size trace.
 
-Systems (the engine's settings that select them):
+Systems (the engine's parameters that select them; the service's are the defaults of the options):
 
 - ``one``: one job at a time (``STENCIL_MAX_BATCH=1``);
 - ``bucketed``: batches of one image size only (``STENCIL_BATCHING=bucketed``: when a batch drains,
   the next bucket is the first waiting job's size);
 - ``mixed``: Stencil's continuous batching, every size in one batch (exact: one denoiser call per
-  size, ``STENCIL_MIXED_SIZE_CALLS``, ``--mixed-size-calls``: in lockstep, transformer blocks packing
+  size, ``--mixed-size-calls``: in lockstep, transformer blocks packing
   all sizes' tokens, or one after the other), first come first served with
-  size affinity (``STENCIL_SIZE_AFFINITY_STEPS``, ``--size-affinity-steps``: under a queue, free slots
+  size affinity (``--size-affinity-steps``: under a queue, free slots
   go first to sizes already in the batch, a job passed over that many steps goes first; 0 = strict FCFS)
-  and the way the batch changes size (``STENCIL_SIZE_SWITCH``, ``--size-switch``: ``mix`` the new size
+  and the way the batch changes size (``--size-switch``: ``mix`` the new size
   into free slots, ``drain`` the batch first as a bucket does; ``auto`` resolves as the service does
   for the device each part models: drain for the real CPU run and the CPU-fitted simulation, mix for
   the GPU-shaped one);
 - ``mixed-slo``: the same with SLO-aware admission (``STENCIL_SLO_ADMISSION=1``: jobs that can make
-  their deadline first, in slack, arrival or deadline order, ``STENCIL_SLO_ORDER``, ``--slo-order``,
+  their deadline first, in slack, arrival or deadline order, ``--slo-order``,
   ``auto``: slack for the CPU parts, deadline for the GPU-shaped one; admission refused when it would make a
   running job miss its deadline, late jobs last; a running job gives its slot back once it misses
-  even alone or, ``STENCIL_SLO_YIELD``, ``--slo-yield``, once the batch's prediction misses it;
-  predicted finishes stretched by ``STENCIL_SLO_MARGIN``, ``--slo-margin``; ``auto``: alone and 0
+  even alone or, ``--slo-yield``, once the batch's prediction misses it;
+  predicted finishes stretched by ``--slo-margin``; ``auto``: alone and 0
   for the CPU parts, batch and 0.01 for the GPU-shaped one) fed by the
   resolution-aware batch step-time predictor (``app/steptime.py``, fitted by ``stencil profile --sizes``),
-  corrected online by the engine's measured steps (``STENCIL_STEP_TIME_CALIBRATION``, ``app/calibration.py``);
+  corrected online by the engine's measured steps (``--step-time-calibration``, ``app/calibration.py``);
   in the simulations, engines publish which waiting jobs are late and routers leave those out of a
   worker's load (``app/routing.py``; ``--route-late count``: as engines that do not publish it).
 
@@ -45,7 +45,7 @@ Redis/Celery hand-offs; the end-to-end path of the SLO fields is covered by the 
 
 Simulation (``ops/sim/cluster.py``: the production router and ``BatchScheduler`` against simulated
 workers; least-requests routing (``--sim-router``: another policy of ``app/routing.py``) with the
-service's size affinity, ``STENCIL_ROUTING_SIZE_SLACK``: a job goes to a worker idle or already
+service's size affinity, ``app.routing.ROUTING_SIZE_SLACK``: a job goes to a worker idle or already
 running its size when one is within that many jobs of the least loaded, for all four systems) of the
 same trace with two step-cost models: the CPU-fitted batch predictor, and a GPU-shaped one whose
 batch cost is sublinear: a step of work W (a job's work = its predicted standalone step time
@@ -74,13 +74,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from app.calibration import calibrated
+from app.calibration import STEP_TIME_CALIBRATION, calibrated
 from app.costmodel import CostModel
 from app.demo import demo_templates
 from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
-from app.routing import POLICIES, make_policy, size_slack_setting
-from app.settings import MIXED_SIZE_CALLS, SIZE_SWITCHES, SLO_ORDERS, SLO_YIELDS, Settings
+from app.routing import POLICIES, ROUTING_SIZE_SLACK, make_policy
+from app.settings import Settings
 from app.steptime import BatchPredictor, JobShape
 from app.storage import LocalStore
 from ops.bench.harness import cli
@@ -92,8 +92,19 @@ from ops.sim.cluster import Cluster, ClusterConfig
 from ops.sim.mixed import ShapeJob, capacity, job_shape, parse_sizes, sim_jobs
 from ops.sim.workload import MixedArrival, mixed_arrivals
 from workers.engine.engine import Engine
-from workers.engine.scheduler import BatchScheduler, size_switch_for, slo_margin_for, slo_order_for, slo_yield_for
-from workers.engine.sd_runner import SDRunner
+from workers.engine.scheduler import (
+    SIZE_AFFINITY_STEPS,
+    SIZE_SWITCHES,
+    SLO_ORDERS,
+    SLO_YIELDS,
+    BatchScheduler,
+    parse_slo_margin,
+    size_switch_for,
+    slo_margin_for,
+    slo_order_for,
+    slo_yield_for,
+)
+from workers.engine.sd_runner import MIXED_SIZE_CALLS, SDRunner
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
 from workers.maskaware.unet import MaskAwareUNet
@@ -616,7 +627,7 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
                                                     for s, v in per.items()
                                                     if 'step_bias' in v) for ld, per in r["loads"].items())
                   + _bias_by_mixing(r["loads"])
-                  + f". (d)'s step-time predictor is corrected online (`STENCIL_STEP_TIME_CALIBRATION` = "
+                  + f". (d)'s step-time predictor is corrected online (`--step-time-calibration` "
                   f"{args.step_time_calibration:g}; the bias above is the uncorrected fit's); its factor at the end "
                   "of each load: " + ", ".join(f"{ld}: {per['mixed-slo']['calibration']:.3f}"
                                               for ld, per in r["loads"].items()
@@ -627,14 +638,14 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
         lines += [f"## Simulation, {name} step cost", "",
                   f"`ops/sim/cluster.py`, {args.sim_workers} workers, {args.sim_router} routing with size affinity "
                   f"(slack "
-                  f"{size_slack_setting():g} jobs, `STENCIL_ROUTING_SIZE_SLACK`), {args.sim_jobs} jobs per "
+                  f"{ROUTING_SIZE_SLACK:g} jobs), {args.sim_jobs} jobs per "
                   f"run, mean of seeds {args.sim_seeds}, step noise {args.sim_noise}; (d)'s order of a crowded "
                   f"queue: {slo_order_for(args.slo_order, sim_device(name))} "
-                  f"(`STENCIL_SLO_ORDER={args.slo_order}`), running jobs give their slot back when "
+                  f"(`--slo-order {args.slo_order}`), running jobs give their slot back when "
                   + ("the batch's prediction misses them" if slo_yield_for(args.slo_yield, sim_device(name)) == "batch"
                      else "they miss even alone")
-                  + f" (`STENCIL_SLO_YIELD={args.slo_yield}`), finish margin "
-                  f"{slo_margin_for(args.slo_margin, sim_device(name)):g} (`STENCIL_SLO_MARGIN={args.slo_margin}`); "
+                  + f" (`--slo-yield {args.slo_yield}`), finish margin "
+                  f"{slo_margin_for(args.slo_margin, sim_device(name)):g} (`--slo-margin {args.slo_margin}`); "
                   + ("late jobs left out of a worker's load by the router; " if args.route_late == "skip"
                      else "late jobs counted in a worker's load (`--route-late count`); ")
                   + "(d)'s predictor: "
@@ -659,6 +670,15 @@ def _sizes(args: argparse.Namespace) -> tuple[list[tuple[int, int]], list[float]
     return sizes, [w / total for w in weights]
 
 
+def _slo_margin(value: str) -> str:
+    """``--slo-margin``: auto or a number >= 0 (refused at parsing, before any run)."""
+    try:
+        parse_slo_margin(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = cli.parser(__doc__, out="docs/bench/mixed_sizes.md")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
@@ -676,22 +696,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--guidance", type=float, default=7.5)
     p.add_argument("--max-batch", type=int, default=Settings().max_batch)
     p.add_argument("--slo-factor", type=float, default=Settings().slo_factor)
-    p.add_argument("--step-time-calibration", type=float, default=Settings().step_time_calibration,
-                   help="(d)'s online predictor correction, EWMA weight per step "
-                        "(STENCIL_STEP_TIME_CALIBRATION; 0 = off)")
-    p.add_argument("--size-affinity-steps", type=int, default=Settings().size_affinity_steps,
-                   help="continuous batching's size affinity (STENCIL_SIZE_AFFINITY_STEPS; 0 = strict FCFS)")
-    p.add_argument("--size-switch", default=Settings().size_switch, choices=SIZE_SWITCHES,
-                   help="how (c) changes a batch's size under a queue (STENCIL_SIZE_SWITCH; auto: drain "
+    p.add_argument("--step-time-calibration", type=float, default=STEP_TIME_CALIBRATION,
+                   help="(d)'s online predictor correction, EWMA weight per step (0 = off; default: the service's)")
+    p.add_argument("--size-affinity-steps", type=int, default=SIZE_AFFINITY_STEPS,
+                   help="continuous batching's size affinity (0 = strict FCFS; default: the service's)")
+    p.add_argument("--size-switch", default="auto", choices=SIZE_SWITCHES,
+                   help="how (c) changes a batch's size under a queue (auto, the service's: drain "
                         "on the CPU parts, mix on the GPU-shaped one)")
-    p.add_argument("--slo-order", default=Settings().slo_order, choices=SLO_ORDERS,
-                   help="(d)'s order of a crowded queue (STENCIL_SLO_ORDER; auto: slack on the CPU parts, deadline "
+    p.add_argument("--slo-order", default="auto", choices=SLO_ORDERS,
+                   help="(d)'s order of a crowded queue (auto, the service's: slack on the CPU parts, deadline "
                         "on the GPU-shaped one)")
-    p.add_argument("--slo-yield", default=Settings().slo_yield, choices=SLO_YIELDS,
-                   help="when (d)'s running soft-deadline jobs give their slot back (STENCIL_SLO_YIELD; auto: alone "
+    p.add_argument("--slo-yield", default="auto", choices=SLO_YIELDS,
+                   help="when (d)'s running soft-deadline jobs give their slot back (auto, the service's: alone "
                         "on the CPU parts, batch on the GPU-shaped one)")
-    p.add_argument("--slo-margin", default=Settings().slo_margin,
-                   help="(d)'s stretch of predicted finish times (STENCIL_SLO_MARGIN; auto: 0 on the CPU parts, "
+    p.add_argument("--slo-margin", default="auto", type=_slo_margin,
+                   help="(d)'s stretch of predicted finish times (auto, the service's: 0 on the CPU parts, "
                         "0.01 on the GPU-shaped one)")
     p.add_argument("--sim-router", default="least_requests", choices=POLICIES,
                    help="simulation: the routing policy of every system (app/routing.py)")
@@ -699,8 +718,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulation: whether routers leave jobs the engines published as late out of a worker's "
                         "load, as the service does (skip), or count them as an engine that does not publish them "
                         "(count)")
-    p.add_argument("--mixed-size-calls", default=Settings().mixed_size_calls, choices=MIXED_SIZE_CALLS,
-                   help="real run: how a step makes its per-size UNet calls (STENCIL_MIXED_SIZE_CALLS)")
+    p.add_argument("--mixed-size-calls", default="auto", choices=MIXED_SIZE_CALLS,
+                   help="real run: how a step makes its per-size UNet calls (auto, the service's: lockstep on "
+                        "CUDA, sequential elsewhere)")
     p.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.7, 0.9, 1.1, 1.4])
     p.add_argument("--jobs", type=int, default=320, help="jobs per load (real run)")
     p.add_argument("--rounds", type=int, default=1,

@@ -1,7 +1,7 @@
 """What mixing image sizes in one denoising step costs on this machine: the runner's step on batches
 of one size, of two and four sizes together (one UNet call per size, in lockstep threads packing the
-transformer blocks or one after the other: ``STENCIL_MIXED_SIZE_CALLS``), and the same jobs as
-separate steps.
+transformer blocks or one after the other: ``--modes``; the service's choice: ``mixed_size_calls``
+in workers/engine/sd_runner.py), and the same jobs as separate steps.
 
 Why: continuous batching's size affinity (``workers/engine/scheduler.py``) keeps a crowded batch to
 few sizes because every size in a step is one more denoiser call; this measures that call's price,
@@ -23,9 +23,9 @@ import random
 import statistics
 import time
 
-from app.settings import MIXED_SIZE_CALLS
 from ops.bench.harness import cli
 from ops.bench.harness.runner_timing import JobSpec, RunnerTimer, load_model
+from workers.engine.sd_runner import MIXED_SIZE_CALLS
 
 BIG, OTHER = (16, 16), (16, 12)  # latent (h, w): 128x128 and 96x128 (width x height) pictures
 SIZES = (BIG, OTHER, (12, 16), (8, 16))  # + 128x96 and 128x64: the mixed-size benchmark's four sizes

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from app.calibration import STEP_TIME_CALIBRATION
 from app.costmodel import CostModel, step_time_predictor
 from app.routing import make_policy
 from app.settings import Settings
@@ -27,6 +28,7 @@ from ops.bench.harness import cli
 from ops.sim.cluster import Cluster, ClusterConfig
 from ops.sim.mixed import ShapeJob, capacity, job_shape, parse_sizes, sim_jobs
 from ops.sim.workload import mixed_arrivals
+from workers.engine.scheduler import SIZE_AFFINITY_STEPS
 
 log = logging.getLogger(__name__)
 WAYS = {"chunked": None, "whole queue": 10**9}  # BatchScheduler.admission_chunk
@@ -43,11 +45,10 @@ def run_once(cost: CostModel, args: argparse.Namespace, load: float, chunk: int 
                    [job_shape(a, None, predictor, cost) for a in probe], args.max_batch, args.steps, args.seed)
     arrivals = mixed_arrivals(sizes, weights, args.trace, load * cap, args.jobs, args.seed)
     jobs = sim_jobs(arrivals, predictor, cost, args, step_cost)
-    settings = Settings()
     cfg = ClusterConfig(workers=1, max_batch=args.max_batch, slo_admission=True, noise=0.03, seed=args.seed,
                         step_cost=step_cost, step_time=step_cost, host_templates=64,
-                        size_affinity_steps=settings.size_affinity_steps, size_switch="drain",
-                        step_time_calibration=settings.step_time_calibration)
+                        size_affinity_steps=SIZE_AFFINITY_STEPS, size_switch="drain",
+                        step_time_calibration=STEP_TIME_CALIBRATION)
     cluster = Cluster(cost, cfg, make_policy("least_requests", cost))
     passes: list[float] = []
     queue: list[int] = []

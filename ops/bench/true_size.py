@@ -45,13 +45,13 @@ from typing import Any
 
 import torch
 
-from app.settings import Settings
 from ops.bench.harness import cli
 from ops.bench.harness.models import flux_image_ids, job_masks
 from ops.bench.harness.timing import CLOCK_TEXT, CLOCKS, cpu_model, loadavg
 from workers.maskaware.flux import MaskAwareFlux
 from workers.maskaware.flux import RowGroup as FluxGroup
 from workers.maskaware.flux_tokens import synthetic_token_grid
+from workers.maskaware.tokens import POOL_THRESHOLD
 from workers.maskaware.unet import MaskAwareUNet, RowGroup
 from workers.models import true_size
 
@@ -464,7 +464,7 @@ def summary_section(summary: dict[str, dict[str, Any]]) -> list[str]:
     rows = ["## Summary: per-step speedup at mask ratio 0.2 vs FlashPS's per-image speedup", "",
             "| model | precision | full step s | mask-aware speedup at r = 0.2 (per step) | FlashPS at r = 0.2 "
             "(per image) |", "|---|---|---|---|---|"]
-    default = section_key("", Settings().mask_pool_threshold)
+    default = section_key("", POOL_THRESHOLD)
     for base in ("sd15", "sdxl", "flux"):
         for k in [base] + sorted(t for t in summary if t.startswith(f"{base}_pool")):
             if k not in summary or "0.2" not in summary[k]["speed"]:
@@ -488,8 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated: sd15, sdxl, flux (\"\" with --dtype: rewrite the summary from the sections)")
     p.add_argument("--ratios", default="0.05,0.1,0.2,0.4,0.6,0.8,1.0")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--pool-threshold", type=float, default=Settings().mask_pool_threshold,
-                   help="UNet coarse levels' token pooling (STENCIL_MASK_POOL_THRESHOLD, the default; 0 = OR)")
+    p.add_argument("--pool-threshold", type=float, default=POOL_THRESHOLD,
+                   help="UNet coarse levels' token pooling (default: the service's; 0 = OR)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights and compute; auto = the faster of the two in the one-block probe")
     p.add_argument("--probe-repeats", type=int, default=3)

@@ -30,13 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from app.calibration import calibrated
+from app.calibration import STEP_TIME_CALIBRATION, calibrated
 from app.costmodel import CostModel, min_service_seconds, step_time_predictor
 from app.routing import JobDemand, JobLoad, RoutingPolicy, WorkerState, WorkerView, fetched_steps
 from app.settings import Settings
 from ops.sim.workload import SimJob
 from workers.engine.job import EngineJob
-from workers.engine.scheduler import BatchScheduler
+from workers.engine.scheduler import SIZE_AFFINITY_STEPS, BatchScheduler
 
 
 @dataclass
@@ -58,7 +58,7 @@ class ClusterConfig:
     view_refresh_s: float = 0.0
     seed: int = 0
     batching: str = "continuous"  # or "static": a batch is admitted only once the last one drained
-    size_affinity_steps: int = Settings().size_affinity_steps  # the engine's (workers/engine/scheduler.py)
+    size_affinity_steps: int = SIZE_AFFINITY_STEPS  # the engine's (workers/engine/scheduler.py)
     size_switch: str = "mix"  # mix | drain (``BatchScheduler``): the simulated device's, as auto resolves it
     slo_order: str = "slack"  # slack | arrival | deadline (``BatchScheduler``): the device's, as auto resolves it
     slo_yield: str = "alone"  # alone | batch (``BatchScheduler``): likewise
@@ -68,7 +68,7 @@ class ClusterConfig:
     # does not (every waiting job counts).
     publish_late: bool = True
     # each worker corrects its SLO predictor online from its steps, as the engine does (app/calibration.py)
-    step_time_calibration: float = Settings().step_time_calibration
+    step_time_calibration: float = STEP_TIME_CALIBRATION
     # Step cost of a batch of B jobs = intercept + (sum of their job seconds) * B ** (exponent - 1):
     # 1 is the linear cost fitted on this CPU, < 1 a sublinear (GPU-shaped) one.
     batch_exponent: float = 1.0

@@ -6,7 +6,7 @@ tens to hundreds of GiB of RAM that would otherwise sit idle. Auto budget per GP
     budget = fraction * physical memory / workers_per_host - model weight bytes
 
 clamped to at most available memory (``MemAvailable``) minus a reserve, and to at least
-``floor`` bytes. ``fraction`` (``STENCIL_HOST_CACHE_FRACTION``, default 0.5) leaves the other half
+``floor`` bytes. ``fraction`` (the service's: 0.5, ``workers.gpu_tasks.HOST_CACHE_FRACTION``) leaves the other half
 to the OS page cache, Celery CPU tasks (VAE, text encoders) and the worker's own buffers; the
 model's weights are subtracted because on a CPU device they live in the same RAM (on a GPU host
 they are staged through it at load). ``workers_per_host``: one GPU worker per visible device.

@@ -72,16 +72,46 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from app.costmodel import finish_times
-from app.settings import SIZE_SWITCHES, SLO_ORDERS, SLO_YIELDS, parse_slo_margin
 from workers.engine.job import EngineJob, JobExpired
 
 log = logging.getLogger(__name__)
 
 MODES = ("continuous", "static", "bucketed")
+# The engine's choices below are not settings: the service takes each device kind's ``auto``
+# (``device_defaults``; docs/configuration.md tabulates them), and the mixed-sizes benchmark, which
+# measured them, takes every value as an option (ops/bench/mixed_sizes.py).
+# How a batch changes image size under a queue: mix (the new size joins free slots beside the old:
+# two denoiser calls a step until the old jobs finish) | drain (no newcomers until the batch drained).
+SIZE_SWITCHES = ("auto", "mix", "drain")
+# The order SLO-aware admission offers a crowded queue's free slots in, among jobs that can still make
+# their deadline: slack (least first) | arrival (size affinity, then FCFS) | deadline (size affinity,
+# then earliest deadline first).
+SLO_ORDERS = ("auto", "slack", "arrival", "deadline")
+# When a running soft-deadline job gives its slot back to a waiting on-time job: alone (once its
+# deadline is out of reach even alone) | batch (once the running batch's predicted finish misses it).
+SLO_YIELDS = ("auto", "alone", "batch")
+# Under a queue, a free slot goes first to the earliest waiting job of a size already in the batch; a
+# job passed over this many steps goes first regardless (0 = strict FCFS; BENCHMARKS.md, mixed sizes).
+SIZE_AFFINITY_STEPS = 50
+
+
+def parse_slo_margin(value: object) -> float | None:
+    """An SLO margin option: None for auto (``slo_margin_for``), else the share (>= 0)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    try:
+        margin = float(text)
+    except ValueError:
+        margin = -1.0
+    if not margin >= 0.0:  # also rejects nan
+        raise ValueError(f"SLO margin must be auto or a number >= 0, got {value!r}")
+    return margin
 
 
 def _deadline_or_inf(job: EngineJob) -> float:
@@ -103,14 +133,14 @@ def _resolve_for_device(mode: str, device: str, known: Sequence[str], on_cuda: s
 
 
 def size_switch_for(mode: str, device: str) -> str:
-    """``STENCIL_SIZE_SWITCH``: ``auto`` drains on devices where a batch costs the sum of its jobs
+    """The size switch: ``auto`` drains on devices where a batch costs the sum of its jobs
     (CPU: a second call a step is dearer than an empty slot) and mixes on CUDA (sublinear batches: an
     empty slot is the dearer)."""
     return _resolve_for_device(mode, device, SIZE_SWITCHES, "mix", "drain", "size switch")
 
 
 def slo_order_for(mode: str, device: str) -> str:
-    """``STENCIL_SLO_ORDER``: ``auto`` orders SLO admission by deadline on CUDA (sublinear batches: a
+    """The SLO order: ``auto`` orders SLO admission by deadline on CUDA (sublinear batches: a
     full batch's step is several times a job's alone, so slack against the time alone misleads; in
     the GPU-shaped simulator deadline order kept more deadlines than arrival order, and both more
     than slack) and by slack elsewhere (in the CPU-fitted simulator slack kept 0.5-1.2 points more
@@ -119,25 +149,31 @@ def slo_order_for(mode: str, device: str) -> str:
 
 
 def slo_yield_for(mode: str, device: str) -> str:
-    """``STENCIL_SLO_YIELD``: ``auto`` gives a soft-deadline job's slot back once the running batch's
+    """The SLO yield: ``auto`` gives a soft-deadline job's slot back once the running batch's
     prediction misses its deadline on CUDA (under overload a slot then serves a job that can still
     make it: GPU-shaped simulator, 10 seeds at 1.3x capacity, 92.2% -> 93.1% of deadlines kept), and
     only once it cannot make it even alone elsewhere."""
     return _resolve_for_device(mode, device, SLO_YIELDS, "batch", "alone", "SLO yield")
 
 
-# ``STENCIL_SLO_MARGIN=auto``: predicted finish times stretched by 1% on CUDA (GPU-shaped simulator,
+# SLO margin ``auto``: predicted finish times stretched by 1% on CUDA (GPU-shaped simulator,
 # 10 seeds at 1.3x capacity: 0 / 0.01 / 0.02 / 0.03 kept 91.6 / 92.2 / 92.0 / 91.6% of deadlines).
 SLO_MARGIN_CUDA = 0.01
 
 
 def slo_margin_for(value: str, device: str) -> float:
-    """``STENCIL_SLO_MARGIN``: a number >= 0, or ``auto`` (``SLO_MARGIN_CUDA`` on CUDA, 0 elsewhere:
+    """The SLO margin: a number >= 0, or ``auto`` (``SLO_MARGIN_CUDA`` on CUDA, 0 elsewhere:
     on the real CPU run a 1% margin's effect was within the run's noise; BENCHMARKS.md)."""
     margin = parse_slo_margin(value)
     if margin is None:
         return SLO_MARGIN_CUDA if _is_cuda(device) else 0.0
     return margin
+
+
+def device_defaults(device: str) -> dict[str, Any]:
+    """``BatchScheduler``'s size switch, SLO order, yield and margin as ``auto`` resolves them on ``device``."""
+    return {"size_switch": size_switch_for("auto", device), "slo_order": slo_order_for("auto", device),
+            "slo_yield": slo_yield_for("auto", device), "slo_margin": slo_margin_for("auto", device)}
 
 
 StepTimePredictor = Callable[[Sequence[EngineJob]], float]

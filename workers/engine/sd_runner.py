@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from diffusers import UNet2DConditionModel
 
-from app.settings import MIXED_SIZE_CALLS
 from workers.adapters import layout
 from workers.compiled import Compiled
 from workers.controlnets.step import Concurrent, JobControl, Use, residuals
@@ -42,8 +41,13 @@ from workers.models.loader import make_scheduler
 log = logging.getLogger(__name__)
 
 
+# How a step with several image sizes makes its UNet calls (``mixed_size_calls``); the service takes
+# ``auto``, ops/bench/mixed_sizes.py and ops/bench/mixing_cost.py take every value as an option.
+MIXED_SIZE_CALLS = ("auto", "lockstep", "sequential")
+
+
 def mixed_size_calls(mode: str, device: torch.device) -> str:
-    """How a step runs its per-size UNet calls (``STENCIL_MIXED_SIZE_CALLS``): ``lockstep`` packs
+    """How a step runs its per-size UNet calls: ``lockstep`` packs
     every call's transformer-block tokens into one pass (fewer, larger kernels: what a GPU wants),
     ``sequential`` runs the calls one after the other on the engine's thread (no thread hand-offs at
     every block: cheaper where a batch costs the sum of its jobs, as on CPU; docs/bench/mixing_cost.md).

@@ -8,8 +8,7 @@ of its children is, so coarse levels have a larger masked fraction than the pixe
 dilation by ``k`` tokens is applied per level (a "token" is that level's cell) because seams
 appear at each level's own boundary between fresh and cached tokens.
 
-``pool_threshold`` (``STENCIL_MASK_POOL_THRESHOLD``; the service's default 0.25, here 0 = the OR
-rule above) trades that
+``pool_threshold`` (the service's: ``POOL_THRESHOLD``; here 0 = the OR rule above) trades that
 conservatism for compute at the coarse levels (1 and up; level 0 keeps the OR rule): a coarse
 token is recomputed when at least that share of its pixels is masked (the pixel coverage is pooled
 by area, so a blob of pixel ratio 0.2 stays near 0.2 at SDXL's 32x32 level instead of 0.51), and
@@ -33,6 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from workers.maskaware.buckets import padded, token_bucket
+
+# The service's pool_threshold: the largest measured threshold whose SSIM loss against OR-pooling,
+# whole image and in the mask, stays <= 0.005 for fast and balanced on every trace of the trained
+# SDXL-layout model (0.5: 0.011 in the mask; docs/bench/fidelity_pooling_sdxl_layout.md).
+POOL_THRESHOLD = 0.25
 
 
 def _as_bool_2d(mask: torch.Tensor) -> torch.Tensor:
