@@ -92,6 +92,9 @@ class EmbeddedStack:
     owns_workdir: bool = False
     metrics: bool = False
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    # Where the processes run and what they get on top of the settings (a host of several, tests/support/multihost.py).
+    cwd: Path | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def start(cls, workdir: Path | None = None, *, gpu_workers: int = 1, cpu_concurrency: int = 1,
@@ -146,6 +149,7 @@ class EmbeddedStack:
         env = dict(os.environ)
         env.update(self.settings.to_env())
         env.setdefault("HF_HUB_OFFLINE", "1")
+        env.update(self.extra_env)
         env.update(extra)
         return env
 
@@ -162,7 +166,7 @@ class EmbeddedStack:
                 multiproc.mkdir(parents=True)
                 extra_env["PROMETHEUS_MULTIPROC_DIR"] = str(multiproc)
         proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], env=self.env(**extra_env),
-                                stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
+                                cwd=self.cwd, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
         logfile.close()
         self.procs[name] = proc
         log.info("started %s (pid %d)", name, proc.pid)
