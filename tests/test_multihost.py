@@ -40,8 +40,8 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3ServerInfo]:
 def addons(saved_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("addons")
     pipe = sd_pipe(saved_model)
-    return {"lora": save_sd_lora(pipe, root / "lora", rank=4, seed=5, std=0.1),
-            "controlnet": save_controlnet(pipe.unet, root / "edges", seed=3, std=0.05)}
+    controlnet = save_controlnet(pipe.unet, root / "edges", seed=3, std=0.05)  # before the LoRA wraps the UNet
+    return {"controlnet": controlnet, "lora": save_sd_lora(pipe, root / "lora", rank=4, seed=5, std=0.1)}
 
 
 def _deployment(tmp_path: Path, saved_model: Path, s3: S3ServerInfo, **overrides: object):  # type: ignore[no-untyped-def]
@@ -160,3 +160,13 @@ def test_gpu_host_killed_mid_run_rejoins_and_the_dispatcher_moves(tmp_path: Path
             assert [r.status for r in recs] == [JobStatus.DONE] * 4, [r.error for r in recs if r.error]
     finally:
         redis_server.stop()
+
+
+def test_a_model_copy_has_the_same_identity_wherever_a_host_keeps_it(saved_model: Path, tmp_path: Path) -> None:
+    """Cache keys and add-on descriptions name the model by its contents, not by its folder."""
+    import shutil
+
+    from workers.models.loader import model_identity
+
+    copy = shutil.copytree(saved_model, tmp_path / "elsewhere" / "another-name")
+    assert model_identity(copy) == model_identity(saved_model)
