@@ -9,7 +9,10 @@ task is idempotent against the job record.
 Routing sees the workers through a ``LiveWorkerView``: what every engine last published to
 ``stencil:worker:<id>`` (read in one pipeline, at most every ``STENCIL_VIEW_REFRESH_MS``) plus
 the jobs this dispatcher routed that the engines cannot show yet (still in ``prepare``). Those
-in-flight entries leave when the job appears in a worker's state, ends, or gets too old.
+in-flight entries leave when the job appears in a worker's state, ends, or gets too old. A worker
+is live while its state is fresher than ``STENCIL_WORKER_STALE_SECONDS``; one that never published
+(its host not started yet) is not, so a listed GPU host that is down gets no jobs (all workers are
+candidates only while none is live: at a cold start).
 
 SLO at routing: with a fitted cost model, a job whose deadline cannot be met even if it started
 now alone on an idle worker is marked ``expired`` with the reason instead of being routed. The
@@ -118,7 +121,7 @@ def parse_worker_hash(worker_id: str, fields: dict[Any, Any], *, now: float, sta
         addons=_published_addons(f),
         last_step_seconds=float(f.get("last_step_seconds") or 0.0), updated=updated,
         max_batch=int(f.get("max_batch") or max_batch),
-        alive=not updated or now - updated <= stale_s,
+        alive=bool(updated) and now - updated <= stale_s,  # never published: not (yet) joined
         step_time_factor=_step_time_factor(f.get("step_time_factor")))
 
 
