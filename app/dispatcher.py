@@ -9,7 +9,10 @@ task is idempotent against the job record.
 Routing sees the workers through a ``LiveWorkerView``: what every engine last published to
 ``stencil:worker:<id>`` (read in one pipeline, at most every ``VIEW_REFRESH_S``) plus
 the jobs this dispatcher routed that the engines cannot show yet (still in ``prepare``). Those
-in-flight entries leave when the job appears in a worker's state, ends, or gets too old.
+in-flight entries leave when the job appears in a worker's state, ends, or gets too old. A worker
+is live while its state is fresher than ``STENCIL_WORKER_STALE_SECONDS``; one that never published
+(its host not started yet) is not, so a listed GPU host that is down gets no jobs (all workers are
+candidates only while none is live: at a cold start).
 
 SLO at routing: with a fitted cost model, a job whose deadline cannot be met even if it started
 now alone on an idle worker is marked ``expired`` with the reason instead of being routed. The
@@ -66,10 +69,9 @@ HEARTBEAT_KEY = "stencil:dispatcher:heartbeat"
 DEAD_LETTER_STREAM = "stencil:jobs:dead"
 WORKER_STATE_PREFIX = "stencil:worker:"
 # The live worker view: refreshed at most this often (a routing decision in between reuses it plus the
-# dispatcher's own assignments); a worker silent this long is presumed gone; a job routed but not yet
-# seen in its worker's state counts against that worker this long.
+# dispatcher's own assignments); a job routed but not yet seen in its worker's state counts against
+# that worker this long (a worker silent for ``Settings.worker_stale_seconds`` is presumed gone).
 VIEW_REFRESH_S = 0.05
-WORKER_STALE_S = 120.0
 INFLIGHT_TTL_S = 600.0
 # Re-sends of a stalled job's chain before it fails with the reason (app/sweeper.py).
 MAX_REDRIVES = 3
@@ -127,7 +129,7 @@ def parse_worker_hash(worker_id: str, fields: dict[Any, Any], *, now: float, sta
         addons=_published_addons(f),
         last_step_seconds=float(f.get("last_step_seconds") or 0.0), updated=updated,
         max_batch=int(f.get("max_batch") or max_batch),
-        alive=not updated or now - updated <= stale_s,
+        alive=bool(updated) and now - updated <= stale_s,  # never published: not (yet) joined
         step_time_factor=_step_time_factor(f.get("step_time_factor")))
 
 
@@ -295,7 +297,7 @@ class Dispatcher:
         self.router = router or make_router(policy, settings.gpu_worker_ids, model)
         self.view = LiveWorkerView(
             self.r, settings.gpu_worker_ids, max_batch=settings.max_batch, jobs=self.jobs,
-            refresh_s=view_refresh_s, stale_s=WORKER_STALE_S, inflight_ttl_s=INFLIGHT_TTL_S)
+            refresh_s=view_refresh_s, stale_s=settings.worker_stale_seconds, inflight_ttl_s=INFLIGHT_TTL_S)
         self.decisions = DecisionStats()
         self._addon_sizes: dict[str, int] = {}
         self._object_store: Any = None
@@ -309,7 +311,7 @@ class Dispatcher:
         self.sweeper = Sweeper(self.r, self.jobs, self.send_chain, worker_ids=settings.gpu_worker_ids,
                                stage_placement=settings.stage_placement,
                                stall_timeout_s=settings.stall_timeout_s, max_redrives=MAX_REDRIVES,
-                               worker_stale_s=WORKER_STALE_S)
+                               worker_stale_s=settings.worker_stale_seconds)
 
     def ensure_group(self) -> None:
         try:

@@ -92,6 +92,10 @@ class EmbeddedStack:
     owns_workdir: bool = False
     metrics: bool = False
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    spawned: dict[str, float] = field(default_factory=dict)  # process name -> when it was started (epoch s)
+    # Where the processes run and what they get on top of the settings (a host of several, tests/support/multihost.py).
+    cwd: Path | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def start(cls, workdir: Path | None = None, *, gpu_workers: int = 1, cpu_concurrency: int = 1,
@@ -146,6 +150,7 @@ class EmbeddedStack:
         env = dict(os.environ)
         env.update(self.settings.to_env())
         env.setdefault("HF_HUB_OFFLINE", "1")
+        env.update(self.extra_env)
         env.update(extra)
         return env
 
@@ -161,10 +166,12 @@ class EmbeddedStack:
                 shutil.rmtree(multiproc, ignore_errors=True)
                 multiproc.mkdir(parents=True)
                 extra_env["PROMETHEUS_MULTIPROC_DIR"] = str(multiproc)
+        spawned = time.time()
         proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], env=self.env(**extra_env),
-                                stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
+                                cwd=self.cwd, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
         logfile.close()
         self.procs[name] = proc
+        self.spawned[name] = spawned
         log.info("started %s (pid %d)", name, proc.pid)
         return proc
 
@@ -215,14 +222,16 @@ class EmbeddedStack:
         return redis.Redis.from_url(self.settings.redis_url)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Until every GPU engine published its state and the dispatcher its heartbeat."""
+        """Until every GPU engine published its state and the dispatcher its heartbeat (these
+        processes': a restarted one finds what its killed predecessor left in Redis)."""
         r = self.redis()
         deadline = time.monotonic() + timeout
-        need = [f"stencil:worker:{w}" for w in self.settings.gpu_worker_ids if f"gpu{w}" in self.procs]
+        need = {f"stencil:worker:{w}": self.spawned[f"gpu{w}"]
+                for w in self.settings.gpu_worker_ids if f"gpu{w}" in self.procs}
         if "dispatcher" in self.procs:
-            need.append("stencil:dispatcher:heartbeat")
+            need["stencil:dispatcher:heartbeat"] = self.spawned["dispatcher"]
         while True:
-            missing = [k for k in need if not r.exists(k)]
+            missing = [k for k, since in need.items() if not self._published(r, k, since)]
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead:
                 raise RuntimeError(f"processes exited during start-up: {dead}; see {self.workdir / 'logs'}")
@@ -231,6 +240,12 @@ class EmbeddedStack:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"stack not ready after {timeout}s: waiting for {missing}")
             time.sleep(0.2)
+
+    @staticmethod
+    def _published(r: redis.Redis, key: str, since: float) -> bool:
+        """A GPU worker's state or the dispatcher's heartbeat written since ``since`` (its start)."""
+        raw = r.hget(key, "updated") if key.startswith("stencil:worker:") else r.get(key)
+        return raw is not None and float(raw) >= since
 
     def _cpu_ready(self) -> bool:
         from app.celery_app import make_celery

@@ -164,6 +164,10 @@ class Settings:
     stall_timeout_s: float = setting(45.0, _RECOVERY, "a live job untouched this long is re-sent")
     sweep_interval_s: float = setting(5.0, _RECOVERY, "how often the dispatcher looks for stalled jobs")
     lease_seconds: float = setting(30.0, _RECOVERY, "lifetime of a denoising job's lease, renewed while it runs")
+    # How soon a host that died (its workers stopped publishing) loses its jobs to the others
+    # (docs/multi-host.md): lower where hosts come and go, above any pause a live worker may take.
+    worker_stale_seconds: float = setting(120.0, _RECOVERY, "a GPU worker silent this long is presumed gone: "
+                                          "routing skips it and the sweeper re-sends its jobs")
     visibility_timeout: int = setting(3600, _RECOVERY, "Celery broker visibility timeout; must exceed the longest job")
 
     bind_address: str = setting("127.0.0.1", _API, "address `stencil api` listens on (loopback unless configured)")

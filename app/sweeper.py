@@ -10,8 +10,9 @@ A live job (``stencil:jobs:live``) has *stalled* when nothing has touched its re
 engine holds its denoising lease (engines renew it every step, for running and waiting jobs).
 Then, by status:
 - ``queued``: left to the intake stream (at-least-once: an unacknowledged entry is reclaimed);
-- ``routed`` / ``waiting`` with its message still in its worker's queue: a backlog, not a loss
-  (unless that GPU worker is dead and another is alive: then it moves there);
+- a message naming it still in its worker's stage or GPU queue (``routed``, ``waiting``, or any
+  status after a re-drive): a backlog, not a loss (unless that GPU worker is dead and another is
+  alive: then it moves there);
 - otherwise (a prepare/finalize whose CPU worker died, a denoise whose message or engine
   vanished): the chain is sent again, to the job's worker if it is alive, else to a live one.
 After ``max_redrives`` re-drives (the dispatcher's ``MAX_REDRIVES``) the job fails with the reason. One dispatcher sweeps at
@@ -90,9 +91,7 @@ class Sweeper:
         if now - last < self.stall_timeout_s or self.r.exists(LEASE_PREFIX + job_id):
             return "moving"
         worker = fields.get("worker", "").removeprefix("gpu.")
-        queue = stage_queue(worker, self.stage_placement) if status == JobStatus.ROUTED.value else gpu_queue(worker)
-        if status in (JobStatus.ROUTED.value, JobStatus.WAITING.value) and self._queued(queue, job_id) \
-                and (queue == CPU_QUEUE or self._alive(worker) or not any(map(self._alive, self.worker_ids))):
+        if self._backlog(job_id, worker):
             return "backlog"  # waits for a live consumer (or for any GPU worker to come back)
         redrives = int(fields.get("redrives") or 0)
         if redrives >= self.max_redrives:
@@ -105,6 +104,16 @@ class Sweeper:
         log.warning("job %s stalled in %s for %.0f s: chain re-sent to gpu.%s (re-drive %d)", job_id, status,
                     now - last, target, redrives + 1)
         return "redriven"
+
+    def _backlog(self, job_id: str, worker: str) -> bool:
+        """A message naming the job waits in its worker's stage or GPU queue, whose consumer is alive
+        (or no GPU worker is). Either queue, whatever the status: a re-driven job keeps the status it
+        stalled in (``denoising``) while its new chain waits behind the surviving worker's backlog."""
+        stages = stage_queue(worker, self.stage_placement)
+        for queue in (gpu_queue(worker), stages):
+            if self._queued(queue, job_id):
+                return queue == CPU_QUEUE or self._alive(worker) or not any(map(self._alive, self.worker_ids))
+        return False
 
     def _queued(self, queue: str, job_id: str) -> bool:
         """Whether a message naming the job waits in a Celery queue (a Redis list of JSON)."""

@@ -119,3 +119,26 @@ def test_a_routed_job_waiting_in_its_hosts_stage_queue_is_backlog(store: JobStor
     store.r.delete("stencil:worker:0")
     _alive(store, "1", clock)
     assert sweeper.sweep("d1")["redriven"] == 1 and sent == [(job, "1")]
+
+
+def test_a_redriven_job_queued_behind_a_live_workers_backlog_is_not_redriven_again(store: JobStore) -> None:
+    """A job re-driven from a dead host keeps its status (``denoising``) while its new chain waits in
+    the surviving worker's queues: backlog, not a stall (else a long backlog fails it after the bound)."""
+    clock, sent = Clock(), []
+    sweeper = _sweeper(store, clock, sent)
+    job = _job_in(store, JobStatus.DENOISING, worker="gpu.1")
+    clock.now += 31
+    _alive(store, "0", clock)
+    assert sweeper.sweep("d1")["redriven"] == 1 and sent == [(job, "0")]  # gpu.1 is dead
+    store.r.lpush("cpu", json.dumps({"args": [job]}))  # its prepare waits in the CPU pool's queue
+    clock.now += 31
+    _alive(store, "0", clock)
+    assert sweeper.sweep("d1")["redriven"] == 0
+    store.r.delete("cpu")
+    store.r.lpush("gpu.0", json.dumps({"headers": {"argsrepr": f"({{'job_id': '{job}'}},)"}}))  # then its denoise
+    clock.now += 31
+    _alive(store, "0", clock)
+    assert sweeper.sweep("d1")["redriven"] == 0 and len(sent) == 1
+    store.r.delete("gpu.0")  # the message vanished (its worker died holding it): re-driven again
+    clock.now += 31
+    assert sweeper.sweep("d1")["redriven"] == 1

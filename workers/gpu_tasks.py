@@ -377,6 +377,8 @@ def denoise(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
             raise Ignore() from exc
         ctx.blobs().put(job_id, "latents", pack({"latents": out["latents"]}))
         used = out["masked_steps"] + out["fallback_steps"]
+        # Denoisings that ran to the end: 1, unless a job was denoised again after a loss (a duplicate).
+        ctx.redis_client().hincrby(jobs.key(job_id), "denoise_runs", 1)
         jobs.update(job_id, ts_denoised=repr(time.time()), cache_mode=out["mode"],
                     masked_steps=out["masked_steps"], fallback_steps=out["fallback_steps"],
                     refresh_steps=out.get("refresh_steps", 0),
@@ -386,6 +388,9 @@ def denoise(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
                     # Share of (step, plan unit) computations that used the cache.
                     cached_unit_share=("" if out.get("cached_unit_share") is None
                                        else f"{out['cached_unit_share']:.3f}"),
+                    # Bytes of the job's template cache this worker's host-RAM tier read from the object
+                    # store (cumulative per worker): > 0 where the cache came from the store.
+                    cache_store_bytes=out.get("cache_store_bytes", 0),
                     **_lora_fields(out))
         return prep
     finally:

@@ -790,6 +790,9 @@ class BaseRunner(ABC):
                 # Share of (step, unit) computations that used the cache; 0..1, "" if none.
                 "cached_unit_share": (st.extra.get("cached_units", 0) / total) if total else None,
                 "resident_steps": st.extra.get("resident_steps", 0),
+                "cache_store_bytes": (self.caches.store_bytes_of(st.cache_key)
+                                      if self.caches is not None and st.cache_key is not None and st.mode == "masked"
+                                      else 0),
                 "load_wait_s": st.extra.get("wait_s", 0.0),
                 "lora_applied_step": st.lora_applied if st.adapters else None,
                 "lora_merged_steps": st.extra.get("lora_merged_steps", 0),

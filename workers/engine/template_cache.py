@@ -169,6 +169,7 @@ class StepCacheProvider:
         self.retry_after_s = retry_after_s
         self.fetch_seconds = 0.0
         self.fetched_bytes = 0
+        self._store_bytes: dict[str, int] = {}  # cache digest -> bytes read from the store (``store_bytes_of``)
         # Block-wise loading (enabled by ``set_units``).
         self._units: dict[str, list[str]] | None = None
         self._fills: dict[Slot, _Fill] = {}
@@ -247,10 +248,11 @@ class StepCacheProvider:
         return [u for u in self._units if stored is None or u in stored]
 
     # -- measurement ---------------------------------------------------------------------------
-    def _observe(self, nbytes: int, seconds: float, request: bool = True) -> None:
+    def _observe(self, digest: str, nbytes: int, seconds: float, request: bool = True) -> None:
         with self._lock:
             self.fetch_seconds += seconds
             self.fetched_bytes += nbytes
+            self._store_bytes[digest] = self._store_bytes.get(digest, 0) + nbytes
             a = self.ema_alpha
             if nbytes == 0 or nbytes < 64 * 1024:  # small requests: latency
                 self._lat_ema = seconds if self._lat_ema is None else (1 - a) * self._lat_ema + a * seconds
@@ -258,6 +260,13 @@ class StepCacheProvider:
                 lat = self._lat_ema or 0.0
                 bw = nbytes / max(seconds - (lat if request else 0.0), 1e-6)
                 self._bw_ema = bw if self._bw_ema is None else (1 - a) * self._bw_ema + a * bw
+
+    def store_bytes_of(self, key: TemplateCacheKey) -> int:
+        """Bytes of this template cache that this worker's host-RAM tier has read from the object
+        store: a job's record says so (``cache_store_bytes``), since a cache recorded on another host
+        can only arrive that way."""
+        with self._lock:
+            return self._store_bytes.get(key.digest(), 0)
 
     def store_tier(self) -> Tier | None:
         """The object store as a plan tier, from measured fetches (None before any)."""
@@ -373,7 +382,7 @@ class StepCacheProvider:
         start = time.perf_counter()
         tensors = self._pinned(self.activations.read_step(key, step))
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        self._observe(nbytes, time.perf_counter() - start, request=False)
+        self._observe(key.digest(), nbytes, time.perf_counter() - start, request=False)
         metrics.observe_cache("store", True, nbytes)
         return tensors
 
@@ -422,7 +431,7 @@ class StepCacheProvider:
             if fill.header is None:
                 t0 = time.perf_counter()
                 fill.obj, fill.header = self.activations.step_header(fill.key, fill.step)
-                self._observe(0, (time.perf_counter() - t0) / 2)  # two small GETs: manifest, header
+                self._observe(fill.key.digest(), 0, (time.perf_counter() - t0) / 2)  # two small GETs: manifest, header
             assert fill.obj is not None
             return fill.obj, fill.header
 
@@ -459,7 +468,7 @@ class StepCacheProvider:
         t1 = time.perf_counter()
         tensors = self._pinned(tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        self._observe(nbytes, t1 - t0)
+        self._observe(fill.key.digest(), nbytes, t1 - t0)
         metrics.observe_cache("store", True, nbytes)
         return tensors, t0, t1, nbytes
 
@@ -513,7 +522,7 @@ class StepCacheProvider:
             t1 = time.perf_counter()
             tensors = self._pinned(tensors)
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            self._observe(nbytes, t1 - t0)
+            self._observe(fill.key.digest(), nbytes, t1 - t0)
             metrics.observe_cache("store", True, nbytes)
             return tensors, t0, t1, nbytes
 

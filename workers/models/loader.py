@@ -243,7 +243,10 @@ def denoiser_subfolder(model_dir: Path) -> str:
 
 
 def model_identity(model_dir: Path) -> str:
-    """A stable id of the denoiser's weights, for template cache keys (caches never cross models)."""
+    """A stable id of the denoiser's weights, for template cache keys and add-on descriptions (caches
+    and add-ons never cross models). From the folder's contents only, never its name or place: the
+    hosts of one deployment keep their copies of a model where they like and must agree on its id
+    (a LoRA added through one host's CPU pool is used by another host's GPU worker)."""
     import hashlib
 
     h = hashlib.sha256()
@@ -254,7 +257,7 @@ def model_identity(model_dir: Path) -> str:
         h.update(f"{weights.name}:{stat.st_size}".encode())
         with open(weights, "rb") as fh:
             h.update(fh.read(1 << 20))
-    return f"{Path(model_dir).name}-{h.hexdigest()[:16]}"
+    return f"{pipeline_class_name(model_dir)}-{h.hexdigest()[:16]}"
 
 
 def torch_dtype(name: str) -> torch.dtype:
