@@ -8,6 +8,8 @@ worse path than any other seed. They can fail: ``cache-as-is`` is asserted to be
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -39,9 +41,18 @@ def test_policies_and_their_schedules() -> None:
     assert JobParams(fidelity="fast").validate(200) is None
 
 
-def test_expected_ssim_reads_the_benchmark_table() -> None:
-    """The shipped table (``ops.bench.fidelity --write-expected``) covers the default model."""
-    for model in ("tiny-sd-inpaint-trained", "tiny-flux-fill-trained"):
+def test_expected_ssim_reads_the_benchmark_table(tmp_path: Path) -> None:
+    """The shipped table (``ops.bench.fidelity --write-expected``) covers the embedded trained
+    models under the identity a worker serving them reports (``model_identity``: their weights,
+    wherever a host keeps them)."""
+    import shutil
+
+    from app.settings import Settings
+    from workers.models.loader import ensure_model_dir, model_identity
+
+    for name in ("tiny-sd-inpaint-trained", "tiny-flux-fill-trained"):
+        folder = ensure_model_dir(Settings.from_env(home=tmp_path / name, model_dir="", model_id=name))
+        model = model_identity(shutil.copytree(folder, tmp_path / "copies" / name))
         for policy in ("fast", "balanced"):
             for g in (1.0, 3.0, 7.5):
                 value = expected_ssim(model, policy, g)

@@ -23,7 +23,9 @@ from app.fidelity import EXPECTED_FILE, REFRESHES
 from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
 from ops.bench.harness import cli, load_trace
-from ops.bench.harness.edits import DEFAULT_MODELS, EDIT_PROMPTS, OPTIONS, Family, Option, edit, metrics, warm
+from ops.bench.harness.edits import (DEFAULT_MODELS, EDIT_PROMPTS, OPTIONS, Family, Option, edit, metrics,
+                                     model_folder, warm)
+from workers.models.loader import model_identity
 
 COLUMNS = ("ratio", "ssim", "psnr", "ssim_unmasked", "psnr_unmasked", "ssim_masked", "psnr_masked")
 
@@ -153,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                                                "models": models}, indent=1) + "\n")
     if args.write_expected:
         table = json.loads(EXPECTED_FILE.read_text()) if EXPECTED_FILE.is_file() else {}
-        for model, policies in expected_table(summary, {f: m for f, m in models.items() if m}).items():
+        # keyed by the model's identity (its weights), as workers name the model they serve
+        ids = {f: model_identity(model_folder(m)) for f, m in models.items() if m}
+        for model, policies in expected_table(summary, ids).items():
             for policy, by_g in policies.items():
                 table.setdefault(model, {}).setdefault(policy, {}).update(by_g)
         EXPECTED_FILE.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")

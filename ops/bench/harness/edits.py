@@ -87,24 +87,32 @@ class Family:
                                 guidance="cfg2" if meta["do_cfg"] else "single", layout=self.layout)
 
 
+def model_folder(model: str) -> Path:
+    """The pipeline folder of ``model``: a folder, a benchmark-only model (trained on first use), or
+    an embedded model id (saved to a temporary home)."""
+    from app.settings import Settings
+    from ops.train.on_demand import RECIPES, ensure_trained
+    from workers.models.loader import ensure_model_dir
+
+    if model in RECIPES:  # a benchmark-only model the repository does not ship
+        return ensure_trained(model)
+    if Path(model).is_dir():
+        return Path(model)
+    return ensure_model_dir(
+        Settings.from_env(home=Path(tempfile.mkdtemp(prefix="stencil-fid-home-")), model_dir="", model_id=model))
+
+
 def load_pipeline(family: str, model: str):  # type: ignore[no-untyped-def]
     """The pipeline to measure: an embedded model id (saved to a temporary home), a pipeline folder, or
     for Flux "" = the random-init tiny Flux Fill. Fidelity of a random-init model measures noise
     against noise, so the default is the trained one."""
     from diffusers import FluxFillPipeline, StableDiffusionInpaintPipeline
 
-    from app.settings import Settings
-    from ops.train.on_demand import RECIPES, ensure_trained
-    from workers.models.loader import ensure_model_dir
     from workers.models.tiny_flux import build_flux_fill_pipeline
 
     if family == "flux" and not model:
         return build_flux_fill_pipeline(0)
-    if model in RECIPES:  # a benchmark-only model the repository does not ship: trained on first use
-        folder = ensure_trained(model)
-    else:
-        folder = Path(model) if Path(model).is_dir() else ensure_model_dir(
-            Settings.from_env(home=Path(tempfile.mkdtemp(prefix="stencil-fid-home-")), model_dir="", model_id=model))
+    folder = model_folder(model)
     if family == "sd":
         pipe = StableDiffusionInpaintPipeline.from_pretrained(folder, safety_checker=None, feature_extractor=None,
                                                               requires_safety_checker=False, torch_dtype=torch.float32)
