@@ -28,7 +28,7 @@ from app.settings import Settings
 from tests.support.controlnets import save_controlnet
 from tests.support.pipes import controlnet_call, sd_pipe
 from tests.test_service import SIZE, result_array, template
-from workers.models.loader import TRAINED_DIR
+from workers.models.loader import TRAINED_DIR, model_identity
 
 pytestmark = pytest.mark.integration
 
@@ -157,7 +157,7 @@ def test_controlnet_whose_header_length_ends_in_0x80_registers_and_serves(
     assert int.from_bytes(weights[:8], "little") == 0x3780 and weights[:1] == b"\x80"
     added = _cli(default_model_stack, "controlnet", "add", str(folder), "--id", "edges")
     assert added.returncode == 0, added.stderr
-    assert json.loads(added.stdout)["model_id"].startswith(DEFAULT_MODEL)
+    assert json.loads(added.stdout)["model_id"] == model_identity(model)  # the served model's weights
     client = StencilClient(default_model_stack.settings)
     image, mask = template(61), make_mask(0.3, (SIZE, SIZE), "blob", seed=61)
     params = dict(prompt="a cat", steps=8, guidance=7.5, seed=5)
