@@ -50,7 +50,9 @@ running its size when one is within that many jobs of the least loaded, for all 
 same trace with two step-cost models: the CPU-fitted batch predictor, and a GPU-shaped one whose
 batch cost is sublinear: a step of work W (a job's work = its predicted standalone step time
 relative to a full-compute 128x128 job, i.e. one SD-1.5 512x512 inpainting image) takes
-``gpu_step_seconds(W)``, the A100 curve of diffusers' benchmark (``GPU_CURVE``). A batch mixing
+``gpu_step_seconds(W)``, the A100 curve of diffusers' benchmark (``GPU_CURVE``), or, with ``--gpu-costs``
+(default ``measured``), the curve measured on an H200 (``ops/sim/gpu_costs.py``; ``measured-host-bound``
+prices masked jobs as the measured mask-aware step ran, not by their tokens). A batch mixing
 sizes runs one UNet call per size (lockstep) whose transformer blocks pack every size's tokens, so
 its step costs ``TRANSFORMER_SHARE`` x g(all the work) + the rest x the sum over sizes of g(that
 size's work): each size's convolutions pay the GPU's small-batch floor again.
@@ -448,7 +450,9 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
     predictor = cost.batch
     assert predictor is not None
     out: dict[str, Any] = {}
-    for name, (step_cost, text) in sim_costs(cost).items():
+    for name, (step_cost, text) in sim_costs(cost, args.gpu_costs).items():
+        if name not in args.sim_costs.split(","):
+            continue
         def shape_cost(shapes: list[JobShape], fn: Any = step_cost) -> float:
             return fn([ShapeJob(s) for s in shapes])
 
@@ -744,6 +748,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulation: the GPU-shaped step cost's curve: measured on an H200 with masked work by its "
                         "share of tokens, measured with the measured (host-bound) mask-aware step, or the sourced "
                         "A100 curve")
+    p.add_argument("--sim-costs", default="cpu-fitted,gpu-shaped",
+                   help="simulation: which step costs to simulate (cpu-fitted, gpu-shaped or both)")
     p.add_argument("--json", default="", help="also write every number (JSON)")
     p.add_argument("--real-from", default="",
                    help="take the real run from an earlier run's --json instead of running it (e.g. to re-run only "
