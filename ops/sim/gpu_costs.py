@@ -22,6 +22,7 @@ error), and the ``p`` of least relative error wins; deterministic, numpy only.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -63,10 +64,9 @@ def fit_roofline(jobs: Sequence[float], seconds: Sequence[float]) -> Roofline:
         (a, b), *_ = np.linalg.lstsq(design, np.ones_like(x), rcond=None)
         if a <= 0 or b <= 0:
             continue
-        curve = Roofline(float(a ** (1 / p)), float(b ** (1 / p)), float(p))
-        err = float(np.mean(((np.array([curve(v) for v in x]) - y) / y) ** 2))
+        err = float(np.mean((((a + b * x ** p) ** (1 / p) - y) / y) ** 2))
         if best is None or err < best[0]:
-            best = (err, curve)
+            best = (err, Roofline(float(a ** (1 / p)), float(b ** (1 / p)), float(p)))
     if best is None:
         raise ValueError("no roofline fits these points (a step must not get cheaper with more jobs)")
     return best[1]
@@ -216,3 +216,38 @@ def describe(costs: GpuCosts) -> str:
             + ", ".join(f"{int(j)}: {s * 1e3:.1f} ms" for j, s in zip(jobs, secs))
             + f"; fitted t(J) = (h^p + (c J)^p)^(1/p), h = {c.floor_s * 1e3:.2f} ms, c = {c.per_job_s * 1e3:.2f} ms, "
             f"p = {c.knee:.2f}; leave-one-out MAPE {costs.mape() * 100:.1f}% over {len(jobs)} points")
+
+
+def fit_report(costs: GpuCosts) -> dict[str, Any]:
+    """The fitted curve and its held-out error, as ``docs/bench/gpu_measured_costs.json`` holds them."""
+    jobs, secs = costs.full_points
+    linear = leave_one_out(jobs, secs, fit=piecewise_linear)
+    c = costs.curve
+    return {"file": Path(costs.path).name, "device": costs.data["device"],
+            "harness": costs.data["provenance"]["harness"], "jobs": jobs, "measured_s": [round(s, 6) for s in secs],
+            "form": "t(J) = (h^p + (c J)^p)^(1/p)",
+            "h_s": c.floor_s, "c_s": c.per_job_s, "p": c.knee, "fitted_s": [c(j) for j in jobs],
+            "in_sample_errors": [abs(c(j) - s) / s for j, s in zip(jobs, secs)],
+            "loo_errors": costs.leave_one_out(), "loo_mape": costs.mape(),
+            "piecewise_linear_loo_errors": linear, "piecewise_linear_loo_mape": float(np.mean(linear)),
+            "points": len(jobs)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ops.sim.gpu_costs [--costs FILE] [--json OUT]``: the fit and its held-out error."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--costs", default=str(DEFAULT_FILE))
+    p.add_argument("--json", default="", help="write the fit report here ('' = standard output)")
+    args = p.parse_args(argv)
+    text = json.dumps({"fit": fit_report(load(args.costs))}, indent=1) + "\n"
+    if args.json:
+        Path(args.json).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
