@@ -490,7 +490,7 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
                                         slo_margin=slo_margin_for(args.slo_margin, device),
                                         publish_late=args.route_late == "skip",
                                         step_time_calibration=args.step_time_calibration)
-                    cluster = Cluster(cost, cfg, make_policy(args.sim_router, cost))
+                    cluster = Cluster(cost, cfg, make_policy(args.sim_router, cost, size_slack=args.size_slack))
                     cluster.run(jobs)
                     stats = RunStats([Outcome(j.arrival, j.deadline, j.finish, j.latent_hw or (0, 0),
                                               j.extra.get("start"), j.alone_s) for j in jobs],
@@ -667,7 +667,7 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
         lines += [f"## Simulation, {name} step cost", "",
                   f"`ops/sim/cluster.py`, {args.sim_workers} workers, {args.sim_router} routing with size affinity "
                   f"(slack "
-                  f"{ROUTING_SIZE_SLACK:g} jobs), {args.sim_jobs} jobs per "
+                  f"{args.size_slack:g} jobs, `--size-slack`), {args.sim_jobs} jobs per "
                   f"run, mean of seeds {args.sim_seeds}, step noise {args.sim_noise}; (d)'s order of a crowded "
                   f"queue: {slo_order_for(args.slo_order, sim_device(name))} "
                   f"(`--slo-order {args.slo_order}`), running jobs give their slot back when "
@@ -741,6 +741,8 @@ def main(argv: list[str] | None = None) -> int:
                         "0.01 on the GPU-shaped one)")
     p.add_argument("--sim-router", default="least_requests", choices=POLICIES,
                    help="simulation: the routing policy of every system (app/routing.py)")
+    p.add_argument("--size-slack", type=float, default=ROUTING_SIZE_SLACK,
+                   help="simulation: size affinity's slack in jobs (app/routing.py; 0 = no size affinity)")
     p.add_argument("--route-late", default="skip", choices=("skip", "count"),
                    help="simulation: whether routers leave jobs the engines published as late out of a worker's "
                         "load, as the service does (skip), or count them as an engine that does not publish them "
