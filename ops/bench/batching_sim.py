@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from app.costmodel import CostModel
 from app.routing import make_policy
 from ops.bench.harness import cli
+from ops.sim import gpu_costs
 from ops.sim.cluster import Cluster, ClusterConfig
 from ops.sim.workload import WorkloadSpec, capacity, generate
 
@@ -35,14 +37,19 @@ def cpu_exponent(gain_at_b: float, batch: int) -> float:
 
 
 def p95_of(model: CostModel, *, trace: str, workers: int, max_batch: int, steps: int, jobs: int, load: float,
-           exponent: float, batching: str, seed: int) -> dict[str, float]:
-    """P95 and mean latency of GPU-bound jobs (empty masks never reach a worker) after a 10% warm-up."""
+           exponent: float, batching: str, seed: int, curve: Callable[[float], float] | None = None
+           ) -> dict[str, float]:
+    """P95 and mean latency of GPU-bound jobs (empty masks never reach a worker) after a 10% warm-up;
+    ``curve``: a measured step time by job count in place of the exponent's cost (every job full compute)."""
     spec = WorkloadSpec(trace=trace, load=1.0, workers=workers, jobs=jobs, steps=steps, max_batch=max_batch,
                         uncached_fraction=1.0, seed=seed)
-    spec.load = load * capacity(model, spec, batch_exponent=exponent) / capacity(model, spec)
+    static_capacity = (workers * max_batch / (steps * curve(max_batch)) if curve is not None
+                       else capacity(model, spec, batch_exponent=exponent))
+    spec.load = load * static_capacity / capacity(model, spec)
     sim_jobs = generate(model, spec)
     cfg = ClusterConfig(workers=workers, max_batch=max_batch, noise=0.03, seed=seed, batching=batching,
-                        batch_exponent=exponent)
+                        batch_exponent=exponent,
+                        step_cost=(lambda batch: curve(len(batch))) if curve is not None else None)
     Cluster(model, cfg, make_policy("least_requests", model)).run(sim_jobs)
     lat = np.array([j.finish - j.arrival for j in sim_jobs[len(sim_jobs) // 10:]  # type: ignore[operator]
                     if j.ratio > 0 and j.finish is not None])
@@ -50,20 +57,27 @@ def p95_of(model: CostModel, *, trace: str, workers: int, max_batch: int, steps:
 
 
 def table(model: CostModel, args: argparse.Namespace) -> str:
-    exps = [(f"{e:.2f} (this CPU)" if i == 0 else f"{e:.2f}", e) for i, e in enumerate(args.exponents)]
+    exps: list[tuple[str, float, Callable[[float], float] | None]] = [
+        (f"{e:.2f} (this CPU)" if i == 0 else f"{e:.2f}", e, None) for i, e in enumerate(args.exponents)]
+    if args.gpu_costs:
+        measured = gpu_costs.load(args.gpu_costs)
+        exps.append((f"measured: {measured.label}", 1.0, measured.step_seconds))
     lines = ["| step cost exponent | batch of 4 vs 4 single steps | load | static P95 s | continuous P95 s "
              "| continuous vs static P95 | static mean s | continuous mean s |", "|---|---|---|---|---|---|---|---|"]
-    for label, e in exps:
+    for label, e, curve in exps:
         for load in args.loads:
             res = {mode: [p95_of(model, trace=args.trace, workers=args.workers, max_batch=args.max_batch,
-                                 steps=args.steps, jobs=args.jobs, load=load, exponent=e, batching=mode, seed=s)
+                                 steps=args.steps, jobs=args.jobs, load=load, exponent=e, batching=mode, seed=s,
+                                 curve=curve)
                           for s in args.seeds] for mode in ("static", "continuous")}
             st = {k: float(np.mean([r[k] for r in res["static"]])) for k in ("p95", "mean")}
             co = {k: float(np.mean([r[k] for r in res["continuous"]])) for k in ("p95", "mean")}
             cut = 1 - co["p95"] / st["p95"]
-            log.info("exponent %.2f load %.1f: static P95 %.2f s, continuous %.2f s (%.0f%% lower)",
-                     e, load, st["p95"], co["p95"], cut * 100)
-            lines.append(f"| {label} | {args.max_batch ** e / args.max_batch:.2f}x | {load:.1f} | {st['p95']:.2f} | "
+            log.info("%s, load %.1f: static P95 %.2f s, continuous %.2f s (%.0f%% lower)",
+                     label, load, st["p95"], co["p95"], cut * 100)
+            b = args.max_batch
+            gain = curve(b) / (b * curve(1)) if curve else b ** e / b
+            lines.append(f"| {label} | {gain:.2f}x | {load:.1f} | {st['p95']:.2f} | "
                          f"{co['p95']:.2f} | {cut * 100:.0f}% lower | {st['mean']:.2f} | {co['mean']:.2f} |")
     return "\n".join(lines)
 
@@ -82,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exponents", type=float, nargs="*", default=None,
                    help="step cost exponents after this CPU's (default 0.75 0.5 0.25 0)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--gpu-costs", default=str(gpu_costs.DEFAULT_FILE.relative_to(gpu_costs.COSTMODELS.parents[2])),
+                   help="also a row on a GPU step curve measured on the card (ops/sim/gpu_costs.py; '' = none): its "
+                        "seconds replace the cost model's, so its latencies are the GPU's")
     run = cli.start(p, argv, __file__, quick=dict(jobs=200, loads=[0.9], seeds=[0], exponents=[0.0]))
     args = run.args
     args.exponents = [cpu_exponent(args.cpu_gain, args.max_batch)] + (
@@ -93,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         f"max batch {args.max_batch}, {args.steps} steps, least-requests routing, mask ratios of the `{args.trace}` "
         "trace; load = fraction of the static-batching capacity at the largest batch under the same cost "
         f"shape; mean of {len(args.seeds)} seeds of {args.jobs} jobs. The first row's exponent is this CPU's, "
-        f"from its measured batch-of-4 gain ({args.cpu_gain}x).\n\n" + text + "\n")
+        f"from its measured batch-of-4 gain ({args.cpu_gain}x)."
+        + (" The last row's step is the GPU curve measured on the card, full compute "
+           f"({gpu_costs.describe(gpu_costs.load(args.gpu_costs))}): its latencies are that GPU's seconds."
+           if args.gpu_costs else "") + "\n\n" + text + "\n")
     return 0
 
 

@@ -50,7 +50,9 @@ running its size when one is within that many jobs of the least loaded, for all 
 same trace with two step-cost models: the CPU-fitted batch predictor, and a GPU-shaped one whose
 batch cost is sublinear: a step of work W (a job's work = its predicted standalone step time
 relative to a full-compute 128x128 job, i.e. one SD-1.5 512x512 inpainting image) takes
-``gpu_step_seconds(W)``, the A100 curve of diffusers' benchmark (``GPU_CURVE``). A batch mixing
+``gpu_step_seconds(W)``, the A100 curve of diffusers' benchmark (``GPU_CURVE``), or, with ``--gpu-costs``
+(default ``measured``), the curve measured on an H200 (``ops/sim/gpu_costs.py``; ``measured-host-bound``
+prices masked jobs as the measured mask-aware step ran, not by their tokens). A batch mixing
 sizes runs one UNet call per size (lockstep) whose transformer blocks pack every size's tokens, so
 its step costs ``TRANSFORMER_SHARE`` x g(all the work) + the rest x the sum over sizes of g(that
 size's work): each size's convolutions pay the GPU's small-batch floor again.
@@ -88,6 +90,7 @@ from ops.bench.harness.edits import load_pipeline
 from ops.bench.harness.engine import record
 from ops.bench.harness.report import finish_axes, pyplot, save_figure
 from ops.bench.harness.timing import loadavg
+from ops.sim import gpu_costs as gpu_cost_data
 from ops.sim.cluster import Cluster, ClusterConfig
 from ops.sim.mixed import ShapeJob, capacity, job_shape, parse_sizes, sim_jobs
 from ops.sim.workload import MixedArrival, mixed_arrivals
@@ -127,6 +130,15 @@ GPU_CURVE = ((1.0, 1 / 22.24), (4.0, 1 / 11.67), (16.0, 1 / 3.04))
 # f = 0.466 for block_out_channels (320, 640) at 4096 tokens, measured on this CPU): the part of a
 # mixed-size step that is one packed computation; the rest (convolutions, ResNets) runs per size.
 TRANSFORMER_SHARE = 0.466
+# What the GPU-shaped step cost is (``--gpu-costs``): the sourced A100 curve above, or the curve measured
+# on an H200 (``ops/sim/gpu_costs.py``) with masked work priced by its share of tokens (what a
+# mask-aware step would cost if it paid as its tokens do) or as the measured mask-aware step ran.
+GPU_COSTS = {"measured": "SD-1.5 inpainting batch curve measured on one H200 (bfloat16), masked work scaled by its "
+                         "share of tokens (if the mask-aware step pays; not measured)",
+             "measured-host-bound": "SD-1.5 inpainting batch curve measured on one H200 (bfloat16), masked jobs "
+                                    "at full work with the step stretched by the measured (host-bound) mask-aware "
+                                    "speed at its job count (ratio 0.2)",
+             "sourced": "A100 SD-1.5 inpainting batch curve (diffusers' docs)"}
 GPU_SOURCE = ("diffusers, `docs/source/en/optimization/torch2.0.mdx` (A100 tables, row \"SD - inpaint\", "
               "torch 2.0 without compile: 22.24 / 11.67 / 3.04 it/s at batch 1 / 4 / 16)")
 
@@ -402,31 +414,46 @@ def _mean_of_rounds(rounds: list[dict[str, float]]) -> dict[str, Any]:
 # -- simulation -----------------------------------------------------------------------------------
 
 
-def sim_costs(cost: CostModel) -> dict[str, tuple[Any, str]]:
-    """Step-cost functions of engine jobs: the CPU-fitted batch predictor, and the GPU-shaped curve."""
+def sim_costs(cost: CostModel, gpu_costs: str = "measured") -> dict[str, tuple[Any, str]]:
+    """Step-cost functions of engine jobs: the CPU-fitted batch predictor, and the GPU-shaped curve
+    (``gpu_costs``: one of ``GPU_COSTS``)."""
     from app.costmodel import step_time_predictor
+    from app.steptime import engine_job_shape
 
     predictor = cost.batch
     assert predictor is not None
     cpu = step_time_predictor(cost)
     ref = predictor.step_seconds([JobShape(predictor.latent_hw(128, 128), None, 2)])
 
-    def gpu(jobs: list[Any]) -> float:
-        work: dict[Any, float] = {}
-        for j in jobs:
-            hw = getattr(j, "latent_hw", None)
-            work[hw] = work.get(hw, 0.0) + cpu([j]) / ref
-        packed = gpu_step_seconds(sum(work.values()))
-        if len(work) == 1:
-            return packed
-        per_size = sum(gpu_step_seconds(w) for w in work.values())
-        return TRANSFORMER_SHARE * packed + (1.0 - TRANSFORMER_SHARE) * per_size
+    def work(j: Any) -> float:
+        return cpu([j]) / ref
 
+    def full_work(j: Any) -> float:
+        shape = engine_job_shape(j, predictor.spec.levels, tuple(cost.arch.latent_hw))  # type: ignore[arg-type]
+        return predictor.step_seconds([JobShape(shape.latent_hw, None, shape.rows)]) / ref
+
+    measured = gpu_cost_data.load()
+    curve = gpu_step_seconds if gpu_costs == "sourced" else measured.step_seconds
+    gpu = gpu_cost_data.batch_step_cost(curve, work, TRANSFORMER_SHARE, full_work=full_work,
+                                        costs=measured if gpu_costs == "measured-host-bound" else None)
     return {"cpu-fitted": (cpu, "batch step-time SVR fitted on this CPU (the real run's predictor)"),
-            "gpu-shaped": (gpu, "A100 SD-1.5 inpainting batch curve; each job's work = its CPU-fitted standalone "
-                                "step time over a full 128x128 job's (= one 512x512 image); a step mixing k sizes: "
+            "gpu-shaped": (gpu, GPU_COSTS[gpu_costs] + "; each job's work = its CPU-fitted standalone "
+                                "step time over a full 128x128 job's (= one 512x512 image)"
+                                + (" computed in full" if gpu_costs == "measured-host-bound" else "")
+                                + "; a step mixing k sizes: "
                                 f"{TRANSFORMER_SHARE} x g(total work) + {1 - TRANSFORMER_SHARE:.3f} x sum of g(work of "
                                 "each size) (transformer blocks packed, convolutions per size)")}
+
+
+def gpu_curve_note(gpu_costs: str) -> str:
+    """Where the GPU-shaped step cost's curve comes from, for the report."""
+    if gpu_costs == "sourced":
+        return (f" GPU curve: {GPU_SOURCE}; a step of W images costs W=1: "
+                f"{gpu_step_seconds(1) * 1e3:.1f} ms, W=4: {gpu_step_seconds(4) * 1e3:.1f} ms, W=8: "
+                f"{gpu_step_seconds(8) * 1e3:.1f} ms.")
+    measured = gpu_cost_data.load()
+    return (f" GPU curve (`--gpu-costs {gpu_costs}`): {gpu_cost_data.describe(measured)}; a step of W images costs "
+            + ", ".join(f"W={w}: {measured.step_seconds(w) * 1e3:.1f} ms" for w in (1, 4, 8)) + ".")
 
 
 def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: list[float], cost: CostModel
@@ -434,7 +461,9 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
     predictor = cost.batch
     assert predictor is not None
     out: dict[str, Any] = {}
-    for name, (step_cost, text) in sim_costs(cost).items():
+    for name, (step_cost, text) in sim_costs(cost, args.gpu_costs).items():
+        if name not in args.sim_costs.split(","):
+            continue
         def shape_cost(shapes: list[JobShape], fn: Any = step_cost) -> float:
             return fn([ShapeJob(s) for s in shapes])
 
@@ -461,7 +490,7 @@ def run_sim(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: lis
                                         slo_margin=slo_margin_for(args.slo_margin, device),
                                         publish_late=args.route_late == "skip",
                                         step_time_calibration=args.step_time_calibration)
-                    cluster = Cluster(cost, cfg, make_policy(args.sim_router, cost))
+                    cluster = Cluster(cost, cfg, make_policy(args.sim_router, cost, size_slack=args.size_slack))
                     cluster.run(jobs)
                     stats = RunStats([Outcome(j.arrival, j.deadline, j.finish, j.latent_hw or (0, 0),
                                               j.extra.get("start"), j.alone_s) for j in jobs],
@@ -638,7 +667,7 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
         lines += [f"## Simulation, {name} step cost", "",
                   f"`ops/sim/cluster.py`, {args.sim_workers} workers, {args.sim_router} routing with size affinity "
                   f"(slack "
-                  f"{ROUTING_SIZE_SLACK:g} jobs), {args.sim_jobs} jobs per "
+                  f"{args.size_slack:g} jobs, `--size-slack`), {args.sim_jobs} jobs per "
                   f"run, mean of seeds {args.sim_seeds}, step noise {args.sim_noise}; (d)'s order of a crowded "
                   f"queue: {slo_order_for(args.slo_order, sim_device(name))} "
                   f"(`--slo-order {args.slo_order}`), running jobs give their slot back when "
@@ -654,9 +683,7 @@ def render(results: dict[str, Any], args: argparse.Namespace, command: str, out:
                   + ", "
                   f"corrected online (weight {args.step_time_calibration:g}); step cost: {res['text']}; "
                   f"predicted capacity of (c) {res['capacity']:.2f} jobs/s."
-                  + (f" GPU curve: {GPU_SOURCE}; a step of W images costs W=1: "
-                     f"{gpu_step_seconds(1) * 1e3:.1f} ms, W=4: {gpu_step_seconds(4) * 1e3:.1f} ms, W=8: "
-                     f"{gpu_step_seconds(8) * 1e3:.1f} ms." if name == "gpu-shaped" else ""), "",
+                  + (gpu_curve_note(args.gpu_costs) if name == "gpu-shaped" else ""), "",
                   *table(res["loads"], args.systems), "",
                   *claims(res["loads"], 1.3 if name == "gpu-shaped" else 1.0, versus_b=False), ""]
     if results.get("plot"):
@@ -714,6 +741,8 @@ def main(argv: list[str] | None = None) -> int:
                         "0.01 on the GPU-shaped one)")
     p.add_argument("--sim-router", default="least_requests", choices=POLICIES,
                    help="simulation: the routing policy of every system (app/routing.py)")
+    p.add_argument("--size-slack", type=float, default=ROUTING_SIZE_SLACK,
+                   help="simulation: size affinity's slack in jobs (app/routing.py; 0 = no size affinity)")
     p.add_argument("--route-late", default="skip", choices=("skip", "count"),
                    help="simulation: whether routers leave jobs the engines published as late out of a worker's "
                         "load, as the service does (skip), or count them as an engine that does not publish them "
@@ -737,6 +766,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-noise", type=float, default=0.03)
     p.add_argument("--sim-predictor-scale", type=float, default=1.0,
                    help="(d)'s predictor = this x the simulated step cost (a biased fit; 1 = exact)")
+    p.add_argument("--gpu-costs", default="measured", choices=tuple(GPU_COSTS),
+                   help="simulation: the GPU-shaped step cost's curve: measured on an H200 with masked work by its "
+                        "share of tokens, measured with the measured (host-bound) mask-aware step, or the sourced "
+                        "A100 curve")
+    p.add_argument("--sim-costs", default="cpu-fitted,gpu-shaped",
+                   help="simulation: which step costs to simulate (cpu-fitted, gpu-shaped or both)")
     p.add_argument("--json", default="", help="also write every number (JSON)")
     p.add_argument("--real-from", default="",
                    help="take the real run from an earlier run's --json instead of running it (e.g. to re-run only "
