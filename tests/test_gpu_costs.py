@@ -28,7 +28,18 @@ def test_every_measured_cost_file_loads_with_its_provenance() -> None:
     with pytest.raises(ValueError, match="no batch curve"):
         gpu_costs.load(gpu_costs.COSTMODELS / "sdxl-inpaint-1024--h200-bf16.json").step_seconds(2)
     with pytest.raises(ValueError, match="not a stencil-gpu-costs"):
-        gpu_costs.load(gpu_costs.COSTMODELS / "tiny-sd-inpaint--cpu-1t.json")
+        gpu_costs.load(ROOT / "ops/sim/costmodels/tiny-sd-inpaint--cpu-1t.json")
+
+
+def test_gpu_cost_files_stay_out_of_the_routing_models_folder() -> None:
+    """The dispatcher loads every file of ``ops/sim/costmodels`` as a routing cost model at start:
+    a file of another format there stops it."""
+    from app.costmodel import SHIPPED_DIR, CostModel
+
+    assert gpu_costs.COSTMODELS != SHIPPED_DIR
+    for path in SHIPPED_DIR.glob("*--*.json"):
+        if not path.name.endswith(".points.json"):
+            CostModel.load(path)
 
 
 def test_the_curve_reproduces_the_points_it_was_fitted_on_and_bends_as_measured() -> None:

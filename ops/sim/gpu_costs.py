@@ -1,6 +1,6 @@
 """Step costs measured on a GPU, for the simulators: raw measurements as data, a fitted batch curve.
 
-A cost file (``ops/sim/costmodels/<model>-<px>--<gpu>-<dtype>.json``, format ``stencil-gpu-costs``)
+A cost file (``ops/sim/gpucosts/<model>-<px>--<gpu>-<dtype>.json``, format ``stencil-gpu-costs``)
 holds what ``ops/bench/gpu_step.py`` measured on one card, with its provenance (GPU, dtype, torch,
 diffusers, the harness command): the full step's time at J CFG jobs (``full_step``), the
 mask-aware step's speed against it (``mask_aware_speed``, ``one_job``). Nothing derived is stored:
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 FORMAT = "stencil-gpu-costs"
-COSTMODELS = Path(__file__).resolve().parent / "costmodels"
+COSTMODELS = Path(__file__).resolve().parent / "gpucosts"  # apart from costmodels/: another format
 # The measured model the simulators use by default: SD 1.5 inpainting at 512 px (the size a full
 # 128x128 job of the CPU-fitted trace stands for) on one H200 in bfloat16.
 DEFAULT_FILE = COSTMODELS / "sd15-inpaint-512--h200-bf16.json"
