@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -121,11 +122,11 @@ class JobHandle:
         return self.client._cancel(self.id)
 
 
-class ClientBase:
+class ClientBase(ABC):
     """The methods built on ``submit`` and the job handle's questions, which each client answers."""
 
-    def submit(self, **kwargs: Any) -> JobHandle:
-        raise NotImplementedError
+    @abstractmethod
+    def submit(self, **kwargs: Any) -> JobHandle: ...
 
     def submit_many(self, requests: Iterable[Mapping[str, Any]]) -> list[JobHandle]:
         """Submit several jobs (each mapping holds ``submit``'s keyword arguments)."""
@@ -142,14 +143,14 @@ class ClientBase:
             out.append(handle.wait(remaining))
         return out
 
-    def _record(self, job_id: str) -> JobRecord:
-        raise NotImplementedError
+    @abstractmethod
+    def _record(self, job_id: str) -> JobRecord: ...
 
     def _wait(self, job_id: str, timeout: float | None, poll: float) -> JobRecord:
         return wait_until_terminal(lambda: self._record(job_id), job_id, timeout, poll)
 
-    def _result_bytes(self, job_id: str) -> bytes:
-        raise NotImplementedError
+    @abstractmethod
+    def _result_bytes(self, job_id: str) -> bytes: ...
 
-    def _cancel(self, job_id: str) -> bool:
-        raise NotImplementedError
+    @abstractmethod
+    def _cancel(self, job_id: str) -> bool: ...
