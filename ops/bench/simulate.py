@@ -33,33 +33,49 @@ from app.costmodel import CostModel
 from app.routing import POLICIES, POLICY_VARIANTS, make_policy
 from ops.bench.harness import TRACES, cli
 from ops.bench.harness.report import finish_axes, pyplot, replace_section, save_figure
+from ops.sim import gpu_dispatch
 from ops.sim.bounds import REFERENCES, apply_reference
 from ops.sim.cluster import Cluster, ClusterConfig
+from ops.sim.gpu_dispatch import GpuDispatchCosts
 from ops.sim.report import policy_table, summarize
 from ops.sim.workload import WorkloadSpec, capacity, generate
 
 log = logging.getLogger(__name__)
 
 
+def case_costs(case: dict[str, Any]) -> tuple[CostModel, GpuDispatchCosts | None]:
+    """The routing cost model of a case and, with ``gpu_costs``, the measured GPU step times (whose
+    linear fit is then the routing model; ``ops/sim/gpu_dispatch.py``)."""
+    if not case.get("gpu_costs"):
+        return CostModel.load(case["cost_model"]), None
+    gpu = gpu_dispatch.load(case["gpu_costs"], str(case["cost_model"]), case.get("masked_work", "tokens"),
+                            case["max_batch"])
+    return gpu.model, gpu
+
+
 def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """One simulation: (cost model, trace, workers, load, policy, slo_admission) -> stats."""
-    model = CostModel.load(case["cost_model"])
+    model, gpu = case_costs(case)
     prepare_s = case.get("prepare_s", 0.0)
     spec = WorkloadSpec(trace=case["trace"], load=case["load"], workers=case["workers"], jobs=case["jobs"],
                         steps=case["steps"], max_batch=case["max_batch"], slo_factor=case["slo_factor"],
                         uncached_fraction=case["uncached_fraction"], prepare_s=prepare_s, seed=case["seed"])
-    jobs = generate(model, spec)
+    cap = capacity(model, spec) if gpu is None else gpu.capacity(spec.trace, spec.workers, spec.steps,
+                                                                 spec.uncached_fraction, spec.seed)
+    jobs = generate(model, spec, cluster_capacity=cap, alone_seconds=gpu.alone_seconds if gpu else None)
     start = time.perf_counter()
     if case["policy"] in REFERENCES:  # not a router: what an ideal cluster does with the same jobs
         if prepare_s:
             raise ValueError("reference clusters assume prepare_s = 0")
-        apply_reference(case["policy"], jobs, case["workers"], case["max_batch"])
+        apply_reference(case["policy"], jobs, case["workers"], case["max_batch"],
+                        pooled_step=gpu.pooled_step if gpu else None)
         stats = summarize(jobs)
         stats["decision_p99_ms"], stats["utilization"], steps = 0.0, float("nan"), 0
     else:
         cfg = ClusterConfig(workers=case["workers"], max_batch=case["max_batch"], slo_admission=case["slo_admission"],
                             noise=case["noise"], host_templates=case["host_templates"], prepare_s=prepare_s,
-                            view_refresh_s=case.get("view_refresh_s", 0.0), seed=case["seed"])
+                            view_refresh_s=case.get("view_refresh_s", 0.0), seed=case["seed"],
+                            step_cost=gpu.step_cost if gpu else None, step_cost_fetch=gpu is not None)
         cluster = Cluster(model, cfg, make_policy(case["policy"], model))
         cluster.run(jobs)
         stats = summarize(jobs)
@@ -71,7 +87,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     wall = time.perf_counter() - start
     stats["floor_p95_s"] = service_floor_p95(jobs)
     out = {k: case[k] for k in ("trace", "workers", "load", "policy", "slo_admission", "seed")}
-    out.update(stats=stats, capacity_jobs_s=capacity(model, spec), wall_s=wall, steps=steps)
+    out.update(stats=stats, capacity_jobs_s=cap, wall_s=wall, steps=steps)
     log.info("%-11s %2d workers load %.0f%% %-20s slo=%d: mean %.2f s P95 %.2f s SLO %.1f%% expired %d (%.1f s)",
              case["trace"], case["workers"], case["load"] * 100, case["policy"], case["slo_admission"],
              stats["mean_s"], stats["p95_s"], stats["slo_attainment"] * 100, stats["expired"], wall)
@@ -108,7 +124,8 @@ def cases(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _cases(args: argparse.Namespace) -> list[dict[str, Any]]:
-    base = {"cost_model": str(args.cost_model), "steps": args.steps, "max_batch": args.max_batch,
+    base = {"cost_model": str(args.cost_model), "gpu_costs": args.gpu_costs, "masked_work": args.masked_work,
+            "steps": args.steps, "max_batch": args.max_batch,
             "slo_factor": args.slo_factor, "uncached_fraction": args.uncached_fraction, "noise": args.noise,
             "host_templates": args.host_templates, "prepare_s": args.prepare_s,
             "view_refresh_s": args.view_refresh_ms / 1000.0, "seed": 0}
@@ -145,9 +162,14 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, model: CostM
     if args.prepare_s:
         view_text += f", prepare stage {args.prepare_s:g} s (routed jobs are counted in flight meanwhile)"
     what = "projected" if model.meta.get("projected") else "fitted"
+    gpu: GpuDispatchCosts | None = getattr(args, "gpu", None)
+    title = (f"## Cluster simulation on the measured `{args.gpu_costs}` step costs ({args.masked_work})" if gpu
+             else f"## Cluster simulation with the {what} `{model.model_id}` cost model")
     lines = [
-        f"## Cluster simulation with the {what} `{model.model_id}` cost model", "",
+        title, "",
         "Command (from the repo root):", "", "```", args.command, "```", "",
+        f"- Step times: {gpu.describe()}. Masked work priced on `{args.cost_model}`'s architecture; template "
+        "fetches from its load tiers." if gpu else
         f"- Cost model: `{args.cost_model}` ({model.model_id} on {model.device_kind}; step fit held-out "
         f"R^2 {model.step_report.r2_test:.3f}, MAPE {model.step_report.mape_test * 100:.1f}%)."
         if model.step_report else f"- Cost model: `{args.cost_model}` ({what}; see its section).",
@@ -163,7 +185,9 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, model: CostM
         f"- Dispatcher view: {view_text}; every policy sees the same view.",
         "- Cells: mean / P95 latency (arrival to denoised) / SLO attainment.",
         *(["- References (not routers; `ops/sim/bounds.py`, same jobs, each job's time alone): `ideal_pooled` = the "
-           "cluster as one perfectly balanced processor-sharing pool with migration (up to max batch jobs per worker, "
+           "cluster as one perfectly balanced " + ("pool with migration whose workers each run 1/workers of the present "
+           "jobs (fractional, up to max batch) at the curve's step time for that share, every job one step per step" if gpu
+           else "processor-sharing pool with migration (up to max batch jobs per worker") + ", "
            "no job faster than alone); `central_fcfs` = one central FCFS queue, one job per worker. Service floor "
            "P95 = P95 of each job's time alone on an idle worker."] if args.references else []), ""]
     for workers in args.workers:
@@ -244,7 +268,15 @@ def plot_p95(results: list[dict[str, Any]], workers: int, traces: Sequence[str],
 
 def main(argv: list[str] | None = None) -> int:
     p = cli.parser(__doc__, out="docs/bench/dispatch.md", threads=None, seed=None)
-    p.add_argument("--cost-model", type=Path, default=Path("ops/sim/costmodels/sd-arch-320-640--cpu-1t.json"))
+    p.add_argument("--cost-model", type=Path, default=Path("ops/sim/costmodels/sd-arch-320-640--cpu-1t.json"),
+                   help="the fitted cost model (routing and step times; with --gpu-costs: the architecture)")
+    p.add_argument("--gpu-costs", default="", metavar="NAME",
+                   help="step times from a measured GPU cost file, ops/sim/gpucosts/NAME.json (e.g. "
+                        "sd15-inpaint-512--h200-bf16); --cost-model then only gives the architecture that prices "
+                        "masked work and the fetch tiers, and routing uses a linear fit to the curve")
+    p.add_argument("--masked-work", default="tokens", choices=gpu_dispatch.MASKED_WORK,
+                   help="with --gpu-costs: a masked job's work by its share of tokens, or a full job with the step "
+                        "stretched by the measured host-bound mask-aware speed")
     p.add_argument("--workers", type=int, nargs="+", default=[8, 64])
     p.add_argument("--loads", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.8, 0.9])
     p.add_argument("--traces", nargs="+", default=sorted(TRACES))
@@ -269,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--plots", type=Path, default=None, help="folder for PNG plots (default: next to --out)")
     p.add_argument("--results", type=Path, default=None, help="raw results JSON")
+    p.add_argument("--no-plots", action="store_true", help="tables only (no PNG next to the report)")
     p.add_argument("--tag", default="", help="suffix of plot names (several cost models in one report)")
     p.add_argument("--decision-bench", action="store_true", help="only measure routing decision latency")
     p.add_argument("--render-from", type=Path, default=None,
@@ -280,7 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     args = run.args
     args.command = run.command
     args.out = Path(args.out) if args.out else None
-    model = CostModel.load(args.cost_model)
+    try:
+        model, gpu = case_costs({"cost_model": args.cost_model, "gpu_costs": args.gpu_costs,
+                                 "masked_work": args.masked_work, "max_batch": args.max_batch})
+    except ValueError as exc:
+        p.error(str(exc))
+    args.gpu = gpu
     if args.decision_bench:
         text = decision_bench(args, model)
         if args.out:
@@ -300,13 +338,14 @@ def main(argv: list[str] | None = None) -> int:
         args.results.write_text(json.dumps(results, indent=1))
     results = aggregate(results)
     plots: list[str] = []
-    if args.out:
+    if args.out and not args.no_plots:
         folder = args.plots or args.out.parent
         policies = shown_policies(args)
         for workers in args.workers:
             path = folder / f"dispatch_p95_{workers}w{args.tag}.png"
             plot_p95(results, workers, args.traces, policies, path)
             plots.append(str(path))
+    if args.out:
         replace_section(args.out, f"sim{args.tag}", render(results, args, model, plots))
         log.info("wrote %s and %d plots", args.out, len(plots))
     return 0

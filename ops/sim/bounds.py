@@ -11,7 +11,12 @@ They answer "how much could *any* routing policy cut?" on the very same jobs (ar
   (``M/G/c``). Different discipline (no co-batching), shown because with step times linear in
   the batch and no intercept, batching buys no throughput and FCFS has a shorter tail.
 
-Both use each job's time alone (``SimJob.alone_s``, no step noise, caches resident), so they are
+- ``pooled_batches`` (``ideal_pooled`` when the step cost is a batch curve, e.g. a GPU's): the same
+  pool, but a worker's step costs what the curve says for its share of the present jobs (1/workers
+  of them, fractional) and every job advances one step per step, no faster than alone: on a GPU a
+  batch of 8 costs far less than 8 single steps, so processor sharing would understate the pool.
+
+All use each job's time alone (``SimJob.alone_s``, no step noise, caches resident), so they are
 references, not strict bounds of the simulated cluster.
 """
 
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ops.sim.workload import SimJob
 
@@ -57,6 +62,41 @@ def pooled_ps(jobs: Sequence[SimJob], workers: int, max_batch: int) -> dict[int,
     return finish
 
 
+def pooled_batches(jobs: Sequence[SimJob], workers: int, max_batch: int,
+                   pooled_step: Callable[[Sequence[SimJob], int], float]) -> dict[int, float]:
+    """Finish time per job index in the pooled reference with a batch step curve (module docstring):
+    ``pooled_step(active, workers)`` = step seconds of a worker holding ``1/workers`` of ``active``."""
+    arrivals = sorted((j for j in jobs if j.ratio > 0.0), key=lambda j: j.arrival)
+    slots = workers * max_batch
+    active: dict[int, float] = {}  # job index -> remaining steps
+    by_index = {j.index: j for j in arrivals}
+    queue: deque[SimJob] = deque()
+    finish: dict[int, float] = {}
+    t, i = 0.0, 0
+    while i < len(arrivals) or active or queue:
+        while queue and len(active) < slots:
+            j = queue.popleft()
+            active[j.index] = float(j.steps)
+        shared = pooled_step([by_index[k] for k in active], workers) if len(active) > workers else 0.0
+        step = {k: max(shared, by_index[k].alone_s / by_index[k].steps) for k in active}
+        t_arr = arrivals[i].arrival if i < len(arrivals) else float("inf")
+        t_fin = t + min(left * step[k] for k, left in active.items()) if active else float("inf")
+        t_next = min(t_arr, t_fin)
+        for k in active:
+            active[k] -= (t_next - t) / step[k]
+        t = t_next
+        for k in [k for k, left in active.items() if left <= 1e-9]:
+            del active[k]
+            finish[k] = t
+        if t_arr <= t_fin and i < len(arrivals):
+            queue.append(arrivals[i])
+            i += 1
+    for j in jobs:
+        if j.ratio <= 0.0:
+            finish[j.index] = j.arrival
+    return finish
+
+
 def central_fcfs(jobs: Sequence[SimJob], workers: int) -> dict[int, float]:
     """Finish time per job index with one central FCFS queue and one job per worker."""
     free = [0.0] * workers
@@ -74,10 +114,13 @@ def central_fcfs(jobs: Sequence[SimJob], workers: int) -> dict[int, float]:
 REFERENCES = {"ideal_pooled": "pooled_ps", "central_fcfs": "central_fcfs"}
 
 
-def apply_reference(name: str, jobs: Sequence[SimJob], workers: int, max_batch: int) -> None:
-    """Fill ``finish`` of every job as the reference cluster ``name`` would."""
+def apply_reference(name: str, jobs: Sequence[SimJob], workers: int, max_batch: int,
+                    pooled_step: Callable[[Sequence[SimJob], int], float] | None = None) -> None:
+    """Fill ``finish`` of every job as the reference cluster ``name`` would (``pooled_step``: the
+    step curve of ``pooled_batches``; None: processor sharing, for linear step costs)."""
     if name == "ideal_pooled":
-        fin = pooled_ps(jobs, workers, max_batch)
+        fin = (pooled_ps(jobs, workers, max_batch) if pooled_step is None
+               else pooled_batches(jobs, workers, max_batch, pooled_step))
     elif name == "central_fcfs":
         fin = central_fcfs(jobs, workers)
     else:
@@ -87,4 +130,4 @@ def apply_reference(name: str, jobs: Sequence[SimJob], workers: int, max_batch: 
         j.worker = ""
 
 
-__all__ = ["REFERENCES", "apply_reference", "central_fcfs", "pooled_ps"]
+__all__ = ["REFERENCES", "apply_reference", "central_fcfs", "pooled_batches", "pooled_ps"]

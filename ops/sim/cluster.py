@@ -20,6 +20,7 @@ the cost model's predictor). Batching modes are the engine's: continuous, static
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import time
@@ -76,6 +77,9 @@ class ClusterConfig:
     # the SLO admission's step-time predictor (default: ``step_time_predictor(model)``).
     step_cost: Callable[[list[EngineJob]], float] | None = None
     step_time: Callable[..., float] | None = None
+    # With ``step_cost``: price a job whose template cache has not reached the worker's RAM yet as full
+    # compute (as the linear path and ``SDRunner`` do); False keeps ``step_cost`` blind to fetches.
+    step_cost_fetch: bool = False
 
 
 @dataclass
@@ -218,7 +222,10 @@ class Cluster:
             self._publish(w)
             return
         if self.cfg.step_cost is not None:
-            predicted = self.cfg.step_cost(batch)
+            priced = batch if not self.cfg.step_cost_fetch else [
+                j if not j.cached or w.ready_at.get(j.job_id, math.inf) <= self.now else dataclasses.replace(j, cached=False)
+                for j in batch]
+            predicted = self.cfg.step_cost(priced)
         else:
             predicted = self.model.intercept + sum(self._job_seconds(w, j) for j in batch) * (
                 len(batch) ** (self.cfg.batch_exponent - 1.0))

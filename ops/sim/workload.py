@@ -8,6 +8,7 @@ model a worker finishes ``B / (steps * (intercept + B * E[job step seconds]))`` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,10 +76,13 @@ def capacity(model: CostModel, spec: WorkloadSpec, samples: int = 20000, batch_e
     return spec.workers * per_worker
 
 
-def generate(model: CostModel, spec: WorkloadSpec) -> list[SimJob]:
-    """Jobs with Poisson arrivals at ``load * capacity``; deterministic for a seed."""
+def generate(model: CostModel, spec: WorkloadSpec, *, cluster_capacity: float | None = None,
+             alone_seconds: Callable[[float, bool, int], float] | None = None) -> list[SimJob]:
+    """Jobs with Poisson arrivals at ``load * capacity``; deterministic for a seed. When the step times
+    are not the model's (a measured GPU curve), ``cluster_capacity`` (jobs/s) and ``alone_seconds(ratio,
+    cached, steps)`` give the true ones; by default both come from ``model``."""
     rng = np.random.default_rng(spec.seed)
-    rate = spec.load * capacity(model, spec)
+    rate = spec.load * (capacity(model, spec) if cluster_capacity is None else cluster_capacity)
     trace = load_trace(spec.trace)
     gaps = rng.exponential(1.0 / rate, spec.jobs)
     arrivals = np.cumsum(gaps)
@@ -92,7 +96,8 @@ def generate(model: CostModel, spec: WorkloadSpec) -> list[SimJob]:
     for i in range(spec.jobs):
         ratio = float(ratios[i])
         cached = bool(cached_draw[i]) and ratio < 1.0
-        alone = min_service_seconds(model, spec.steps, mask_ratio=ratio, cached=cached)
+        alone = (min_service_seconds(model, spec.steps, mask_ratio=ratio, cached=cached) if alone_seconds is None
+                 else alone_seconds(ratio, cached, spec.steps))
         total_alone = alone + spec.prepare_s + spec.finalize_s
         jobs.append(SimJob(index=i, arrival=float(arrivals[i]), ratio=ratio, steps=spec.steps, cached=cached,
                            template_id=f"t{int(templates[i])}", masked_tokens=model.arch.tokens_from_ratio(ratio),
