@@ -185,9 +185,10 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, model: CostM
         f"- Dispatcher view: {view_text}; every policy sees the same view.",
         "- Cells: mean / P95 latency (arrival to denoised) / SLO attainment.",
         *(["- References (not routers; `ops/sim/bounds.py`, same jobs, each job's time alone): `ideal_pooled` = the "
-           "cluster as one perfectly balanced " + ("pool with migration whose workers each run 1/workers of the present "
-           "jobs (fractional, up to max batch) at the curve's step time for that share, every job one step per step" if gpu
-           else "processor-sharing pool with migration (up to max batch jobs per worker") + ", "
+           "cluster as one perfectly balanced " + (
+               "pool with migration whose workers each run 1/workers of the present jobs (fractional, up to max "
+               "batch) at the curve's step time for that share, every job one step per step" if gpu
+               else "processor-sharing pool with migration (up to max batch jobs per worker") + ", "
            "no job faster than alone); `central_fcfs` = one central FCFS queue, one job per worker. Service floor "
            "P95 = P95 of each job's time alone on an idle worker."] if args.references else []), ""]
     for workers in args.workers:

@@ -29,43 +29,10 @@ from collections.abc import Callable, Sequence
 from ops.sim.workload import SimJob
 
 
-def pooled_ps(jobs: Sequence[SimJob], workers: int, max_batch: int) -> dict[int, float]:
-    """Finish time per job index in the pooled processor-sharing reference (module docstring)."""
-    arrivals = sorted((j for j in jobs if j.ratio > 0.0), key=lambda j: j.arrival)
-    slots = workers * max_batch
-    active: dict[int, float] = {}  # job index -> remaining seconds of work (at rate 1)
-    queue: deque[SimJob] = deque()
-    finish: dict[int, float] = {}
-    t, i = 0.0, 0
-    while i < len(arrivals) or active or queue:
-        while queue and len(active) < slots:
-            j = queue.popleft()
-            active[j.index] = j.alone_s
-        rate = min(1.0, workers / len(active)) if active else 0.0
-        t_arr = arrivals[i].arrival if i < len(arrivals) else float("inf")
-        t_fin = t + min(active.values()) / rate if active else float("inf")
-        t_next = min(t_arr, t_fin)
-        if active:
-            spent = (t_next - t) * rate
-            for k in active:
-                active[k] -= spent
-        t = t_next
-        for k in [k for k, left in active.items() if left <= 1e-9]:
-            del active[k]
-            finish[k] = t
-        if t_arr <= t_fin and i < len(arrivals):
-            queue.append(arrivals[i])
-            i += 1
-    for j in jobs:
-        if j.ratio <= 0.0:  # empty mask: never reaches a GPU worker (as in the cluster)
-            finish[j.index] = j.arrival
-    return finish
-
-
-def pooled_batches(jobs: Sequence[SimJob], workers: int, max_batch: int,
-                   pooled_step: Callable[[Sequence[SimJob], int], float]) -> dict[int, float]:
-    """Finish time per job index in the pooled reference with a batch step curve (module docstring):
-    ``pooled_step(active, workers)`` = step seconds of a worker holding ``1/workers`` of ``active``."""
+def _pool(jobs: Sequence[SimJob], workers: int, max_batch: int,
+          step_times: Callable[[list[SimJob]], list[float]]) -> dict[int, float]:
+    """Finish time per job index in a pool of ``workers`` x ``max_batch`` slots (FCFS beyond them), where
+    ``step_times(active)`` gives each active job's seconds per step while that set is active."""
     arrivals = sorted((j for j in jobs if j.ratio > 0.0), key=lambda j: j.arrival)
     slots = workers * max_batch
     active: dict[int, float] = {}  # job index -> remaining steps
@@ -77,8 +44,7 @@ def pooled_batches(jobs: Sequence[SimJob], workers: int, max_batch: int,
         while queue and len(active) < slots:
             j = queue.popleft()
             active[j.index] = float(j.steps)
-        shared = pooled_step([by_index[k] for k in active], workers) if len(active) > workers else 0.0
-        step = {k: max(shared, by_index[k].alone_s / by_index[k].steps) for k in active}
+        step = dict(zip(active, step_times([by_index[k] for k in active])))
         t_arr = arrivals[i].arrival if i < len(arrivals) else float("inf")
         t_fin = t + min(left * step[k] for k, left in active.items()) if active else float("inf")
         t_next = min(t_arr, t_fin)
@@ -92,9 +58,30 @@ def pooled_batches(jobs: Sequence[SimJob], workers: int, max_batch: int,
             queue.append(arrivals[i])
             i += 1
     for j in jobs:
-        if j.ratio <= 0.0:
+        if j.ratio <= 0.0:  # empty mask: never reaches a GPU worker (as in the cluster)
             finish[j.index] = j.arrival
     return finish
+
+
+def pooled_ps(jobs: Sequence[SimJob], workers: int, max_batch: int) -> dict[int, float]:
+    """Finish time per job index in the pooled processor-sharing reference (module docstring): every
+    active job runs at ``min(1, workers / active)`` of its speed alone."""
+    def step_times(active: list[SimJob]) -> list[float]:
+        slow = max(1.0, len(active) / workers)
+        return [j.alone_s / j.steps * slow for j in active]
+
+    return _pool(jobs, workers, max_batch, step_times)
+
+
+def pooled_batches(jobs: Sequence[SimJob], workers: int, max_batch: int,
+                   pooled_step: Callable[[Sequence[SimJob], int], float]) -> dict[int, float]:
+    """Finish time per job index in the pooled reference with a batch step curve (module docstring):
+    ``pooled_step(active, workers)`` = step seconds of a worker holding ``1/workers`` of ``active``."""
+    def step_times(active: list[SimJob]) -> list[float]:
+        shared = pooled_step(active, workers) if len(active) > workers else 0.0
+        return [max(shared, j.alone_s / j.steps) for j in active]
+
+    return _pool(jobs, workers, max_batch, step_times)
 
 
 def central_fcfs(jobs: Sequence[SimJob], workers: int) -> dict[int, float]:

@@ -223,8 +223,8 @@ class Cluster:
             return
         if self.cfg.step_cost is not None:
             priced = batch if not self.cfg.step_cost_fetch else [
-                j if not j.cached or w.ready_at.get(j.job_id, math.inf) <= self.now else dataclasses.replace(j, cached=False)
-                for j in batch]
+                j if not j.cached or w.ready_at.get(j.job_id, math.inf) <= self.now
+                else dataclasses.replace(j, cached=False) for j in batch]
             predicted = self.cfg.step_cost(priced)
         else:
             predicted = self.model.intercept + sum(self._job_seconds(w, j) for j in batch) * (

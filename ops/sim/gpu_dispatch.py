@@ -195,7 +195,8 @@ class GpuDispatchCosts:
     def describe(self) -> str:
         m = self.model
         masked = (f"a masked job {m.masked_job_s * 1e3:.2f} ms" if m.masked_job_s is not None
-                  else f"a masked job {m.full_job_s * 1e3:.2f} ms x its share of a full job's work on `{self.base.model_id}`")
+                  else f"a masked job {m.full_job_s * 1e3:.2f} ms x its share of a full job's work on "
+                       f"`{self.base.model_id}`")
         return (f"{gpu_costs.describe(self.costs)}. Masked work: `{self.masked_work}`. Router and SLO admission: "
                 f"linear fit to the curve on batches of 1-{self.max_batch} jobs, intercept {m.intercept * 1e3:.2f} ms, "
                 f"a full job {m.full_job_s * 1e3:.2f} ms, {masked}; its error on those batches "
