@@ -528,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_before": [round(v, 2) for v in load_before], "loadavg_after": [round(v, 2) for v in os.getloadavg()]}
     if args.raw:
         Path(args.raw).write_text(json.dumps({"rows": rows, "test_idx": test_idx.tolist(), "loads": loads,
-                                              "maskaware": steps["maskaware"], "measurement": measurement}, indent=1))
+                                              "maskaware": steps["maskaware"], "measurement": measurement},
+                                             separators=(",", ":")))  # compact: the repository's size budget
     batch = fit_batch_predictor(rows, arch, test_idx, latent_sizes(args), args.seed) if args.sizes else None
     model = CostModel(
         model_id=mut.model_id, device_kind=dev, arch=arch, intercept=float(reg.intercept_),
