@@ -39,6 +39,7 @@ from app.demo import demo_templates
 from ops.bench.harness import cli, load_trace
 from ops.bench.harness.engine import batch_curve, curve_table
 from ops.bench.harness.models import saved_sd_pipeline
+from ops.bench.harness.phases import job_phases
 from ops.bench.harness.report import finish_axes, pyplot, save_figure
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,10 @@ def make_workload(rate: float, n: int, ratios: np.ndarray, templates: list[Image
 
 
 def run_rate(client, stock: bool, template_ids: list[str], templates: list[Image.Image],  # type: ignore[no-untyped-def]
-             workload: Workload, guidance: float, timeout: float) -> list[dict[str, float]]:
-    """Open-loop replay: submit at the arrival times, then wait for every job."""
+             workload: Workload, guidance: float, timeout: float,
+             deadline: float | None = None) -> list[dict[str, Any]]:
+    """Open-loop replay: submit at the arrival times, then wait for every job (until ``deadline``,
+    a ``time.monotonic()`` value, at most: a job still running then counts as not done)."""
     start = time.monotonic()
     submit = client.submit
     handles = []
@@ -92,15 +95,19 @@ def run_rate(client, stock: bool, template_ids: list[str], templates: list[Image
                                steps=job["steps"], guidance=guidance), float(job["mask"].mean())))
     rows = []
     for handle, ratio in handles:
-        rec = handle.wait(timeout)
+        try:
+            rec = handle.wait(timeout if deadline is None else max(1.0, min(timeout, deadline - time.monotonic())))
+        except TimeoutError:
+            rec = handle.record()
         queued = rec.ts("queued") or 0.0
-        end = rec.ts("done") or rec.ts(rec.status) or time.time()
+        end = (rec.ts("done") or rec.ts(rec.status) or time.time()) if rec.status.terminal else time.time()
         started = rec.ts("denoising") or end
         rows.append({"status": rec.status.value, "latency": end - queued, "queueing": max(0.0, started - queued),
                      "ratio": ratio, "queued": queued, "end": end,
                      "worker": str(rec.fields.get("worker") or ""),
                      "masked_steps": float(rec.fields.get("masked_steps") or 0),
-                     "fallback_steps": float(rec.fields.get("fallback_steps") or 0)})
+                     "fallback_steps": float(rec.fields.get("fallback_steps") or 0),
+                     "phases": job_phases(rec.fields)})
     return rows
 
 
@@ -113,7 +120,7 @@ def busy_seconds(stack) -> float:  # type: ignore[no-untyped-def]
     return total
 
 
-def summarize(rows: list[dict[str, float]], busy: float, workers: int) -> dict[str, float]:
+def summarize(rows: list[dict[str, Any]], busy: float, workers: int) -> dict[str, float]:
     done = [r for r in rows if r["status"] == "done"]
     lat = np.array([r["latency"] for r in done]) if done else np.array([np.nan])
     span = max(r["end"] for r in rows) - min(r["queued"] for r in rows)
@@ -162,13 +169,13 @@ def _summary(report: dict, system: str, rate_key: str) -> dict[str, float]:
     return report["results"][system][rate_key]["summary"]
 
 
-def sustained(report: dict, system: str) -> str | None:
+def sustained(report: dict, system: str, base: str = "stock") -> str | None:
     """Highest rate the system sustains: it completes the offered load (throughput >= 85% of
     the rate) without its queue growing (mean queueing below the mean service time x 4). For the
-    stock baseline also at most its measured closed-loop capacity: above it the queue grows without
-    bound, which a short run at that rate can hide."""
+    baseline (``base``) also at most its measured closed-loop capacity: above it the queue grows
+    without bound, which a short run at that rate can hide."""
     best = None
-    limit = float(report.get("capacity_stock", float("inf"))) if system == "stock" else float("inf")
+    limit = float(report.get("capacity_stock", float("inf"))) if system == base else float("inf")
     for key in sorted(report["results"][system], key=float):
         if float(key) > limit * 1.0001:
             continue
@@ -179,17 +186,18 @@ def sustained(report: dict, system: str) -> str | None:
     return best
 
 
-def claims(report: dict) -> list[str]:
+def claims(report: dict, stock: str = "stock") -> list[str]:
+    """Each system against the baseline ``stock`` (its capacity: ``capacity_stock``)."""
     lines = []
     systems = report["results"]
-    if "stock" not in systems:
+    if not systems.get(stock):
         return lines
-    base_key = sustained(report, "stock") or min(systems["stock"], key=float)
-    base = _summary(report, "stock", base_key)
-    lines.append(f"- Highest rate the stock baseline sustains: {float(base_key):.3f} jobs/s "
+    base_key = sustained(report, stock, stock) or min(systems[stock], key=float)
+    base = _summary(report, stock, base_key)
+    lines.append(f"- Highest rate the stock baseline (`{stock}`) sustains: {float(base_key):.3f} jobs/s "
                  f"(throughput {base['throughput']:.3f}/s, P95 {base['p95']:.2f} s, mean {base['mean']:.2f} s).")
     for name in systems:
-        if name == "stock" or base_key not in systems[name]:
+        if name == stock or base_key not in systems[name]:
             continue
         at = _summary(report, name, base_key)
         ok = [k for k in systems[name] if _summary(report, name, k)["p95"] <= base["p95"]
