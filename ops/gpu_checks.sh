@@ -41,7 +41,7 @@ stage tests 90 bash -c "python3 -m pytest -m gpu -p no:xdist -q -rA tests/test_g
 # 5 interleaved rounds (the benchmark's default is 10): its three models in the stage's time.
 stage step 150 bash -c "bench gpu_step --rounds 5"
 stage engine 110 bash -c "bench gpu_engine"
-# Its defaults are sized for this stage: SD 1.5 512 px bf16, a 180 s budget (model save, loads and warm-ups in it).
+# Its defaults are sized for this stage: SD 1.5 512 px bf16, a 185 s budget (model save, loads and warm-ups in it).
 stage e2e 210 bash -c "bench e2e_gpu"
 (cd "$work" && ls -- *.json *.log >/dev/null 2>&1 && tar -czf "$OUT/details.tar.gz" -- *.json *.log)
 rm -rf "$work"

@@ -96,7 +96,7 @@ def run_rate(client, stock: bool, template_ids: list[str], templates: list[Image
     rows = []
     for handle, ratio in handles:
         try:
-            rec = handle.wait(timeout if deadline is None else max(1.0, min(timeout, deadline - time.monotonic())))
+            rec = handle.wait(timeout if deadline is None else max(0.0, min(timeout, deadline - time.monotonic())))
         except TimeoutError:
             rec = handle.record()
         queued = rec.ts("queued") or 0.0
