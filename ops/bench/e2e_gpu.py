@@ -5,7 +5,7 @@ warm-ups included; ``--budget-s`` shares the time among the systems and cuts wha
 runs, one after the other on ``--device``:
 
 1. ``stock-inprocess``: ``StableDiffusion(XL)InpaintPipeline`` in process, in batches of
-   ``--max-batch``, on a burst of ``--burst`` edits (``ops.bench.gpu_engine.run_stock``);
+   ``--max-batch``, on a burst of ``--burst`` edits (``ops.bench.harness.burst.run_stock``);
 2. ``stencil-full``: Stencil's whole stack in full compute (``STENCIL_MASK_AWARE=false``) on the
    same burst: Redis, the dispatcher, the GPU worker on the device, the GPU host's stage pool
    (``STENCIL_STAGE_PLACEMENT=gpu_host``: text encoders and VAE on the same device). Its jobs/s
@@ -18,7 +18,7 @@ runs, one after the other on ``--device``:
 4. ``stencil``: the whole stack, mask-aware, its templates warmed, at the same rates.
 
 Reported (``--out`` Markdown, ``--json`` every job): the service overhead, throughput at equal P95
-and mean latency at the stock's highest sustained rate (``ops.bench.e2e``'s rules), the GPU's busy
+and mean latency at the stock's highest sustained rate (``harness.openloop``'s rules), the GPU's busy
 share (``nvidia-smi`` utilization over each run; the GPU worker's own busy seconds), and time per
 phase (queue, prepare, slot wait, denoise, finalize) from the job records' timestamps. The model is
 a true-size one with random weights written by ``stencil model save`` (SD 1.5 inpainting at 512 px
@@ -45,12 +45,12 @@ from typing import Any
 import torch
 
 from app.demo import demo_templates
-from ops.bench.e2e import Workload, busy_seconds, make_workload, run_rate, summarize
-from ops.bench.gpu_engine import Edits, run_stock
 from ops.bench.harness import load_trace
+from ops.bench.harness.burst import Edits, run_stock
 from ops.bench.harness.cli import parser, start
 from ops.bench.harness.e2e_gpu_report import render
 from ops.bench.harness.gpu import DTYPES, UtilSampler, device_of, hardware
+from ops.bench.harness.openloop import Workload, busy_seconds, make_workload, run_rate, summarize
 from ops.bench.harness.phases import mean_phases
 
 log = logging.getLogger(__name__)

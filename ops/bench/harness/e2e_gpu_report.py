@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ops.bench.e2e import claims, sustained
+from ops.bench.harness.openloop import claims, sustained
 from ops.bench.harness.phases import phase_table
 
 OVERHEAD_TARGET = 0.9  # Stencil full compute through the stack >= 90% of the stock pipeline's in-process jobs/s
