@@ -296,11 +296,16 @@ def cmd_flower(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from app.serve import serve
+    from workers.models.loader import DeviceUnavailable
 
     check_secrets(flower=bool(args.flower_port))
-    return serve(Path(args.workdir), gpu_workers=args.gpu_workers, cpu_concurrency=args.cpu_concurrency,
-                 flower_port=args.flower_port, flower_auth=args.flower_basic_auth,
-                 redis_url=os.environ.get("STENCIL_REDIS_URL", ""))
+    try:
+        return serve(Path(args.workdir), gpu_workers=args.gpu_workers, cpu_concurrency=args.cpu_concurrency,
+                     flower_port=args.flower_port, flower_auth=args.flower_basic_auth,
+                     redis_url=os.environ.get("STENCIL_REDIS_URL", ""), device=args.device)
+    except DeviceUnavailable as exc:  # nothing started: a device this host lacks
+        sys.stderr.write(f"stencil serve: {exc}\n")
+        return 2
 
 
 def cmd_api(args: argparse.Namespace) -> int:
@@ -495,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workdir", default="stencil-serve",
                    help="state, logs and stencil.env (client settings) go here")
     s.add_argument("--gpu-workers", type=int, default=1, help="one per device")
+    s.add_argument("--device", default="", help="the engines' torch device (sets STENCIL_DEVICE of the processes "
+                   "serve starts): cuda = worker k on cuda:k, with the stages in each GPU host's stage pool on "
+                   "the same GPU; cpu; cuda:N; default: STENCIL_DEVICE")
     s.add_argument("--cpu-concurrency", type=int, default=2)
     s.add_argument("--flower-port", type=int, default=0, help="also run Flower on this port (0 = no)")
     s.add_argument("--flower-basic-auth", default=os.environ.get("FLOWER_BASIC_AUTH", ""),

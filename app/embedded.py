@@ -96,13 +96,17 @@ class EmbeddedStack:
     # Where the processes run and what they get on top of the settings (a host of several, tests/support/multihost.py).
     cwd: Path | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Per GPU host (worker id): what its GPU worker and stage pool get on top, e.g. its device.
+    host_env: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @classmethod
     def start(cls, workdir: Path | None = None, *, gpu_workers: int = 1, cpu_concurrency: int = 1,
               dispatcher: bool = True, stock: bool = False, worker_env: dict[str, str] | None = None,
-              metrics: bool = False, redis_appendonly: bool = False, **overrides: object) -> "EmbeddedStack":
+              metrics: bool = False, redis_appendonly: bool = False,
+              host_env: dict[str, dict[str, str]] | None = None, **overrides: object) -> "EmbeddedStack":
         """Start the stack. ``stock=True`` starts the stock-diffusers baseline instead of Stencil
-        (round-robin router + plain pipeline workers), for side-by-side benchmarks."""
+        (round-robin router + plain pipeline workers), for side-by-side benchmarks. ``host_env``:
+        environment of each GPU host's processes by worker id (``stencil serve --device``)."""
         owns = workdir is None
         workdir = Path(workdir or tempfile.mkdtemp(prefix="stencil-"))
         workdir.mkdir(parents=True, exist_ok=True)
@@ -116,7 +120,8 @@ class EmbeddedStack:
         values.update(overrides)
         values["redis_url"] = external or server.url  # type: ignore[union-attr]
         settings = Settings.from_env(**values)
-        stack = cls(settings=settings, redis_server=server, workdir=workdir, owns_workdir=owns, metrics=metrics)
+        stack = cls(settings=settings, redis_server=server, workdir=workdir, owns_workdir=owns, metrics=metrics,
+                    host_env=dict(host_env or {}))
         try:
             # Save the embedded model once, before several processes race to do it.
             from workers.models.loader import ensure_model_dir
@@ -124,7 +129,8 @@ class EmbeddedStack:
             ensure_model_dir(settings)
             if stock:
                 for worker_id in settings.gpu_worker_ids:
-                    stack._spawn(f"gpu{worker_id}", ["stock-worker", "--worker-id", worker_id], **(worker_env or {}))
+                    stack._spawn(f"gpu{worker_id}", ["stock-worker", "--worker-id", worker_id],
+                                 **stack.host_env.get(worker_id, {}), **(worker_env or {}))
                 stack._spawn("dispatcher", ["stock-router"])
             else:
                 stack.start_cpu_worker(concurrency=cpu_concurrency)
@@ -179,10 +185,12 @@ class EmbeddedStack:
         return self._spawn(name, ["cpu-worker", "--concurrency", str(concurrency), "--name", name])
 
     def start_gpu_worker(self, worker_id: str, **extra_env: str) -> subprocess.Popen:
-        return self._spawn(f"gpu{worker_id}", ["gpu-worker", "--worker-id", worker_id], **extra_env)
+        env = {**self.host_env.get(worker_id, {}), **extra_env}
+        return self._spawn(f"gpu{worker_id}", ["gpu-worker", "--worker-id", worker_id], **env)
 
     def start_stage_worker(self, worker_id: str, **extra_env: str) -> subprocess.Popen:
-        return self._spawn(f"stage{worker_id}", ["stage-worker", "--worker-id", worker_id], **extra_env)
+        env = {**self.host_env.get(worker_id, {}), **extra_env}
+        return self._spawn(f"stage{worker_id}", ["stage-worker", "--worker-id", worker_id], **env)
 
     def start_dispatcher(self) -> subprocess.Popen:
         return self._spawn("dispatcher", ["dispatcher"])

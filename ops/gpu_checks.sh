@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # Every GPU check of the project in one bounded command, for a lent GPU machine (no network):
-# the CUDA tests (tests/test_gpu.py), the per-step benchmark (ops.bench.gpu_step) and the engine in
-# process (ops.bench.gpu_engine). From the project root, after `bash ../shared/gpu/prepare.sh` here:
+# the CUDA tests (tests/test_gpu.py), the per-step benchmark (ops.bench.gpu_step), the engine in
+# process (ops.bench.gpu_engine) and the whole stack against the stock pipeline (ops.bench.e2e_gpu).
+# From the project root, after `bash ../shared/gpu/prepare.sh` here:
 #   device run (carry .gpu):  source .gpu/setup.sh && bash ops/gpu_checks.sh
-# Results go to $OUT (the device tool's folder; ./gpu-out elsewhere), at most 8 files:
-# summary.txt (GPU, driver, versions, each stage's exit status and seconds), tests.log, and each
-# benchmark's .md, .json and .log. Each stage has its own time limit, so one that hangs or runs
-# long leaves the others' results; GPU_CHECKS=tests,step,engine selects stages.
+# Results go to $OUT (the device tool's folder; ./gpu-out elsewhere), 6 files (the tool returns 8 at
+# most): summary.txt (GPU, driver, versions, each stage's exit status and seconds), tests.log, each
+# benchmark's report (gpu_step.md, gpu_engine.md, e2e_gpu.md) and details.tar.gz (their .json and
+# .log). Each stage has its own time limit (560 s together: the device allows 600 s a command), so
+# one that hangs or runs long leaves the others' results; GPU_CHECKS=tests,step,engine,e2e selects stages.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-STAGES=${GPU_CHECKS:-tests,step,engine}
+OUT=$(cd "$OUT" && pwd)
+STAGES=${GPU_CHECKS:-tests,step,engine,e2e}
+work=$(mktemp -d)  # the benchmarks' .json and .log, packed into one file at the end
+export OUT work
 summary="$OUT/summary.txt"
 {
   date -u
@@ -22,11 +27,22 @@ stage() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   case ",$STAGES," in *",$name,"*) ;; *) return ;; esac
   local t0=$SECONDS
-  timeout "$limit" "$@"
+  timeout -k 15 "$limit" "$@"  # TERM to the stage's process group (a benchmark stops its stacks), KILL 15 s on
   echo "$name rc=$? ${limit}s-limit took=$((SECONDS - t0))s" >> "$summary"
 }
 
-stage tests 180 bash -c "python3 -m pytest -m gpu -p no:xdist -q -rA tests/test_gpu.py > '$OUT/tests.log' 2>&1"
-stage step 240 bash -c "python3 -m ops.bench.gpu_step --out '$OUT/gpu_step.md' --json '$OUT/gpu_step.json' > '$OUT/gpu_step.log' 2>&1"
-stage engine 150 bash -c "python3 -m ops.bench.gpu_engine --out '$OUT/gpu_engine.md' --json '$OUT/gpu_engine.json' > '$OUT/gpu_engine.log' 2>&1"
+bench() {  # module [options]: its report into $OUT, its JSON and log into $work
+  local m=$1; shift
+  exec python3 -m "ops.bench.$m" --out "$OUT/$m.md" --json "$work/$m.json" "$@" > "$work/$m.log" 2>&1
+}
+export -f bench
+
+stage tests 90 bash -c "python3 -m pytest -m gpu -p no:xdist -q -rA tests/test_gpu.py > '$OUT/tests.log' 2>&1"
+# 5 interleaved rounds (the benchmark's default is 10): its three models in the stage's time.
+stage step 150 bash -c "bench gpu_step --rounds 5"
+stage engine 110 bash -c "bench gpu_engine"
+# Its defaults are sized for this stage: SD 1.5 512 px bf16, a 185 s budget (model save, loads and warm-ups in it).
+stage e2e 210 bash -c "bench e2e_gpu"
+(cd "$work" && ls -- *.json *.log >/dev/null 2>&1 && tar -czf "$OUT/details.tar.gz" -- *.json *.log)
+rm -rf "$work"
 cat "$summary"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ops.bench.e2e import claims, sustained, write_report
+from ops.bench.e2e import write_report
 from ops.bench.harness.engine import curve_table
+from ops.bench.harness.openloop import claims, sustained
 
 
 def _s(jobs: int, done: int, mean: float, p95: float, queueing: float, throughput: float) -> dict:

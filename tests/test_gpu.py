@@ -2,10 +2,15 @@
 ``pytest -m gpu -p no:xdist tests/test_gpu.py``): graph-replayed steps equal eager steps, a steady
 mask-aware step makes no host synchronisation and an engine step exactly one, and results on the
 GPU equal the stock diffusers pipeline on the same GPU (bfloat16: full compute within 1/255 for a
-job alone, 2/255 batched; the exact mask-aware path within 2/255)."""
+job alone, 2/255 batched; the exact mask-aware path within 2/255); ``stencil serve --device cuda``
+serves an edit with its engine and stages on the GPU."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -138,3 +143,44 @@ def test_results_on_cuda_equal_the_stock_pipeline_on_cuda(family: str, tmp_path:
     assert out[0]["masked_steps"] == params.steps
     diff = int(np.abs(svc.decode(out[0]["latents"]) - svc.stock(params)).max())
     assert diff <= 2, f"{family}: exact mask-aware path {diff}/255 from the stock pipeline on CUDA"
+
+
+def test_serve_with_device_cuda_finishes_an_edit_on_the_gpu(tmp_path: Path, model_home: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The documented GPU path (docs/deployment.md): ``stencil serve --device cuda`` with its own
+    Redis; one edit submitted as a client does, done, its result an edit of the template, the
+    engine and the stages (prepare, finalize) on the GPU."""
+    from app.client import StencilClient
+    from app.demo import demo_templates
+    from tests.test_service import wait_until
+
+    workdir = tmp_path / "serve"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STENCIL_")}
+    env.update(STENCIL_HOME=str(model_home), HF_HUB_OFFLINE="1")
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--device", "cuda", "--workdir", str(workdir),
+                             "--cpu-concurrency", "1"], env=env, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        wait_until(lambda: (workdir / "children.json").is_file() or proc.poll() is not None, timeout=240)
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+        for line in (workdir / "stencil.env").read_text().splitlines():
+            key, _, value = line.partition("=")
+            monkeypatch.setenv(key, value)
+        template = demo_templates(128)[0][1]
+        mask = np.zeros((128, 128), bool)
+        mask[32:96, 40:100] = True
+        handle = StencilClient().submit(template=template, mask=mask, prompt="a red scarf", steps=6, seed=3)
+        rec = handle.wait(180)
+        assert rec.status.value == "done", (rec.error, (tmp_path / "serve.log").read_text()[-3000:])
+        assert rec.worker == "gpu.0"
+        assert rec.fields["prepare_device"].startswith("cuda") and rec.fields["finalize_device"].startswith("cuda")
+        result = np.asarray(handle.result().convert("RGB"), dtype=np.int16)
+        assert result.shape == (128, 128, 3)
+        assert np.abs(result[mask] - np.asarray(template, dtype=np.int16)[mask]).max() > 0  # the region was edited
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(90) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()

@@ -1,5 +1,6 @@
-"""``stencil serve``: one command starts a supervised local stack; a catalog runs against it; a
-killed child is restarted; Ctrl-C (SIGINT) leaves no process behind."""
+"""``stencil serve``: one command starts a supervised local stack (``--device cpu`` reaching its
+GPU worker); a catalog runs against it; a killed child is restarted; Ctrl-C (SIGINT) leaves no
+process behind."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_serve_runs_a_catalog_restarts_a_killed_child_and_stops_cleanly(tmp_path
     env = {k: v for k, v in os.environ.items() if k not in ("STENCIL_REDIS_URL",)}
     env.update(STENCIL_HOME=str(model_home), HF_HUB_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--workdir", str(workdir),
-                             "--cpu-concurrency", "1"], env=env, stdout=subprocess.DEVNULL,
+                             "--cpu-concurrency", "1", "--device", "cpu"], env=env, stdout=subprocess.DEVNULL,
                             stderr=open(tmp_path / "serve.log", "wb"))
     children: dict[str, int] = {}
     try:
@@ -43,6 +44,8 @@ def test_serve_runs_a_catalog_restarts_a_killed_child_and_stops_cleanly(tmp_path
                    timeout=180)
         children = json.loads((workdir / "children.json").read_text())["pids"]
         assert {"cpu", "gpu0", "dispatcher"} <= set(children)
+        environ = Path(f"/proc/{children['gpu0']}/environ").read_bytes().split(b"\0")
+        assert b"STENCIL_DEVICE=cpu" in environ  # --device reaches the processes serve starts
         client_env = dict(env)
         for line in (workdir / "stencil.env").read_text().splitlines():
             key, _, value = line.partition("=")

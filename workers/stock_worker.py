@@ -6,6 +6,10 @@ completion before the next one starts; full compute; decoding, encoding and the 
 same loop), store the results, mark the jobs done. Jobs are routed round-robin by
 ``StockRouter`` into one Redis list per worker. It uses the same job records and blobs as
 Stencil, so the same client and load generator measure both.
+
+The pipeline is the one the model folder names (SD or SDXL inpainting), on ``STENCIL_DEVICE`` in
+``STENCIL_DTYPE``; with ``STENCIL_COMPILE`` set its UNet runs through ``torch.compile`` as a user
+compiles it (``pipe.unet = torch.compile(pipe.unet, mode=...)``; eager again if compilation fails).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from app.storage import open_store
 log = logging.getLogger(__name__)
 
 STOCK_QUEUE = "stencil:stock:{}"
+STOCK_PIPELINES = ("StableDiffusionInpaintPipeline", "StableDiffusionXLInpaintPipeline")
 
 
 class StockRouter:
@@ -62,9 +67,10 @@ class StockRouter:
 
 class StockWorker:
     def __init__(self, settings: Settings, worker_id: str) -> None:
-        from diffusers import StableDiffusionInpaintPipeline
+        import diffusers
 
-        from workers.models.loader import ensure_model_dir, resolve_device, torch_dtype
+        from workers.compiled import check_mode
+        from workers.models.loader import ensure_model_dir, pipeline_class_name, resolve_device, torch_dtype
 
         self.s = settings
         self.worker_id = worker_id
@@ -72,10 +78,18 @@ class StockWorker:
         self.jobs = JobStore(self.r, ttl_seconds=settings.job_ttl_seconds)
         self.blobs = BlobStore(self.r, settings.blob_ttl_seconds)
         self.store = open_store(settings)
+        model_dir = ensure_model_dir(settings)
+        name = pipeline_class_name(model_dir)
+        if name not in STOCK_PIPELINES:
+            raise ValueError(f"the stock baseline runs {' and '.join(STOCK_PIPELINES)}; {model_dir} is a {name}")
         # On STENCIL_DEVICE, as a user runs the stock pipeline on the card (the comparison's baseline).
-        self.pipe = StableDiffusionInpaintPipeline.from_pretrained(
-            ensure_model_dir(settings), dtype=torch_dtype(settings.dtype)).to(resolve_device(settings.device))
+        self.pipe = getattr(diffusers, name).from_pretrained(
+            model_dir, dtype=torch_dtype(settings.dtype)).to(resolve_device(settings.device))
         self.pipe.set_progress_bar_config(disable=True)
+        self.eager_unet = self.pipe.unet
+        self.compile = check_mode(settings.compile)
+        if self.compile != "off":
+            self.pipe.unet = torch.compile(self.eager_unet, mode=None if self.compile == "default" else self.compile)
         self.busy_seconds = 0.0
         self.batches = 0
 
@@ -111,9 +125,19 @@ class StockWorker:
         p0 = live[0][1].params
         width, height = images[0].size
         start = time.perf_counter()
-        out = self.pipe(prompt=[r.params.prompt for _, r in live], image=images, mask_image=masks,
-                        num_inference_steps=p0.steps, guidance_scale=p0.guidance, strength=p0.strength,
-                        height=height - height % 8, width=width - width % 8, generator=gens).images
+        call = dict(prompt=[r.params.prompt for _, r in live], image=images, mask_image=masks,
+                    num_inference_steps=p0.steps, guidance_scale=p0.guidance, strength=p0.strength,
+                    height=height - height % 8, width=width - width % 8)
+        seeds = [r.params.seed for _, r in live]
+        try:
+            out = self.pipe(**call, generator=gens).images
+        except Exception as exc:
+            if self.pipe.unet is self.eager_unet:
+                raise
+            log.warning("torch.compile of the stock UNet failed (%s: %s); eager from now on", type(exc).__name__,
+                        str(exc).splitlines()[0][:300] if str(exc) else "")
+            self.pipe.unet = self.eager_unet
+            out = self.pipe(**call, generator=[torch.Generator("cpu").manual_seed(s) for s in seeds]).images
         self.busy_seconds += time.perf_counter() - start
         self.batches += 1
         for (job_id, _rec), img in zip(live, out):

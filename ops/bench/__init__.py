@@ -12,7 +12,9 @@ with the exact command line that produced it. ``--quick`` is a smoke run in seco
   pipeline on a burst of edits, jobs/s, latency, a steady step's phases), ``cache_bytes`` (cache bytes per template per
   storage codec at true sizes, codec fidelity, host-tier capacity, link-speed unit selection);
 - fidelity: ``fidelity``, ``fidelity_causes``, ``fidelity_baselines``;
-- whole service: ``e2e`` (against a stock diffusers server), ``recovery`` (process faults),
+- whole service: ``e2e`` (against a stock diffusers server), ``e2e_gpu`` (the whole stack on one GPU
+  against the stock pipeline on the same card: service overhead, Poisson runs on the mask-ratio
+  traces, GPU busy share, time per phase), ``recovery`` (process faults),
   ``replay`` (a trace against a real 2-worker stack), ``api_load`` (edits over the HTTP gateway by
   concurrent clients: request latency, RSS over the run, one result per job);
 - dispatch: ``profile`` (fits the cost model), ``simulate`` (8-64 worker cluster simulation),

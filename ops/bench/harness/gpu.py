@@ -1,8 +1,13 @@
 """What the GPU benchmarks share: the device to run on and its description, models with random
-weights made on the device, and a device clock."""
+weights made on the device, a device clock, and the GPU's utilization sampled over a run."""
 
 from __future__ import annotations
 
+import math
+import os
+import shutil
+import subprocess
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -85,3 +90,41 @@ class Clock:
         return (time.perf_counter() - t0) / reps
 
 
+
+
+class UtilSampler:
+    """The GPU's utilization as NVML defines it (the share of each sample period in which a kernel
+    ran, from any process: the stack's workers are other processes), sampled by ``nvidia-smi`` every
+    ``period_ms`` in the background. ``mean(t0, t1)``: over a window of epoch seconds; NaN off CUDA
+    or without ``nvidia-smi``."""
+
+    def __init__(self, device: torch.device, period_ms: int = 100) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self.proc: subprocess.Popen[str] | None = None
+        exe = shutil.which("nvidia-smi")
+        if device.type != "cuda" or exe is None:
+            return
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        index = device.index or 0
+        gpu = visible.split(",")[index].strip() if visible else str(index)  # nvidia-smi's own numbering
+        self.proc = subprocess.Popen([exe, "-i", gpu, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                      "-lms", str(period_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True)
+        threading.Thread(target=self._read, name="nvidia-smi", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                self.samples.append((time.time(), float(line.strip()) / 100.0))
+            except ValueError:
+                continue
+
+    def mean(self, t0: float, t1: float) -> float:
+        values = [v for t, v in list(self.samples) if t0 <= t <= t1]
+        return sum(values) / len(values) if values else math.nan
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(5)
