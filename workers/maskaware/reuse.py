@@ -138,7 +138,8 @@ class TemporalReuse:
             u.computed[extra] = True
             ids = np.flatnonzero(u.computed)
         dev = u.idx_all.device
-        u.ids = torch.as_tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        host = torch.as_tensor(ids, dtype=torch.long)
+        u.ids = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
         u.sub = u.pos.index_select(0, u.ids).reshape(-1)
         u.idx = u.idx_all.index_select(0, u.sub)
         u.k = int(u.sub.numel())
