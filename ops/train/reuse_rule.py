@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--guidance", default="1.0,3.0,7.5")
     p.add_argument("--steps", default="20,50")
     p.add_argument("--tau", type=float, default=0.1, help="largest relative error of a safe reuse")
-    p.add_argument("--cut", type=float, default=0.6, help="the forest's 'safe' vote needed to reuse")
-    p.add_argument("--trees", type=int, default=12)
+    p.add_argument("--cut", type=float, default=0.5, help="the forest's 'safe' vote needed to reuse")
+    p.add_argument("--trees", type=int, default=8)
     p.add_argument("--depth", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RULE_FILE))
@@ -182,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
                 "reuse_share": round(float(pred.mean()), 4),  # of the held-out decisions
                 "unsafe_share_of_reuses": round(float((pred & ~y_te).sum() / max(1, pred.sum())), 4)}
 
-    command = "python -m ops.train.reuse_rule " + " ".join(sys.argv[1:] if argv is None else argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    for flag in ("--records", "--out"):  # where the recording is cached or the rule written: not what it is
+        if flag in given:
+            i = given.index(flag)
+            del given[i:i + 2]
+    command = " ".join(["python -m ops.train.reuse_rule", *given])
     rule.about = {"command": command.strip(), "runs": len(runs), "train_samples": int(len(y_tr)),
                   "held_out_samples": int(len(y_te)), "held_out_edits": sorted(held),
                   "safe_share_held_out": round(float(y_te.mean()), 4),
