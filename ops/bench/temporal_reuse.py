@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shares", default="0,0.25,0.5,1.0", help="part 2's rule shares (0: fast)")
     p.add_argument("--ratio", type=float, default=0.2)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--speed-steps", type=int, default=12)
+    p.add_argument("--speed-steps", type=int, default=20)
     p.add_argument("--json", default="", help="also write the rows here")
     run = cli.start(p, argv, __file__, quick=dict(edits=1, guidance="7.5", steps="8", traces="spring", shares=""))
     args = run.args
