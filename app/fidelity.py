@@ -18,6 +18,9 @@ that meets the fidelity targets in BENCHMARKS.md):
 - ``balanced``: exact cache if there is one, else the template's warm-up with
   ``REFRESHES["balanced"]`` refresh steps. Approximate.
 - ``fast`` (default): as balanced with fewer refresh steps. Approximate.
+- ``turbo``: as fast, and between refreshes each plan unit reuses the patches of masked tokens
+  that a learned rule predicts barely move from the last step (``workers/maskaware/reuse.py``;
+  SD-family UNets; other models run it as ``fast``). Approximate.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import math
 from functools import lru_cache
 from pathlib import Path
 
-POLICIES = ("exact", "balanced", "fast")
-REFRESHES = {"balanced": 3, "fast": 2}
+POLICIES = ("exact", "balanced", "fast", "turbo")
+REFRESHES = {"balanced": 3, "fast": 2, "turbo": 2}
+TEMPORAL_REUSE = frozenset({"turbo"})  # policies that also reuse masked patches from the last step
 LAST_REFRESH_AT = 0.85  # share of the schedule where the last refresh step falls
 EXPECTED_FILE = Path(__file__).with_name("fidelity_expected.json")
 

@@ -29,7 +29,7 @@ from app.adapters import (
 )
 from app.blobs import BLOB_PREFIX
 from app.controls import DEFAULT_MAX_CONTROLS, Control, check_controls, dump_controls, load_controls
-from app.fidelity import check_policy
+from app.fidelity import POLICIES, check_policy
 from app.validation import MAX_GUIDANCE, MAX_PRIORITY, MAX_SEED, InvalidParameter, integer, number, object_id, text
 
 JOB_PREFIX = "stencil:job:"
@@ -203,7 +203,7 @@ class JobParams:
         try:
             fidelity = check_policy(self.fidelity)
         except ValueError:
-            raise InvalidParameter("fidelity", "must be one of exact, balanced, fast (or empty)") from None
+            raise InvalidParameter("fidelity", f"must be one of {', '.join(POLICIES)} (or empty)") from None
         if self.lora_patch not in ("", *LORA_PATCH_POLICIES):
             raise InvalidParameter("lora_patch", f"must be one of {', '.join(LORA_PATCH_POLICIES)} (or empty)")
         size = {}

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.fidelity import POLICIES
+
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(f"STENCIL_{name}", default)
@@ -134,7 +136,7 @@ class Settings:
                                "0 = every step; auto = the model family's measured default")
     prefetch_steps: int = setting(8, _CACHES, "steps of a job's template cache fetched ahead, from routing on")
     fidelity: str = setting("fast", _CACHES, "fidelity policy of edits that name none (docs/fidelity.md)",
-                            choices=("exact", "balanced", "fast"))
+                            choices=POLICIES)
 
     lora_cache_bytes: int = setting(2 * 1024**3, _ADDONS, "host-RAM LRU of LoRA adapters per GPU worker")
     max_lora_bytes: int = setting(1024**3, _ADDONS, "largest LoRA file accepted")

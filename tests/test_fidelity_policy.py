@@ -36,7 +36,7 @@ def test_policies_and_their_schedules() -> None:
     assert check_policy(" Balanced ") == "balanced" and check_policy("") == ""
     with pytest.raises(ValueError, match="fidelity must be one of"):
         check_policy("fastest")
-    assert set(POLICIES) == {"exact", "balanced", "fast"}
+    assert set(POLICIES) == {"exact", "balanced", "fast", "turbo"}
     assert JobParams(fidelity="nope").validate(200) is not None
     assert JobParams(fidelity="fast").validate(200) is None
 

@@ -116,6 +116,41 @@ def test_a_steady_masked_forward_never_synchronises_and_a_step_once(warmed) -> N
     assert len(syncs) == 1, [str(w.message) for w in syncs]
 
 
+def test_steady_turbo_steps_synchronise_once(warmed) -> None:  # type: ignore[no-untyped-def]
+    """Temporal reuse adds no synchronisation: its per-patch errors ride on the step's one read
+    (a pinned, non-blocking copy) and its patch indices go up without waiting."""
+    from workers.maskaware.reuse import TemporalReuse
+    from workers.maskaware.reuse_rule import ThresholdRule
+
+    unet, ctrl, runner, caches, cfg, job, key, steps = warmed
+    assert steps >= 4
+    runner.reuse_rule = ThresholdRule(10.0)  # every measured patch reused (at most twice in a row)
+    try:
+        batch = [job(runner, "masked", key, steps, seed=20 + i) for i in range(3)]
+        for j in batch:
+            j.state.reuse = TemporalReuse(runner.reuse_rule, steps, frozenset(), 5.0, list(ctrl.units),
+                                          max_tokens=runner._full_tokens(j.state))
+        runner.step(batch)  # step 0: every patch computed and measured
+        for j in batch:
+            j.steps_done += 1
+        for _ in range(2):  # steps 1 and 2: reused
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    runner.step(batch)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            syncs = [w for w in caught if "synchroniz" in str(w.message)]
+            assert len(syncs) == 1, [str(w.message) for w in syncs]
+            for j in batch:
+                j.steps_done += 1
+        assert all(j.state.reuse.reused > 0 for j in batch)
+    finally:
+        runner.reuse_rule = None
+
+
 @pytest.mark.parametrize("family", ["sd", "flux"])
 def test_results_on_cuda_equal_the_stock_pipeline_on_cuda(family: str, tmp_path: Path) -> None:
     from tests.test_bf16_exactness import _jobs, _world

@@ -86,6 +86,11 @@ def test_the_template_warm_up_serves_other_edits_approximately_and_says_so(stack
     assert int(rec_m.fields["masked_steps"]) >= (10 - len(schedule)) // 2, rec_m.fields  # the cache was used
     assert rec_f.fields["approximate"] == "0" and rec_f.fields["cache_note"] == "no exact cache for this edit"
     assert np.abs(result_array(masked) - result_array(exact)).max() > 1
+    # ``turbo``: fast's refresh steps, and patches reused from the last step; the record says how many
+    turbo = client.submit(template=tid, mask=mask, prompt="a hat", seed=5, steps=10, fidelity="turbo").wait(120)
+    assert turbo.status == JobStatus.DONE and turbo.fields["fidelity"] == "turbo", turbo.fields
+    assert turbo.fields["refresh_plan"] == rec_m.fields["refresh_plan"] and turbo.fields["approximate"] == "1"
+    assert 0.0 <= float(turbo.fields["reused_share"]) <= 1.0, turbo.fields
 
 
 def test_a_region_warm_up_is_exact_and_marked_so(stack: EmbeddedStack, client: StencilClient) -> None:

@@ -30,7 +30,7 @@ from PIL import Image
 from app.adapters import AdapterSet, adapter_digest
 from app.celery_app import app
 from app.controls import control_blob, controls_digest
-from app.fidelity import expected_ssim, policy_schedule
+from app.fidelity import TEMPORAL_REUSE, expected_ssim, policy_schedule
 from app.jobs import WARM_PROMPT, WARM_SEED, JobParams, JobStatus
 from app.keys import is_upload, result_key, template_key
 from app.storage import ObjectNotFound, StoreUnavailable
@@ -325,6 +325,7 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: 
                 expected = expected_ssim(ctx.model_id(), policy, params.guidance)
                 if expected is not None:
                     fields["expected_ssim"] = f"{expected:.3f}"
+                meta["temporal_reuse"] = policy in TEMPORAL_REUSE
                 return _use_cache(job_id, meta, key, schedule, fields)
     except TRANSIENT as exc:
         log.warning("job %s: activation store unreachable (%s); full compute", job_id, exc)

@@ -391,6 +391,8 @@ def denoise(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
                     # Bytes of the job's template cache this worker's host-RAM tier read from the object
                     # store (cumulative per worker): > 0 where the cache came from the store.
                     cache_store_bytes=out.get("cache_store_bytes", 0),
+                    # ``turbo``: share of (step, unit, patch) computations taken from the job's last step
+                    reused_share=("" if out.get("reused_share") is None else f"{out['reused_share']:.3f}"),
                     **_lora_fields(out))
         return prep
     finally:

@@ -11,7 +11,8 @@ with the exact command line that produced it. ``--quick`` is a smoke run in seco
   ``gpu_engine`` (the engine in process on a GPU: mask-aware and full compute against the stock
   pipeline on a burst of edits, jobs/s, latency, a steady step's phases), ``cache_bytes`` (cache bytes per template per
   storage codec at true sizes, codec fidelity, host-tier capacity, link-speed unit selection);
-- fidelity: ``fidelity``, ``fidelity_causes``, ``fidelity_baselines``;
+- fidelity: ``fidelity``, ``fidelity_causes``, ``fidelity_baselines``, ``temporal_reuse`` (``turbo``'s
+  patch reuse from the last step on the frontier beside fixed-interval and whole-step reuse);
 - whole service: ``e2e`` (against a stock diffusers server), ``e2e_gpu`` (the whole stack on one GPU
   against the stock pipeline on the same card: service overhead, Poisson runs on the mask-ratio
   traces, GPU busy share, time per phase), ``recovery`` (process faults),

@@ -23,10 +23,11 @@ from workers.engine.staging import StagedCache
 
 def graphable(groups: Sequence[Any] | None) -> bool:
     """Every job computes fully, or reads a staged cache laid out in one buffer (no unit waited
-    for mid-call, no recording, no job placed on a larger grid)."""
+    for mid-call, no recording, no job placed on a larger grid, no temporal reuse: its per-step
+    patch indices and offsets are not graph inputs yet)."""
     return groups is None or all(
         g.mode == "full" or (g.mode == "masked" and isinstance(g.cache, StagedCache) and g.cache.flat is not None
-                             and getattr(g, "positions", None) is None)
+                             and getattr(g, "positions", None) is None and getattr(g, "reuse", None) is None)
         for g in groups)
 
 

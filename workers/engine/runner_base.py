@@ -65,6 +65,9 @@ from workers.engine.staging import CacheStager
 from workers.engine.stepper import make_stepper
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider, UnitCache, key_stored_steps
 from workers.maskaware.activation_store import TemplateCacheKey
+from workers.maskaware.reuse import ReuseRule, TemporalReuse
+from workers.maskaware.reuse import supports as reuse_supported
+from workers.maskaware.reuse_rule import default_rule
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +173,7 @@ class JobState:
     extra: dict[str, Any] = field(default_factory=dict)
     stepper: Any = None  # ``workers.engine.stepper``: the scheduler's update with precomputed scalars
     model_times: torch.Tensor | None = None  # the timesteps on the compute device (the model's input)
+    reuse: TemporalReuse | None = None  # masked mode, ``turbo``: patches taken from the job's last step
 
     def __post_init__(self) -> None:
         if self.stepper is None:  # the scheduler and schedule as given (tests build states directly)
@@ -378,6 +382,10 @@ class BaseRunner(ABC):
             prepare = getattr(st.token_masks, "prepare", None)
             if prepare is not None:  # counts and device indices now, never inside a step
                 prepare(getattr(self, "device", "cpu"))
+            if meta.get("temporal_reuse") and reuse_supported(self.maskaware):
+                st.reuse = TemporalReuse(self.reuse_rule or default_rule(), len(st.timesteps), st.refresh,
+                                         float(meta.get("guidance", 0.0)), list(getattr(self.maskaware, "units", ())),
+                                         bucketed=self.bucket_tokens, max_tokens=self._full_tokens(st))
             self.caches.prefetch(key, range(self.prefetch_steps))  # type: ignore[union-attr]
 
     def _absent_units(self, key: TemplateCacheKey) -> frozenset[str]:
@@ -398,6 +406,7 @@ class BaseRunner(ABC):
         return self._stager
 
     writable_caches = False  # the model writes fresh tokens into staged caches (SD-family UNets)
+    reuse_rule: ReuseRule | None = None  # temporal reuse's rule; None: the shipped one (benchmarks swap it)
 
     def _read_speed(self) -> float:
         """GB/s at which a step reads its cache (``read_gbps``, else measured once)."""
@@ -654,6 +663,8 @@ class BaseRunner(ABC):
                 absent = job.state.extra.get("absent_units")
                 if absent and getattr(group, "mode", "") == "masked":
                     group.full_units = frozenset(group.full_units) | absent
+                if job.state.reuse is not None and getattr(group, "mode", "") == "masked":
+                    group.reuse = job.state.reuse.begin(job.steps_done)
         self.last_ctx = None
         layout.set_invariant(self.batch_invariant and len(batch) > 1)
         rows = layout.rows((g, job.state.rows) for g, job in enumerate(batch)) if layout.wanted() else None
@@ -669,6 +680,9 @@ class BaseRunner(ABC):
         # Schedulers with state (not covered by ``stepper``) roll back if the step fails, so a retry is exact.
         snapshots = [(job.state, dict(job.state.scheduler.__dict__), job.state.generator.get_state())
                      for job in batch if not job.state.stepper.stateless]
+        for job in batch:  # the reuse errors ride on the step's one read (copied without a sync)
+            if job.state.reuse is not None:
+                job.state.reuse.collect(job.steps_done)
         try:
             news, row = [], 0
             for i, job in enumerate(batch):
@@ -709,8 +723,12 @@ class BaseRunner(ABC):
             st: JobState = job.state
             if st.mode == "masked" and recorded and recorded[i] is not None:  # a refresh step
                 self._anchor(job, recorded[i])
+                if st.reuse is not None:
+                    st.reuse.reset()
                 self.prefetch(job)
             elif st.mode == "masked":
+                if st.reuse is not None:
+                    st.reuse.decide(int(job.steps_done))
                 units = st.extra.pop("unit_cache", None)
                 pending = st.extra.pop("fallback_pending", False)
                 n_units = len(getattr(self.maskaware, "units", ()))
@@ -796,7 +814,10 @@ class BaseRunner(ABC):
                 "load_wait_s": st.extra.get("wait_s", 0.0),
                 "lora_applied_step": st.lora_applied if st.adapters else None,
                 "lora_merged_steps": st.extra.get("lora_merged_steps", 0),
-                "lora_term_steps": st.extra.get("lora_term_steps", 0)}
+                "lora_term_steps": st.extra.get("lora_term_steps", 0),
+                # temporal reuse (``turbo``): (step, unit, patch) computations taken from the last step
+                "reused_patches": st.reuse.reused if st.reuse is not None else None,
+                "reused_share": st.reuse.share if st.reuse is not None else None}
 
 
 class OffsetCache(Mapping[str, torch.Tensor]):

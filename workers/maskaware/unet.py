@@ -94,6 +94,7 @@ from workers.adapters import layout
 from workers.adapters.patcher import install as install_row_aware
 from workers.compiled import BlockKernels
 from workers.maskaware.lockstep import Lockstep
+from workers.maskaware.reuse import TemporalReuse, UnitReuse
 from workers.maskaware.tokens import TokenMasks, build_token_masks, row_index
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class RowGroup:
     cache: Mapping[str, torch.Tensor] | None = None  # read-only, this group's current step
     full_units: frozenset[str] = frozenset()  # masked mode: these units compute every token
     gid: int = -1  # the job's group index in the whole step (several calls in lockstep); -1: its index here
+    reuse: Any = None  # masked mode: ``reuse.TemporalReuse`` of the job (patches taken from its last step)
 
 
 @dataclass
@@ -484,6 +486,12 @@ class MaskAwareUNet:
         """Goes into the template cache key: caches of the two layouts are not interchangeable."""
         return "kv+y" if self.kv_source == "cache" else "y"
 
+    @property
+    def temporal_reuse(self) -> bool:
+        """Whether masked groups may reuse patches of their last step (``reuse.py``): reused tokens
+        take K/V from the cache, so only the ``"kv+y"`` layout."""
+        return self.kv_source == "cache"
+
     def tensor_names(self) -> list[str]:
         """Names a recorded step holds, in block order."""
         names = []
@@ -652,6 +660,8 @@ class MaskAwareUNet:
         if not (getattr(sg.ctx.groups[sg.g].cache, "writable", False)
                 and cached.device == fresh.device and cached.dtype == fresh.dtype):
             cached = cached.to(device=fresh.device, dtype=fresh.dtype, copy=True)
+        if sg.reuse is not None:
+            return TemporalReuse.merge(sg.reuse, f"{block}.{kind}", kind == "y", cached, fresh)
         return cached.index_copy_(1, sg.idx, fresh)  # type: ignore[arg-type]
 
     def _masked_forward(self, info: _BlockInfo, h: torch.Tensor, arguments: dict, plan: _Plan,
@@ -665,8 +675,10 @@ class MaskAwareUNet:
         _check_arguments(arguments)
         ehs = arguments.get("encoder_hidden_states")
         n, c = h.shape[1], h.shape[2]
-        segs = [_Seg(ctx.groups[mg.g].gid if ctx.groups[mg.g].gid >= 0 else mg.g, mg.g, ctx, h, ehs,
-                     mg.start, mg.rows, n, mg.idx, mg.m, False) for mg in plan.masked]
+        segs = [self._seg(info, ctx, mg, h, ehs, n) for mg in plan.masked]
+        if any(sg.reuse is not None for sg in segs):  # fewer tokens than the plan counted
+            full_rows = ctx.total_rows if plan.full_rows is None else int(plan.full_rows.numel())
+            ctx.unit_tokens[info.unit] = full_rows * n + sum(sg.rows * sg.m for sg in segs)
         carry = ctx.carry.pop(info.unit, None)
         x_in = carry.x if carry is not None and carry.ret is h and carry.plan is plan else None
         x = self._packed(info, segs, x_in)
@@ -684,6 +696,17 @@ class MaskAwareUNet:
         for sg, y in zip(segs, ys):
             out[sg.start:sg.start + sg.rows] = y
         return out
+
+    def _seg(self, info: _BlockInfo, ctx: BatchContext, mg: _MaskedGroup, h: torch.Tensor,
+             ehs: torch.Tensor | None, n: int) -> "_Seg":
+        """A masked group's segment: its masked tokens, or with temporal reuse the patches its job
+        computes this step (``workers/maskaware/reuse.py``; needs cached K/V)."""
+        grp = ctx.groups[mg.g]
+        gid = grp.gid if grp.gid >= 0 else mg.g
+        if grp.reuse is None or self.kv_source != "cache":
+            return _Seg(gid, mg.g, ctx, h, ehs, mg.start, mg.rows, n, mg.idx, mg.m, False)
+        u = grp.reuse.plan(info.unit, mg.idx, mg.m, n, grp.token_mask.masked(n))
+        return _Seg(gid, mg.g, ctx, h, ehs, mg.start, mg.rows, n, u.idx, u.k, False, reuse=u)
 
     def _calls_forward(self, info: _BlockInfo, round_: list[tuple[int, Any]]) -> dict[int, torch.Tensor]:
         """One block for several calls in lockstep (``lockstep.py``; e.g. jobs of different image
@@ -819,6 +842,7 @@ class _Seg:
     m: int
     record: bool
     out: torch.Tensor | None = None
+    reuse: UnitReuse | None = None  # temporal reuse: ``idx`` holds the patches computed this step
 
     def tokens(self) -> torch.Tensor:
         rows = self.h[self.start:self.start + self.rows]

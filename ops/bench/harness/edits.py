@@ -132,6 +132,7 @@ class Option:
     warm_noise: bool = False  # start from the warm-up's noise at cached tokens (noise_blend)
     region: bool = False  # a warm-up recorded with this edit's mask, prompt and seed: exact
     at: tuple[int, ...] = ()  # explicit refresh steps (schedules no policy uses)
+    reuse: bool = False  # temporal reuse of masked patches (``turbo``; the runner's ``reuse_rule``)
 
     def schedule(self, steps: int) -> list[int]:
         return list(self.at) if self.at else refresh_schedule(self.refreshes, steps)
@@ -142,6 +143,7 @@ OPTIONS = {o.name: o for o in (
     Option("cache-as-is", warm_noise=True),  # the path before refresh steps (warm-up noise outside)
     Option("refresh-1", 1), Option("fast", REFRESHES["fast"]), Option("balanced", REFRESHES["balanced"]),
     Option("refresh-4", 4), Option("exact-region", region=True),
+    Option("turbo", REFRESHES["turbo"], reuse=True),
 )}
 
 
@@ -181,5 +183,6 @@ def edit(fam: Family, option: Option, image: Image.Image, mask: np.ndarray, para
                                               fam.pipe.vae_scale_factor))
     for step in range(int(meta["num_steps"])):  # resident, as after the service's prefetch
         fam.runner_ma.caches.wait(key, step, 30)  # type: ignore[union-attr]
-    meta = dict(meta, cache_mode="masked", cache_key=key.to_dict(), refresh_steps=option.schedule(params.steps))
+    meta = dict(meta, cache_mode="masked", cache_key=key.to_dict(), refresh_steps=option.schedule(params.steps),
+                temporal_reuse=option.reuse)
     return run(fam.runner_ma, [(tensors, meta)])[0]
