@@ -202,7 +202,7 @@ def cmd_stage_worker(args: argparse.Namespace) -> int:
     os.environ["STENCIL_WORKER_ID"] = args.worker_id
     _set_role("stage")
     settings = Settings.from_env()
-    from workers.models.loader import DeviceUnavailable, resolve_device
+    from workers.devices import DeviceUnavailable, resolve_device
 
     try:  # a host without the configured device: stop now, with the reason
         resolve_device(settings.stage_device, "STENCIL_STAGE_DEVICE")

@@ -32,7 +32,10 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # CPU build of torch first, so nothing below pulls a CUDA build. Elsewhere than this
   # machine, point STENCIL_TORCH_INDEX_URL at PyTorch's CPU wheel index.
-  .venv/bin/python -m pip install -q "torch==2.13.0" ${STENCIL_TORCH_INDEX_URL:+--index-url "$STENCIL_TORCH_INDEX_URL"}
-  .venv/bin/python -m pip install -q -e ".[test]"
+  # --no-compile: byte-compiling every installed module (torch, transformers: tens of thousands of
+  # files) took a third of the install; Python compiles and caches the modules a process imports.
+  .venv/bin/python -m pip install -q --no-compile "torch==2.13.0" \
+    ${STENCIL_TORCH_INDEX_URL:+--index-url "$STENCIL_TORCH_INDEX_URL"}
+  .venv/bin/python -m pip install -q --no-compile -e ".[test]"
   echo "$WANT" > "$STAMP"
 fi
