@@ -20,95 +20,18 @@ from __future__ import annotations
 import json
 import logging
 import statistics
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from app.maskgen import make_mask
-from app.storage import LocalStore
 from ops.bench.harness import cli
 from ops.bench.harness.edits import OPTIONS, Option
-from ops.bench.harness.engine import record
-from ops.bench.harness.models import build_flux, build_sd_unet, ddim_config, flux_image_ids
+from ops.bench.harness.step_bench import Bench
 from ops.bench.harness.timing import interleave
-from workers.engine.flux_runner import FluxRunner
-from workers.engine.job import EngineJob
-from workers.engine.sd_runner import SDRunner
-from workers.engine.template_cache import CacheRecorder, StepCacheProvider
-from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
-from workers.maskaware.flux import MaskAwareFlux
-from workers.maskaware.unet import MaskAwareUNet
-from workers.models.tiny_flux import FLUX_SCHEDULER_CONFIG
 
 log = logging.getLogger(__name__)
 KINDS = ("full", "masked", "offset", "refresh")
-
-
-class Bench:
-    """One family's runner on a benchmark-size model, with synthetic job tensors of real shapes."""
-
-    def __init__(self, family: str, steps: int, seed: int = 0) -> None:
-        self.family, self.steps = family, steps
-        self.activations = ActivationStore(LocalStore(tempfile.mkdtemp(prefix="stencil-polspeed-")))
-        caches = StepCacheProvider(self.activations, 16 << 30)
-        g = torch.Generator().manual_seed(seed)
-        if family == "sd":
-            model = build_sd_unet((320, 640), 64, 1, 1, 768, seed)
-            cfg = ddim_config()
-            self.runner = SDRunner(model, cfg, maskaware=MaskAwareUNet(model), caches=caches,
-                                   recorder=CacheRecorder(self.activations), prefetch_steps=steps)
-            self.size, self.layout, self.shape = 512, "kv+y", "unet (320, 640), 4096 tokens, CFG"
-            self.base = {"latents": torch.randn(1, 4, 64, 64, generator=g),
-                         "mask": torch.zeros(2, 1, 64, 64),
-                         "masked_image_latents": torch.randn(2, 4, 64, 64, generator=g),
-                         "prompt_embeds": torch.randn(2, 77, 768, generator=g)}
-            self.meta = {"t_start": 0, "num_steps": steps, "do_cfg": True, "guidance": 7.5,
-                         "height": 512, "width": 512}
-        else:
-            model = build_flux(seed)
-            cfg = {**FLUX_SCHEDULER_CONFIG, "_class_name": "FlowMatchEulerDiscreteScheduler"}
-            self.runner = FluxRunner(model, cfg, 16, maskaware=MaskAwareFlux(model), caches=caches,
-                                     recorder=CacheRecorder(self.activations), prefetch_steps=steps)
-            self.size, self.layout, self.shape = 512, "flux-kv-roped", "flux 2+4 blocks, inner 512, 1024 tokens, T=64"
-            side = 32
-            self.base = {"latents": torch.randn(1, side * side, 64, generator=g),
-                         "masked_image_latents": torch.randn(1, side * side, 320, generator=g),
-                         "prompt_embeds": torch.randn(1, 64, 4096, generator=g),
-                         "pooled_prompt_embeds": torch.randn(1, 768, generator=g),
-                         "text_ids": torch.zeros(64, 3), "image_ids": flux_image_ids(side)}
-            self.meta = {"family": "flux", "t_start": 0, "num_steps": steps, "guidance": 30.0,
-                         "height": 512, "width": 512, "do_cfg": False}
-        self.key = TemplateCacheKey(model_id=f"polspeed-{family}", template_id="t", height=self.size,
-                                    width=self.size, scheduler=cfg["_class_name"], steps=steps, strength=1.0,
-                                    guidance="cfg2" if self.meta["do_cfg"] else "single", layout=self.layout)
-
-    def tensors(self, ratio: float) -> dict[str, torch.Tensor]:
-        pixel = make_mask(ratio, (self.size, self.size), "blob", seed=3) if ratio > 0 else \
-            np.zeros((self.size, self.size), bool)
-        return {**self.base, "pixel_mask": torch.from_numpy(pixel.astype(np.uint8)),
-                "generator_state": torch.Generator("cpu").manual_seed(1).get_state()}
-
-    def warm(self) -> None:
-        """A real warm-up through the engine (every step recorded and committed)."""
-        record(self.runner, self.tensors(0.0), self.meta, self.key, resident_steps=self.steps)
-
-    def job(self, ratio: float, mode: str, refresh: list[int]) -> EngineJob:
-        meta = dict(self.meta) if mode == "full" else dict(self.meta, cache_mode=mode, cache_key=self.key.to_dict(),
-                                                           refresh_steps=refresh)
-        job = EngineJob(job_id=f"{mode}", total_steps=self.steps)
-        job.state = self.runner.init_state(self.tensors(ratio), meta)
-        return job
-
-    def step(self, job: EngineJob) -> float:
-        t0 = time.thread_time()
-        self.runner.step([job])
-        seconds = time.thread_time() - t0
-        job.steps_done += 1
-        return seconds
 
 
 def measure(bench: Bench, ratio: float, rounds: int, per_kind: int) -> dict[str, float]:

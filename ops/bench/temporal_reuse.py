@@ -15,9 +15,10 @@ steps): whole-image and in-mask SSIM against the edit's full compute, the share 
 patch) computations reused (skipped steps count every unit), and the thread CPU time of the masked
 steps. Part 2, speed at scale (the benchmark-size UNet of ``policy_speed``: (320, 640) at 4096
 tokens, CFG, a real warm-up, resident): a masked step's thread CPU time, whole step and the
-transformer units' (the masked work: the step's CPU time times the units' share of its wall time), at reused shares from 0 to everything; each option's speed-up
-over ``fast`` at the share it reached in part 1 (interpolated between measured shares; on a model
-this small part 1's own times are mostly per-call overhead).
+transformer units' (the masked work: the step's CPU time times the units' share of its wall
+time), at reused shares from 0 to everything; each option's speed-up over ``fast`` at the share it
+reached in part 1 (interpolated between measured shares; on a model this small part 1's own times
+are mostly per-call overhead).
 
     python -m ops.bench.temporal_reuse --edits 3 --out docs/bench/temporal_reuse.md
 """
@@ -38,6 +39,7 @@ from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
 from ops.bench.harness import cli, load_trace
 from ops.bench.harness.edits import EDIT_PROMPTS, OPTIONS, Family, edit, metrics
+from ops.bench.harness.step_bench import Bench
 from workers.maskaware.reuse_rule import ThresholdRule, default_rule
 
 log = logging.getLogger(__name__)
@@ -115,8 +117,8 @@ def options(tau: float, delta: float) -> dict[str, dict[str, Any]]:
             "step-skip": {"option": "fast", "skip": delta}}
 
 
-def run_option(fam: Family, spec: dict[str, Any], img: Any, mask: np.ndarray, params: JobParams, key: Any,
-               units: int) -> dict[str, Any]:
+def run_option(fam: Family, spec: dict[str, Any], img: Any, mask: np.ndarray, params: JobParams,
+               key: Any) -> dict[str, Any]:
     runner = fam.runner_ma
     runner.reuse_rule = spec.get("rule")
     skip = StepSkip(runner, spec["skip"]) if "skip" in spec else None
@@ -141,7 +143,6 @@ def run_option(fam: Family, spec: dict[str, Any], img: Any, mask: np.ndarray, pa
 
 def fidelity_part(args: Any) -> list[dict[str, Any]]:
     fam = Family("sd")
-    units = len(fam.ctrl.units)
     rng = np.random.default_rng(args.seed)
     specs = options(args.tau, args.delta)
     rows = []
@@ -163,7 +164,7 @@ def fidelity_part(args: Any) -> list[dict[str, Any]]:
                     full = fam.full(tensors, meta)
                     pixel = tensors["pixel_mask"].bool().numpy()
                     for name, spec in specs.items():
-                        got = run_option(fam, spec, templates[t], mask, params, keys[t], units)
+                        got = run_option(fam, spec, templates[t], mask, params, keys[t])
                         m = metrics(full, fam.decode(got["latents"]), pixel)
                         rows.append({"option": name, "steps": steps, "guidance": g, "trace": trace,
                                      "ratio": float(pixel.mean()), "ssim": m["ssim"],
@@ -175,17 +176,14 @@ def fidelity_part(args: Any) -> list[dict[str, Any]]:
 
 def speed_part(args: Any) -> list[dict[str, Any]]:
     """Masked-step CPU seconds on the benchmark-size UNet at reused shares (module doc)."""
-    from ops.bench.policy_speed import Bench
-
     bench = Bench("sd", args.speed_steps)
     bench.warm()
     out = []
     for q in [float(x) for x in args.shares.split(",")]:
         whole, walls, units, shares = [], [], [], []
         for _round in range(args.rounds):
-            bench.runner.reuse_rule = ShareRule(q) if q > 0 else AlwaysReuse()
-            job = bench.job(args.ratio, "masked", [0])
-            job.state.reuse = None
+            bench.runner.reuse_rule = ShareRule(q)
+            job = bench.job(args.ratio, "masked", [0])  # anchored at step 0; as turbo where q > 0:
             meta = dict(bench.meta, cache_mode="masked", cache_key=bench.key.to_dict(), refresh_steps=[0],
                         temporal_reuse=q > 0)
             job.state = bench.runner.init_state(bench.tensors(args.ratio), meta)
@@ -195,7 +193,8 @@ def speed_part(args: Any) -> list[dict[str, Any]]:
                 whole.append(bench.step(job))
                 walls.append(time.perf_counter() - t0)
                 ctx = bench.runner.last_ctx  # unit times are wall clock: scaled to the step's CPU time
-                units.append(whole[-1] * sum(ctx.unit_seconds.values()) / walls[-1] if ctx is not None else float("nan"))
+                units.append(whole[-1] * sum(ctx.unit_seconds.values()) / walls[-1] if ctx is not None
+                             else float("nan"))
             shares.append(job.state.reuse.share if job.state.reuse is not None else 0.0)
         bench.runner.reuse_rule = None
         out.append({"q": q, "share": statistics.mean(shares), "step_s": statistics.mean(whole),

@@ -65,7 +65,7 @@ class UnitReuse:
     err: torch.Tensor  # [patches] float32 on the device: this step's measured error per computed patch
     rel: dict[str, torch.Tensor] = field(default_factory=dict)  # cached name -> [rows, m, C] recent offset
     last_err: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    err_age: np.ndarray = field(default_factory=lambda: np.zeros(0))  # steps the offset had when measured (0: refresh's)
+    err_age: np.ndarray = field(default_factory=lambda: np.zeros(0))  # offset's age when measured (0: the refresh's)
     last_computed: np.ndarray = field(default_factory=lambda: np.zeros(0, int))  # step, -1: none since the refresh
     run: np.ndarray = field(default_factory=lambda: np.zeros(0, int))  # steps reused in a row up to this one
     reuse_next: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
@@ -152,7 +152,8 @@ class TemporalReuse:
         weight = (positions < masked).to(torch.float32).view(patches, PATCH, 1)
         pos = positions.clamp_(max=m - 1).view(patches, PATCH)
         extra: dict[str, Any] = dict(rel2={}, err2=torch.zeros(patches, device=dev)) if self.record else {}
-        return UnitReuse(**extra, n=n, m=m, depth=self.unit_order.get(unit, 0.5), idx_all=idx_all, pos=pos, weight=weight,
+        return UnitReuse(**extra, n=n, m=m, depth=self.unit_order.get(unit, 0.5), idx_all=idx_all, pos=pos,
+                         weight=weight,
                          err=torch.zeros(patches, dtype=torch.float32, device=idx_all.device),
                          last_err=np.full(patches, np.inf), err_age=np.zeros(patches),
                          last_computed=np.full(patches, -1), run=np.zeros(patches, int),
