@@ -104,6 +104,12 @@ def test_a_steady_masked_forward_never_synchronises_and_a_step_once(warmed) -> N
     runner.step(batch)
     for j in batch:
         j.steps_done += 1
+    syncs = _step_syncs(runner, batch)
+    assert len(syncs) == 1, syncs
+
+
+def _step_syncs(runner, batch) -> list[str]:  # type: ignore[no-untyped-def]
+    """The synchronisations one engine step of ``batch`` makes (CUDA's sync debug mode warnings)."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
@@ -112,8 +118,7 @@ def test_a_steady_masked_forward_never_synchronises_and_a_step_once(warmed) -> N
             runner.step(batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
 
 
 def test_steady_turbo_steps_synchronise_once(warmed) -> None:  # type: ignore[no-untyped-def]
@@ -134,16 +139,8 @@ def test_steady_turbo_steps_synchronise_once(warmed) -> None:  # type: ignore[no
         for j in batch:
             j.steps_done += 1
         for _ in range(2):  # steps 1 and 2: reused
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    runner.step(batch)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            syncs = [w for w in caught if "synchroniz" in str(w.message)]
-            assert len(syncs) == 1, [str(w.message) for w in syncs]
+            syncs = _step_syncs(runner, batch)
+            assert len(syncs) == 1, syncs
             for j in batch:
                 j.steps_done += 1
         assert all(j.state.reuse.reused > 0 for j in batch)

@@ -82,14 +82,7 @@ def test_a_steady_engine_step_reads_the_device_once(tmp_path: Path) -> None:
         _warm(runner, caches, key, steps)
         batch = [_job(runner, "masked", key, steps, seed=10 + i) for i in range(4)]
         alone = [_job(runner, "masked", key, steps, seed=10 + i) for i in range(4)]
-        counts = []
-        for step in range(steps):
-            counter = DispatchCounter()
-            with counter:
-                runner.step(batch)
-            counts.append(counter)
-            for job in batch:
-                job.steps_done += 1
+        counts = counted_steps(runner, batch, steps)
         for job in alone:
             while not job.finished:
                 runner.step([job])
@@ -100,6 +93,19 @@ def test_a_steady_engine_step_reads_the_device_once(tmp_path: Path) -> None:
             assert float((a.state.latents - b.state.latents).abs().max()) <= 1e-4 * float(b.state.latents.abs().max())
     finally:
         caches.close(wait=True)
+
+
+def counted_steps(runner, batch: list, steps: int) -> list[DispatchCounter]:  # type: ignore[no-untyped-def]
+    """Step ``batch`` ``steps`` times, each step's operators counted."""
+    counts = []
+    for _ in range(steps):
+        counter = DispatchCounter()
+        with counter:
+            runner.step(batch)
+        counts.append(counter)
+        for job in batch:
+            job.steps_done += 1
+    return counts
 
 
 def test_steady_masked_flux_forward_has_no_host_sync_and_few_operators() -> None:

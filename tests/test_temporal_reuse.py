@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ops.bench.harness.dispatch import DispatchCounter
+from tests.test_host_syncs import counted_steps
 from tests.test_plan_engine import _job, _runner_setup, _warm
 from workers.maskaware import TemplateCacheKey
 from workers.maskaware.reuse import FEATURES, MAX_RUN, PATCH, TemporalReuse
@@ -127,17 +127,10 @@ def test_steady_turbo_steps_read_the_device_once(tmp_path: Path) -> None:
     try:
         key = TemplateCacheKey("t", "tpl", 128, 128, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout)
         _warm(runner, caches, key, steps)
-        runner.reuse_rule = ThresholdRule(10.0)  # every measured patch: reuse every other step
+        runner.reuse_rule = ThresholdRule(10.0)  # every measured patch reused, MAX_RUN steps in a row
         batch = [_masked(runner, key, steps, 20 + i, [], reuse=True) for i in range(4)]
         alone = [_masked(runner, key, steps, 20 + i, [], reuse=True) for i in range(4)]
-        counts = []
-        for _ in range(steps):
-            counter = DispatchCounter()
-            with counter:
-                runner.step(batch)
-            counts.append(counter)
-            for job in batch:
-                job.steps_done += 1
+        counts = counted_steps(runner, batch, steps)
         for job in alone:
             _run(runner, job)
         assert all(c.syncs == {"aten._local_scalar_dense.default": 1} for c in counts), [c.syncs for c in counts]
