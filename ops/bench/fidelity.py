@@ -104,7 +104,7 @@ def expected_table(summary: list[dict[str, Any]], models: dict[str, str]) -> dic
     """Mean whole-image SSIM of each policy per model and guidance (over the traces' edits)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for fam, model in models.items():
-        for policy in ("balanced", "fast"):
+        for policy in REFRESHES:  # the approximate policies (exact needs no expectation)
             for g in sorted({r["guidance"] for r in summary if r["family"] == fam}):
                 sel = [r for r in summary if r["family"] == fam and r["option"] == policy and r["guidance"] == g]
                 if sel:
