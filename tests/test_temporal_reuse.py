@@ -45,7 +45,7 @@ def test_a_reused_patch_takes_the_cache_plus_its_last_offset_and_computed_ones_u
     u = r.begin(1).plan("u", idx, len(idx), n)
     assert u.sub is None and u.k == 20 and u.patches == 2
     cache1, fresh1 = torch.randn(rows, n, c, generator=g), torch.randn(rows, 20, c, generator=g)
-    out1 = TemporalReuse.merge(u, "b.y", True, cache1.clone(), fresh1)
+    out1 = u.merge("b.y", True, cache1.clone(), fresh1)
     assert torch.equal(out1[:, idx], fresh1)
     rel1 = fresh1 - cache1[:, idx]
     assert torch.allclose(u.rel["b.y"], rel1)
@@ -56,7 +56,7 @@ def test_a_reused_patch_takes_the_cache_plus_its_last_offset_and_computed_ones_u
                                                                  19, 19, 19])])
     cache2, fresh2 = torch.randn(rows, n, c, generator=g), torch.randn(rows, PATCH, c, generator=g)
     fresh2[:, 4:] = fresh2[:, 3:4]  # a padded position repeats the last token: the same values
-    out2 = TemporalReuse.merge(u, "b.y", True, cache2.clone(), fresh2)
+    out2 = u.merge("b.y", True, cache2.clone(), fresh2)
     assert torch.allclose(out2[:, idx[:16]], cache2[:, idx[:16]] + rel1[:, :16])  # reused: cache + last offset
     assert torch.equal(out2[:, idx[16:]], fresh2[:, :4])  # computed: fresh
     unmasked = torch.ones(n, dtype=torch.bool)

@@ -36,14 +36,12 @@ import numpy as np
 import torch
 
 from app.jobs import JobParams
-from app.maskgen import SHAPES, make_mask
-from ops.bench.harness import cli, load_trace
-from ops.bench.harness.edits import EDIT_PROMPTS, OPTIONS, Family, edit, metrics
+from ops.bench.harness import cli
+from ops.bench.harness.edits import OPTIONS, TRACE_NAMES, Family, edit, metrics, trace_edits
 from ops.bench.harness.step_bench import Bench
 from workers.maskaware.reuse_rule import ThresholdRule, default_rule
 
 log = logging.getLogger(__name__)
-TRACES = ("spring", "controlnet", "adetailer")
 
 
 class AlwaysReuse:
@@ -151,15 +149,7 @@ def fidelity_part(args: Any) -> list[dict[str, Any]]:
         for g in [float(x) for x in args.guidance.split(",")]:
             templates, keys = fam.warmed_templates(steps, g)
             for trace in args.traces.split(","):
-                ratios = load_trace(trace)
-                for k in range(n_edits):
-                    mask = make_mask(float(rng.choice(ratios)), (fam.size, fam.size), SHAPES[k % len(SHAPES)],
-                                     seed=int(rng.integers(1 << 30)))
-                    if mask.mean() in (0.0, 1.0):
-                        continue
-                    t = int(rng.integers(len(templates)))
-                    params = JobParams(prompt=str(rng.choice(EDIT_PROMPTS)), seed=int(rng.integers(1 << 30)),
-                                       steps=steps, guidance=g)
+                for _k, mask, t, params in trace_edits(rng, trace, n_edits, fam.size, len(templates), steps, g):
                     tensors, meta = fam.prepare(templates[t], mask, params)
                     full = fam.full(tensors, meta)
                     pixel = tensors["pixel_mask"].bool().numpy()
@@ -264,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     p = cli.parser(__doc__, out="docs/bench/temporal_reuse.md")
     p.add_argument("--edits", type=int, default=3, help="edits per trace and guidance (50 steps: one fewer)")
     p.add_argument("--guidance", default="1.0,3.0,7.5")
-    p.add_argument("--traces", default=",".join(TRACES))
+    p.add_argument("--traces", default=",".join(TRACE_NAMES))
     p.add_argument("--steps", default="20,50")
     p.add_argument("--tau", type=float, default=0.15, help="the threshold rule's error bound")
     p.add_argument("--delta", type=float, default=0.3, help="step-skip's accumulated relative change bound")

@@ -31,7 +31,6 @@ from workers.maskaware.reuse import FEATURES
 from workers.maskaware.reuse_rule import RULE_FILE, ForestRule, Tree
 
 log = logging.getLogger(__name__)
-TRACES = ("spring", "controlnet", "adetailer")
 
 
 class Recorder:
@@ -52,10 +51,7 @@ class Recorder:
 
 def record_runs(edits: int, guidance: list[float], steps: list[int], seed: int, model: str = "") -> list[dict]:
     """One record per (edit, guidance, steps): its edit id and its per-step unit logs."""
-    from app.jobs import JobParams
-    from app.maskgen import SHAPES, make_mask
-    from ops.bench.harness import load_trace
-    from ops.bench.harness.edits import DEFAULT_MODELS, EDIT_PROMPTS, OPTIONS, Family, edit
+    from ops.bench.harness.edits import DEFAULT_MODELS, OPTIONS, TRACE_NAMES, Family, edit, trace_edits
 
     fam = Family("sd", model=model or DEFAULT_MODELS["sd"])
     rng = np.random.default_rng(seed)
@@ -63,17 +59,8 @@ def record_runs(edits: int, guidance: list[float], steps: list[int], seed: int, 
     for n_steps in steps:
         for g in guidance:
             templates, keys = fam.warmed_templates(n_steps, g)
-            for trace in TRACES:
-                ratios = load_trace(trace)
-                for k in range(edits):
-                    ratio = float(rng.choice(ratios))
-                    mask = make_mask(ratio, (fam.size, fam.size), SHAPES[k % len(SHAPES)],
-                                     seed=int(rng.integers(1 << 30)))
-                    if mask.mean() in (0.0, 1.0):
-                        continue
-                    t = int(rng.integers(len(templates)))
-                    params = JobParams(prompt=str(rng.choice(EDIT_PROMPTS)), seed=int(rng.integers(1 << 30)),
-                                       steps=n_steps, guidance=g)
+            for trace in TRACE_NAMES:
+                for k, mask, t, params in trace_edits(rng, trace, edits, fam.size, len(templates), n_steps, g):
                     rec = Recorder()
                     fam.runner_ma.reuse_rule = rec
                     edit(fam, OPTIONS["turbo"], templates[t], mask, params, keys[t])

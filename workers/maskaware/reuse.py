@@ -85,6 +85,36 @@ class UnitReuse:
     def patches(self) -> int:
         return int(self.pos.shape[0])
 
+    def merge(self, name: str, measure: bool, cached: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        """``cached`` [rows, N, C] (writable) with the unit's masked tokens: reused ones from the
+        recent offset, computed ones ``fresh`` [rows, k, C]; updates the offset and, for the unit's
+        output (``measure``), the per-patch error reuse would have made at the computed patches."""
+        base = cached.index_select(1, self.idx_all)  # [rows, m, C]: template + refresh offset
+        rel = self.rel.get(name)
+        if rel is None or rel.shape != base.shape or rel.dtype != base.dtype:
+            rel = self.rel[name] = torch.zeros_like(base)
+        if self.sub is None:
+            pred = base + rel
+            flat = self.pos.reshape(-1)
+            if self.rel2 is not None:  # training records: the offset of two steps ago too
+                rel2 = self.rel2.setdefault(name, torch.zeros_like(base))
+                if measure:
+                    _errors(self, fresh.index_select(1, flat), (base + rel2).index_select(1, flat), None, self.err2)
+                rel2.copy_(rel)
+            rel.copy_(fresh - base)
+            if measure:
+                _errors(self, fresh.index_select(1, flat), pred.index_select(1, flat), None)
+        else:
+            cached.index_copy_(1, self.idx_all, base + rel)  # reused tokens (computed ones overwritten below)
+            base_c = base.index_select(1, self.sub)
+            pred = base_c + rel.index_select(1, self.sub)
+            rel.index_copy_(1, self.sub, fresh - base_c)
+            if measure:
+                _errors(self, fresh, pred, self.ids)
+        if measure:
+            self.measured = True
+        return cached.index_copy_(1, self.idx if self.idx is not None else self.idx_all, fresh)
+
 
 class TemporalReuse:
     """Per-job reuse state and decisions (one per masked job that asked for it)."""
@@ -159,37 +189,6 @@ class TemporalReuse:
                          last_computed=np.full(patches, -1), run=np.zeros(patches, int),
                          reuse_next=np.zeros(patches, bool), computed=np.ones(patches, bool))
 
-    @staticmethod
-    def merge(u: UnitReuse, name: str, measure: bool, cached: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-        """``cached`` [rows, N, C] (writable) with the unit's masked tokens: reused ones from the
-        recent offset, computed ones ``fresh`` [rows, k, C]; updates the offset and, for the unit's
-        output (``measure``), the per-patch error reuse would have made at the computed patches."""
-        base = cached.index_select(1, u.idx_all)  # [rows, m, C]: template + refresh offset
-        rel = u.rel.get(name)
-        if rel is None or rel.shape != base.shape or rel.dtype != base.dtype:
-            rel = u.rel[name] = torch.zeros_like(base)
-        if u.sub is None:
-            pred = base + rel
-            flat = u.pos.reshape(-1)
-            if u.rel2 is not None:  # training records: the offset of two steps ago too
-                rel2 = u.rel2.setdefault(name, torch.zeros_like(base))
-                if measure:
-                    _errors(u, fresh.index_select(1, flat), (base + rel2).index_select(1, flat), None, u.err2)
-                rel2.copy_(rel)
-            rel.copy_(fresh - base)
-            if measure:
-                _errors(u, fresh.index_select(1, flat), pred.index_select(1, flat), None)
-        else:
-            cached.index_copy_(1, u.idx_all, base + rel)  # reused tokens (computed ones overwritten below)
-            base_c = base.index_select(1, u.sub)
-            pred = base_c + rel.index_select(1, u.sub)
-            rel.index_copy_(1, u.sub, fresh - base_c)
-            if measure:
-                _errors(u, fresh, pred, u.ids)
-        if measure:
-            u.measured = True
-        return cached.index_copy_(1, u.idx if u.idx is not None else u.idx_all, fresh)
-
     # -- after the step --------------------------------------------------------------------------------
     def collect(self, step: int) -> None:
         """Start copying step ``step``'s errors to the host (no sync: the engine's one read of the
@@ -217,6 +216,7 @@ class TemporalReuse:
         errors = self._host.numpy() if self._host is not None else np.zeros(0)
         off = 0
         touched = set(self._order)
+        deciding: list[UnitReuse] = []
         for name, u in self.units.items():
             if u.step != step:
                 u.reuse_next[:] = False
@@ -241,10 +241,17 @@ class TemporalReuse:
             u.err_age[c] = np.where(u.last_computed[c] >= 0, step - u.last_computed[c], 0)
             u.last_err[c] = e[c]
             u.last_computed[c] = step
-            decided = self.rule.reuse(self.features(u, nxt)) if self.allowed else np.zeros(u.patches, bool)
-            # at most MAX_RUN reused steps in a row, and only with a measured error
-            u.reuse_next = decided & (u.run < MAX_RUN) & np.isfinite(u.last_err)
+            u.reuse_next[:] = False
+            if self.allowed:
+                deciding.append(u)
         self._host = None
+        if deciding:  # one rule call for every unit of the job (the rule decides patch by patch)
+            decided = self.rule.reuse(np.concatenate([self.features(u, nxt) for u in deciding]))
+            start = 0
+            for u in deciding:
+                # at most MAX_RUN reused steps in a row, and only with a measured error
+                u.reuse_next = decided[start:start + u.patches] & (u.run < MAX_RUN) & np.isfinite(u.last_err)
+                start += u.patches
 
     def features(self, u: UnitReuse, nxt: int) -> np.ndarray:
         """The rule's inputs for every patch of ``u`` (``FEATURES``), deciding step ``nxt``."""

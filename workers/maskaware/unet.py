@@ -94,7 +94,7 @@ from workers.adapters import layout
 from workers.adapters.patcher import install as install_row_aware
 from workers.compiled import BlockKernels
 from workers.maskaware.lockstep import Lockstep
-from workers.maskaware.reuse import TemporalReuse, UnitReuse
+from workers.maskaware.reuse import UnitReuse
 from workers.maskaware.tokens import TokenMasks, build_token_masks, row_index
 
 log = logging.getLogger(__name__)
@@ -661,7 +661,7 @@ class MaskAwareUNet:
                 and cached.device == fresh.device and cached.dtype == fresh.dtype):
             cached = cached.to(device=fresh.device, dtype=fresh.dtype, copy=True)
         if sg.reuse is not None:
-            return TemporalReuse.merge(sg.reuse, f"{block}.{kind}", kind == "y", cached, fresh)
+            return sg.reuse.merge(f"{block}.{kind}", kind == "y", cached, fresh)
         return cached.index_copy_(1, sg.idx, fresh)  # type: ignore[arg-type]
 
     def _masked_forward(self, info: _BlockInfo, h: torch.Tensor, arguments: dict, plan: _Plan,

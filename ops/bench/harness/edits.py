@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,10 @@ from skimage.metrics import structural_similarity
 
 from app.fidelity import REFRESHES, refresh_schedule
 from app.jobs import JobParams
+from app.maskgen import SHAPES, make_mask
 from app.storage import LocalStore
 from ops.bench.harness.engine import record, run
+from ops.sim.traces import load_trace
 from workers import noise_blend
 from workers.engine.flux_runner import FluxRunner
 from workers.engine.sd_runner import SDRunner
@@ -30,6 +33,23 @@ from workers.sd_inputs import decode_latents, prepare_job_tensors
 DEFAULT_MODELS = {"sd": "tiny-sd-inpaint-trained", "flux": "tiny-flux-fill-trained"}
 # Edit prompts: captions the trained model knows, none of them the warm-up prompt ("").
 EDIT_PROMPTS = ["a cat", "an astronaut", "grass", "a brick wall", "the moon", "a cup of coffee", "a rocket"]
+TRACE_NAMES = ("spring", "controlnet", "adetailer")  # the mask-ratio traces, by the benchmarks' short names
+
+
+def trace_edits(rng: np.random.Generator, trace: str, n: int, size: int, templates: int, steps: int,
+                guidance: float) -> Iterator[tuple[int, np.ndarray, int, JobParams]]:
+    """Up to ``n`` edits drawn from ``trace``: (index, mask, template index, params), each mask a
+    ratio of the trace in the ``k``-th shape, a prompt the model knows, a random seed; empty and
+    full masks are skipped (exact by construction)."""
+    ratios = load_trace(trace)
+    for k in range(n):
+        mask = make_mask(float(rng.choice(ratios)), (size, size), SHAPES[k % len(SHAPES)],
+                         seed=int(rng.integers(1 << 30)))
+        if mask.mean() in (0.0, 1.0):
+            continue
+        t = int(rng.integers(templates))
+        yield k, mask, t, JobParams(prompt=str(rng.choice(EDIT_PROMPTS)), seed=int(rng.integers(1 << 30)),
+                                    steps=steps, guidance=guidance)
 
 
 class Family:
