@@ -34,6 +34,15 @@ fitted with non-negative least squares. Because the model is linear and batch fe
 job features, a job reduces to one number, its *marginal step seconds*, and a batch's step time is
 ``intercept + sum(job seconds)``: that is what makes routing over 64 workers cheap.
 
+Step curve (optional, ``curve`` in the JSON). A GPU step is not linear in its jobs: below a few jobs
+the host launching kernels bounds it (the 2nd-4th job costs nearly nothing), past that knee each job
+adds its device time. A model measured on such a device may carry the fitted batch-step curve
+``t(W) = (h^p + (c W)^p)^(1/p)`` (``StepCurve``) in work units, one unit = one full-compute job at the
+model's profiled size, a job's work = its marginal step seconds / a full job's. With a curve a batch's
+step is ``t(sum of the jobs' work)`` instead of ``intercept + sum(job seconds)``, so adding a job to a
+worker costs ``t(W + w) - t(W)``: what routing, SLO admission and deadline checks then integrate.
+Models without one (every CPU fit) stay linear.
+
 Load latency per tier (``local`` folder, ``host`` RAM, ``s3``): ``latency_s + bytes / bandwidth``,
 fitted on measured reads.
 
@@ -345,6 +354,31 @@ class TierFit:
         return self.latency_s + nbytes / self.bytes_per_s
 
 
+@dataclass(frozen=True)
+class StepCurve:
+    """A batch step's seconds as a smooth roofline of its work ``W`` (module docstring):
+    ``t(W) = (h^p + (c W)^p)^(1/p)``. Convex and increasing in ``W``, which the router's lower bound uses."""
+
+    floor_s: float  # h: the host-bound step, whatever the batch
+    per_job_s: float  # c: one more full job's seconds once the device bounds the step
+    knee: float  # p: how sharp the knee between the two is
+
+    def __post_init__(self) -> None:
+        if self.floor_s <= 0 or self.per_job_s <= 0 or self.knee < 1:
+            raise ValueError(f"a step curve needs h > 0, c > 0 and p >= 1, got {self}")
+
+    def seconds(self, work: float) -> float:
+        p = self.knee
+        return (self.floor_s ** p + (self.per_job_s * max(work, 0.0)) ** p) ** (1.0 / p)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"form": "t(W) = (h^p + (c W)^p)^(1/p)", "h_s": self.floor_s, "c_s": self.per_job_s, "p": self.knee}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StepCurve":
+        return cls(float(d["h_s"]), float(d["c_s"]), float(d["p"]))
+
+
 @dataclass
 class CostModel:
     """Step and load latency predictions for one (model id, device kind)."""
@@ -360,6 +394,8 @@ class CostModel:
     # Resolution-aware step time of whole batches (``app/steptime.py``), fitted on mixed-size batches
     # by ``ops.bench.profile --sizes``; when present it is what SLO admission and deadlines use.
     batch: BatchPredictor | None = None
+    # Batch-step curve in full-job work units (module docstring); None = the linear step.
+    curve: StepCurve | None = None
     _memo: dict[tuple[Any, ...], float] = field(default_factory=dict, repr=False, compare=False)
 
     # -- step latency --------------------------------------------------------------------------
@@ -399,7 +435,20 @@ class CostModel:
 
     def step_seconds(self, job_seconds: Iterable[float]) -> float:
         """Predicted latency of one step of a batch whose jobs add ``job_seconds``."""
+        if self.curve is not None:
+            return self.curved_step(sum(job_seconds))
         return self.intercept + sum(job_seconds)
+
+    def curved_step(self, job_seconds_sum: float) -> float:
+        """One step on the curve of a batch whose jobs' marginal seconds sum to ``job_seconds_sum``:
+        the sum in work units (a full job's seconds each), then ``t(W)``. Needs ``curve``."""
+        assert self.curve is not None
+        return self.curve.seconds(job_seconds_sum / self.job_step_seconds(None))
+
+    def step_function(self) -> Callable[[float], float] | None:
+        """Step seconds from the sum of a batch's job seconds when the step is curved; None when it
+        is ``intercept + sum`` (callers keep their linear arithmetic, exactly as before)."""
+        return self.curved_step if self.curve is not None else None
 
     # -- load latency --------------------------------------------------------------------------
     def load_seconds(self, nbytes: float, tier: str = "local") -> float:
@@ -425,6 +474,7 @@ class CostModel:
                             "report": t.report.to_dict() if t.report else None} for name, t in self.tiers.items()},
             "meta": self.meta,
             **({"batch": self.batch.to_dict()} if self.batch is not None else {}),
+            **({"curve": self.curve.to_dict()} if self.curve is not None else {}),
         }
 
     @classmethod
@@ -443,7 +493,8 @@ class CostModel:
                    intercept=float(step["intercept"]), coef=tuple(float(c) for c in step["coef"]),
                    tiers=tiers, step_report=FitReport.from_dict(step["report"]) if step.get("report") else None,
                    meta=dict(d.get("meta", {})),
-                   batch=BatchPredictor.from_dict(d["batch"]) if d.get("batch") else None)
+                   batch=BatchPredictor.from_dict(d["batch"]) if d.get("batch") else None,
+                   curve=StepCurve.from_dict(d["curve"]) if d.get("curve") else None)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -478,6 +529,9 @@ def min_service_seconds(model: CostModel, steps: int, *, mask_ratio: float = 1.0
             tokens = dataclasses.replace(model.arch, latent_hw=tuple(latent_hw)).tokens_from_ratio(mask_ratio)[:levels]
         shape = JobShape(tuple(latent_hw), tuple(tokens) if tokens is not None else None, rows)  # type: ignore[arg-type]
         return model.batch.alone_seconds(shape, steps)
+    if model.curve is not None:
+        return steps * model.curved_step(model.job_seconds(mask_ratio=mask_ratio, masked_tokens=masked_tokens,
+                                                           cached=cached))
     return steps * (model.intercept + model.job_seconds(mask_ratio=mask_ratio, masked_tokens=masked_tokens,
                                                         cached=cached))
 
@@ -508,6 +562,14 @@ def step_time_predictor(model: CostModel) -> Callable[[Sequence[Any]], float]:
 
         predict_batch.predict_sets = predict_sets  # type: ignore[attr-defined]
         return predict_batch
+
+    if model.curve is not None:
+        def predict_curve(jobs: Sequence[Any]) -> float:
+            return model.curved_step(sum(
+                model.job_seconds(mask_ratio=j.mask_ratio, masked_tokens=j.masked_tokens, cached=j.cached)
+                for j in jobs))
+
+        return predict_curve
 
     def predict(jobs: Sequence[Any]) -> float:
         return model.intercept + sum(
@@ -609,13 +671,15 @@ def finish_times(remaining: Sequence[int], step_time: Callable[[Sequence[int]], 
 
 
 def admission_profile(running: Sequence[tuple[float, int]], queued: Sequence[tuple[float, int]],
-                      max_batch: int, intercept: float) -> tuple[float, list[tuple[float, int]]]:
+                      max_batch: int, intercept: float, step: Callable[[float], float] | None = None
+                      ) -> tuple[float, list[tuple[float, int]]]:
     """When would a job placed after ``queued`` get a batch slot, and who runs with it then?
 
     ``running``: (marginal step seconds, remaining steps) of the batch; ``queued``: jobs admitted
     in order into free slots as running ones finish (continuous batching). Returns (seconds until
     a slot is free for one more job, [(step seconds, remaining steps)] of the jobs alive then).
-    Independent of the job being placed, so routers cache it per worker state.
+    Independent of the job being placed, so routers cache it per worker state. ``step``: a curved
+    step from the sum of job seconds (``CostModel.step_function``); None = ``intercept + sum``.
     """
     import heapq
 
@@ -639,16 +703,29 @@ def admission_profile(running: Sequence[tuple[float, int]], queued: Sequence[tup
             return t, [(sec, end - done) for end, sec in heap]
         end = heap[0][0]
         if end > done:
-            t += (end - done) * (intercept + step_sum)
+            t += (end - done) * (intercept + step_sum if step is None else step(step_sum))
             done = end
         while heap and heap[0][0] <= done:
             step_sum -= heapq.heappop(heap)[1]
 
 
 def finish_after_admission(t_admit: float, alive: Sequence[tuple[float, int]], job_seconds: float,
-                           steps: int, intercept: float) -> float:
+                           steps: int, intercept: float, step: Callable[[float], float] | None = None) -> float:
     """Seconds until a job admitted at ``t_admit`` finishes: every step costs the intercept, its own
-    seconds and those of the jobs still alive (each alive job shares ``min(remaining, steps)``)."""
+    seconds and those of the jobs still alive (each alive job shares ``min(remaining, steps)``).
+    With a curved ``step`` (``admission_profile``) each step costs ``step(sum of the seconds of the jobs
+    in it)``, integrated as the alive jobs leave."""
+    if step is not None:
+        t = t_admit
+        in_step = job_seconds + sum(g for g, _ in alive)
+        done = 0
+        for g, r in sorted(alive, key=lambda a: a[1]):
+            if r >= steps:
+                break
+            t += (r - done) * step(in_step)
+            done = r
+            in_step -= g
+        return t + (steps - done) * step(in_step)
     t = t_admit + steps * (intercept + job_seconds)
     for g, r in alive:
         t += g * (r if r < steps else steps)
@@ -656,7 +733,7 @@ def finish_after_admission(t_admit: float, alive: Sequence[tuple[float, int]], j
 
 
 def queue_finish_time(running: Sequence[tuple[float, int]], queued: Sequence[tuple[float, int]],
-                      max_batch: int, intercept: float) -> float:
+                      max_batch: int, intercept: float, step: Callable[[float], float] | None = None) -> float:
     """Seconds until the LAST entry of ``queued`` finishes on a worker (linear step model).
 
     The paper's Algorithm 2 cost: the batch's predicted step latency integrated over the steps
@@ -664,14 +741,15 @@ def queue_finish_time(running: Sequence[tuple[float, int]], queued: Sequence[tup
     """
     if not queued:
         raise ValueError("queued must end with the job whose finish time is wanted")
-    t_admit, alive = admission_profile(running, queued[:-1], max_batch, intercept)
+    t_admit, alive = admission_profile(running, queued[:-1], max_batch, intercept, step)
     sec, steps = queued[-1]
-    return finish_after_admission(t_admit, alive, sec, steps, intercept)
+    return finish_after_admission(t_admit, alive, sec, steps, intercept, step)
 
 
 __all__ = [
     "BlockSpec", "CostModel", "FitReport", "STEP_FEATURES", "TierFit", "UNetArch", "admission_profile",
-    "SHIPPED_DIR", "default_path", "device_type", "find_model", "finish_after_admission", "finish_times", "level_hw",
+    "SHIPPED_DIR", "StepCurve", "default_path", "device_type", "find_model", "finish_after_admission",
+    "finish_times", "level_hw",
     "min_service_seconds", "shipped_model",
     "queue_finish_time", "slo_admission_on", "step_time_predictor", "token_counts_from_mask",
 ]

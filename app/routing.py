@@ -21,6 +21,11 @@ tests and the cluster simulator (ops/bench/simulate.py) run the very same object
   not known is not guessed); likewise for the job's add-ons, LoRA adapters and ControlNets (their
   bytes at the fetch tier's bandwidth, unless resident or on the way with another job there:
   add-on affinity).
+  With a cost model that carries a batch-step curve (``app/costmodel.py``: a GPU step costs about
+  the same for its first few jobs, then grows by a job's device time) each step is priced on the
+  curve instead, so a job added to a worker costs ``t(W + w) - t(W)``: the router sees that a worker
+  below the curve's knee takes it nearly for free and one past the knee does not (what it changes in
+  a simulated cluster: docs/bench/dispatch_gpu.md).
   Ties go to the worker with fewer jobs, then round robin. Workers
   whose cheap lower bound already exceeds the best cost found are skipped (same choice, faster).
 
@@ -300,6 +305,7 @@ class MaskAwareRouter:
         self.size_slack = size_slack
         self.cache_steps = cache_steps  # steps a template cache stores (STENCIL_CACHE_STEPS; 0 = all)
         self.fetch_tier = fetch_tier
+        self._step = model.step_function()  # None: the linear step, intercept + sum(job seconds)
         # Weight of the delay the new job adds to the worker's other jobs (0 = the paper's cost).
         self.externality = externality
         self._rot = _Rotation()
@@ -336,7 +342,7 @@ class MaskAwareRouter:
         js = self.job_seconds
         running = [(js(j), j.remaining) for j in w.running if j.remaining > 0]
         queued = [(js(j), j.remaining) for j in w.on_time_waiting()] + [(js(j), j.remaining) for j in w.inflight]
-        prof = admission_profile(running, queued, w.max_batch, self.model.intercept)
+        prof = admission_profile(running, queued, w.max_batch, self.model.intercept, self._step)
         self._profiles[w.worker_id] = (w.stamp, prof)
         return prof
 
@@ -353,7 +359,9 @@ class MaskAwareRouter:
         """A cheap bound below ``cost``: the new job runs ``steps`` steps, and every job ahead of it
         (running, on-time waiting or in flight) runs at least ``min(its remaining, steps)`` steps before the
         new job finishes (it either ends first or is still running when the new job ends); each of
-        those steps costs that job's step seconds. Exact when the worker has a free slot."""
+        those steps costs that job's step seconds. Exact when the worker has a free slot. On a curved
+        step (convex, increasing, positive at no work) the same work spread evenly over ``steps`` steps
+        is the least those steps can cost (Jensen), and more steps only cost more."""
         hit = self._bounds.get(w.worker_id)
         if hit is not None and hit[0] == w.stamp and hit[1] == steps:
             ahead = hit[2]
@@ -365,6 +373,8 @@ class MaskAwareRouter:
                 if r > 0:
                     ahead += js(j) * (r if r < steps else steps)
             self._bounds[w.worker_id] = (w.stamp, steps, ahead)
+        if self._step is not None:
+            return steps * self._step(mine_s + ahead / steps) * w.step_time_factor
         return (steps * (self.model.intercept + mine_s) + ahead) * w.step_time_factor
 
     def cost(self, job: JobLoad, w: WorkerState, fetch_s: float, addon_bytes: dict[str, int] | None = None) -> float:
@@ -372,10 +382,10 @@ class MaskAwareRouter:
         (``step_time_factor``), + fetch if its template or add-ons are cold."""
         mine_s, mine_r = self.job_seconds(job), job.remaining
         t_admit, alive = self.profile(w)
-        t = finish_after_admission(t_admit, alive, mine_s, mine_r, self.model.intercept)
+        t = finish_after_admission(t_admit, alive, mine_s, mine_r, self.model.intercept, self._step)
         if self.externality:
             # Others' extra time while sharing steps with the new job.
-            t += self.externality * mine_s * sum(min(rem, mine_r) for _, rem in alive)
+            t += self.externality * self._shared_extra(alive, mine_s, mine_r)
         t *= w.step_time_factor  # compute runs at the worker's measured pace; fetches do not
         if fetch_s and job.template_id and job.cached and w.templates is not None \
                 and job.template_id not in w.templates and job.template_id not in self._job_templates(w):
@@ -385,6 +395,21 @@ class MaskAwareRouter:
             if cold:
                 t += self.model.load_seconds(cold, self.fetch_tier) if self.fetch_tier in self.model.tiers else 0.0
         return t
+
+    def _shared_extra(self, alive: Sequence[tuple[float, int]], mine_s: float, steps: int) -> float:
+        """Seconds the new job adds to the steps of the alive jobs it runs with (summed over them)."""
+        if self._step is None:
+            return mine_s * sum(min(rem, steps) for _, rem in alive)
+        extra, done, in_step = 0.0, 0, sum(g for g, _ in alive)
+        left = len(alive)
+        for g, r in sorted(alive, key=lambda a: a[1]):
+            end = min(r, steps)
+            if end > done:
+                extra += (end - done) * left * (self._step(in_step + mine_s) - self._step(in_step))
+                done = end
+            in_step -= g
+            left -= 1
+        return extra
 
     def template_fetch_s(self, job: JobDemand) -> float:
         """Predicted fetch of the job's template cache from the store: the steps it stores."""

@@ -116,3 +116,22 @@ def test_pooled_batches_is_processor_sharing_for_a_linear_curve_and_equal_jobs()
     # a batch curve flat up to the max batch: the pool finishes every job in its time alone
     flat = pooled_batches(jobs, 3, 8, lambda active, workers: 0.1)
     assert all(flat[j.index] == pytest.approx(j.arrival + 1.0) for j in jobs)
+
+
+def test_the_tokens_router_prices_steps_on_the_files_curve_and_host_bound_stays_linear() -> None:
+    c = costs()
+    curve, fitted = c.model.curve, c.curve
+    assert curve is not None
+    assert (curve.floor_s, curve.per_job_s, curve.knee) == (fitted.floor_s, fitted.per_job_s, fitted.knee)
+    # the router's step of a single-size batch is the truth's: its work in full jobs on the curve
+    for ratios in ([1.0], [0.2] * 4, [0.05, 0.3, 0.6, 1.0, 0.2, 0.1, 0.4, 1.0]):
+        probes = [c.probe(r, r < 1.0) for r in ratios]
+        believed = c.model.step_seconds(c.model.job_seconds(mask_ratio=p.mask_ratio, masked_tokens=p.masked_tokens,
+                                                            cached=p.cached) for p in probes)
+        assert believed == pytest.approx(c.step_cost(probes), rel=1e-9)
+    assert gpu_dispatch.load(NAME, BASE, "tokens", 8, "linear").model.curve is None
+    assert costs("host-bound").model.curve is None  # its truth is not a function of work alone
+    with pytest.raises(ValueError, match="host-bound step is not a function of work"):
+        gpu_dispatch.load(NAME, BASE, "host-bound", 8, "curve")
+    with pytest.raises(ValueError, match="router step must be one of"):
+        gpu_dispatch.load(NAME, BASE, "tokens", 8, "cubic")

@@ -49,7 +49,7 @@ def case_costs(case: dict[str, Any]) -> tuple[CostModel, GpuDispatchCosts | None
     if not case.get("gpu_costs"):
         return CostModel.load(case["cost_model"]), None
     gpu = gpu_dispatch.load(case["gpu_costs"], str(case["cost_model"]), case.get("masked_work", "tokens"),
-                            case["max_batch"])
+                            case["max_batch"], case.get("router_step"))
     return gpu.model, gpu
 
 
@@ -125,7 +125,7 @@ def cases(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     base = {"cost_model": str(args.cost_model), "gpu_costs": args.gpu_costs, "masked_work": args.masked_work,
-            "steps": args.steps, "max_batch": args.max_batch,
+            "router_step": args.router_step, "steps": args.steps, "max_batch": args.max_batch,
             "slo_factor": args.slo_factor, "uncached_fraction": args.uncached_fraction, "noise": args.noise,
             "host_templates": args.host_templates, "prepare_s": args.prepare_s,
             "view_refresh_s": args.view_refresh_ms / 1000.0, "seed": 0}
@@ -274,10 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-costs", default="", metavar="NAME",
                    help="step times from a measured GPU cost file, ops/sim/gpucosts/NAME.json (e.g. "
                         "sd15-inpaint-512--h200-bf16); --cost-model then only gives the architecture that prices "
-                        "masked work and the fetch tiers, and routing uses a linear fit to the curve")
+                        "masked work and the fetch tiers, and routing uses the curve (--router-step)")
     p.add_argument("--masked-work", default="tokens", choices=gpu_dispatch.MASKED_WORK,
                    help="with --gpu-costs: a masked job's work by its share of tokens, or a full job with the step "
                         "stretched by the measured host-bound mask-aware speed")
+    p.add_argument("--router-step", default=None, choices=gpu_dispatch.ROUTER_STEPS,
+                   help="with --gpu-costs: routing and SLO admission price a step on the measured curve (tokens "
+                        "only; its default) or on a linear fit to it (host-bound's default; ops/sim/gpu_dispatch.py)")
     p.add_argument("--workers", type=int, nargs="+", default=[8, 64])
     p.add_argument("--loads", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.8, 0.9])
     p.add_argument("--traces", nargs="+", default=sorted(TRACES))
@@ -316,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out = Path(args.out) if args.out else None
     try:
         model, gpu = case_costs({"cost_model": args.cost_model, "gpu_costs": args.gpu_costs,
-                                 "masked_work": args.masked_work, "max_batch": args.max_batch})
+                                 "masked_work": args.masked_work, "max_batch": args.max_batch,
+                                 "router_step": args.router_step})
     except ValueError as exc:
         p.error(str(exc))
     args.gpu = gpu

@@ -11,11 +11,14 @@ of a CPU-fitted linear model. Two things come from the measurement, kept apart o
   host-bound mask-aware speed (``host-bound``; ``gpu_costs.host_bound_factor``). The two bracket a
   mask-aware GPU step that has not been measured with graphs and token buckets.
 - **What the dispatcher and the engines believe** (routing, SLO admission, deadline checks): a
-  ``CostModel`` whose step is linear, ``intercept + sum(job seconds)``, because that is the form
-  ``mask_aware`` routing and the admission profile integrate. It is fitted by relative least squares
-  to the truth on single-size batches of 1 to ``max_batch`` jobs, all full and (host-bound) all
-  masked: what ``ops.bench.profile`` would fit on that GPU. Its error against the curve is reported
-  (``GpuDispatchCosts.router_mape``): the router is wrong by that much, as a deployed one would be.
+  ``CostModel`` whose job seconds are a linear fit by relative least squares to the truth on
+  single-size batches of 1 to ``max_batch`` jobs, all full and (host-bound) all masked: what
+  ``ops.bench.profile`` would fit on that GPU. ``router_step``: ``curve`` (tokens' default) also gives
+  it the file's fitted curve (``app.costmodel.StepCurve``, a job's work = its seconds / a full
+  job's), so routing and admission price a step as the curve of its work; ``linear`` leaves the
+  step ``intercept + sum(job seconds)``, whose error against the curve is reported
+  (``GpuDispatchCosts.router_mape``). The host-bound truth is not a function of work alone (the
+  mask-aware speed depends on the job count), so it has the linear step only (its default).
 
 Never stored in ``ops/sim/costmodels`` (the dispatcher loads every file there as a routing model).
 """
@@ -31,11 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from app.costmodel import CostModel, FitReport
+from app.costmodel import CostModel, FitReport, StepCurve
 from ops.sim import gpu_costs
 from ops.sim.traces import load_trace
 
 MASKED_WORK = ("tokens", "host-bound")
+ROUTER_STEPS = ("curve", "linear")
 _TOKENS = ("g",)  # memo key prefix of GpuCostModel (the base model memoizes under "t" and "r")
 
 
@@ -101,13 +105,20 @@ class GpuDispatchCosts:
     """Step times (truth) and the router's linear ``CostModel`` from one measured cost file."""
 
     def __init__(self, costs: gpu_costs.GpuCosts, base: CostModel, masked_work: str = "tokens",
-                 max_batch: int = 8) -> None:
+                 max_batch: int = 8, router_step: str | None = None) -> None:
         if masked_work not in MASKED_WORK:
             raise ValueError(f"masked work must be one of {MASKED_WORK}, got {masked_work!r}")
+        if router_step is None:  # the curve where it prices a step (tokens), else the linear fit
+            router_step = "curve" if masked_work == "tokens" else "linear"
+        if router_step not in ROUTER_STEPS:
+            raise ValueError(f"router step must be one of {ROUTER_STEPS}, got {router_step!r}")
+        if router_step == "curve" and masked_work != "tokens":
+            raise ValueError("the host-bound step is not a function of work alone: use the linear router step")
         if masked_work == "host-bound" and "mask_aware_speed" not in costs.data:
             raise ValueError(f"{costs.path}: no mask-aware speed measured, so no host-bound variant")
         costs.full_points  # noqa: B018 -- raises a clear error for a file without a batch curve
         self.costs, self.base, self.masked_work, self.max_batch = costs, base, masked_work, max_batch
+        self.router_step = router_step
         self.curve = costs.curve
         proto = GpuCostModel(**{f.name: getattr(base, f.name) for f in dataclasses.fields(CostModel)
                                 if f.name != "_memo"})
@@ -119,6 +130,8 @@ class GpuDispatchCosts:
         self.model = dataclasses.replace(
             proto, model_id=f"{Path(costs.path).stem.split('--')[0]}", device_kind=Path(costs.path).stem.split("--")[1],
             intercept=intercept, full_job_s=full_s, masked_job_s=masked_s, step_report=report, batch=None, _memo={},
+            curve=(StepCurve(self.curve.floor_s, self.curve.per_job_s, self.curve.knee)
+                   if router_step == "curve" else None),
             meta={"gpu_costs": Path(costs.path).name, "masked_work": masked_work, "base": base.model_id})
 
     # -- the truth --------------------------------------------------------------------------
@@ -197,6 +210,10 @@ class GpuDispatchCosts:
         masked = (f"a masked job {m.masked_job_s * 1e3:.2f} ms" if m.masked_job_s is not None
                   else f"a masked job {m.full_job_s * 1e3:.2f} ms x its share of a full job's work on "
                        f"`{self.base.model_id}`")
+        if m.curve is not None:
+            return (f"{gpu_costs.describe(self.costs)}. Masked work: `{self.masked_work}`. Router and SLO admission: "
+                    f"that curve at the step's work (a job's work: {m.full_job_s * 1e3:.2f} ms x its share of a full "
+                    f"job's work on `{self.base.model_id}`, / {m.full_job_s * 1e3:.2f} ms)")
         return (f"{gpu_costs.describe(self.costs)}. Masked work: `{self.masked_work}`. Router and SLO admission: "
                 f"linear fit to the curve on batches of 1-{self.max_batch} jobs, intercept {m.intercept * 1e3:.2f} ms, "
                 f"a full job {m.full_job_s * 1e3:.2f} ms, {masked}; its error on those batches "
@@ -204,9 +221,11 @@ class GpuDispatchCosts:
 
 
 @cache
-def load(name: str, base_path: str, masked_work: str = "tokens", max_batch: int = 8) -> GpuDispatchCosts:
+def load(name: str, base_path: str, masked_work: str = "tokens", max_batch: int = 8,
+         router_step: str | None = None) -> GpuDispatchCosts:
     """The measured file ``name`` (``ops/sim/gpucosts/<name>.json``) over the base cost model's architecture."""
-    return GpuDispatchCosts(gpu_costs.load(cost_file(name)), CostModel.load(base_path), masked_work, max_batch)
+    return GpuDispatchCosts(gpu_costs.load(cost_file(name)), CostModel.load(base_path), masked_work, max_batch,
+                            router_step)
 
 
-__all__ = ["MASKED_WORK", "GpuCostModel", "GpuDispatchCosts", "Probe", "cost_file", "load"]
+__all__ = ["MASKED_WORK", "ROUTER_STEPS", "GpuCostModel", "GpuDispatchCosts", "Probe", "cost_file", "load"]
