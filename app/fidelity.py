@@ -18,9 +18,9 @@ that meets the fidelity targets in BENCHMARKS.md):
 - ``balanced``: exact cache if there is one, else the template's warm-up with
   ``REFRESHES["balanced"]`` refresh steps. Approximate.
 - ``fast`` (default): as balanced with fewer refresh steps. Approximate.
-- ``turbo``: as fast, and between refreshes each plan unit reuses the patches of masked tokens
-  that a learned rule predicts barely move from the last step (``workers/maskaware/reuse.py``;
-  SD-family UNets; other models run it as ``fast``). Approximate.
+- ``turbo``: as fast, and between refreshes each plan unit (a UNet's transformer, a Flux block)
+  reuses the patches of masked tokens that a learned rule predicts barely move from the last
+  step (``workers/maskaware/reuse.py``, ``flux_reuse.py``). Approximate.
 """
 
 from __future__ import annotations

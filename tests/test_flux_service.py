@@ -72,3 +72,22 @@ def test_flux_masked_edit_with_fresh_cache_equals_full_compute(flux_stack: Embed
     assert int(rec.fields["masked_steps"]) > 0 and int(rec.fields["refresh_steps"]) == 0
     diff = np.abs(result_array(edit) - stock_flux(flux_stack, image, mask, **params))
     assert diff.max() <= 1, diff.max()
+
+
+def test_flux_turbo_edits_reuse_patches_and_say_how_many(flux_stack: EmbeddedStack) -> None:
+    """``turbo`` on Flux Fill (``workers/maskaware/flux_reuse.py``): the template's warm-up serves the
+    edit with fast's refresh steps, and the record says what share of the block computations was
+    taken from the job's last step."""
+    client = StencilClient(flux_stack.settings)
+    image, mask = template(83, SIZE), make_mask(0.3, (SIZE, SIZE), "blob", seed=4)
+    tid = client.add_template(image)
+    assert client.warm_template(tid, steps=10, guidance=30.0).wait(120).status == JobStatus.DONE
+    params = dict(template=tid, mask=mask, prompt="a hat", seed=5, steps=10, guidance=30.0)
+    fast = client.submit(**params, fidelity="fast").wait(120)
+    turbo = client.submit(**params, fidelity="turbo").wait(120)
+    assert turbo.status == JobStatus.DONE and turbo.fields["fidelity"] == "turbo", turbo.fields
+    assert turbo.fields["cache_path"] == "template" and turbo.fields["approximate"] == "1", turbo.fields
+    assert turbo.fields["refresh_plan"] == fast.fields["refresh_plan"]
+    assert int(turbo.fields["masked_steps"]) > 0, turbo.fields  # (fast brought the cache to the host tier)
+    assert 0.0 < float(turbo.fields["reused_share"]) <= 2 / 3, turbo.fields  # at most 2 steps in 3
+    assert fast.fields.get("reused_share", "") in ("", "None"), fast.fields

@@ -216,3 +216,33 @@ def test_serve_with_device_cuda_finishes_an_edit_on_the_gpu(tmp_path: Path, mode
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_steady_flux_turbo_steps_synchronise_once(tmp_path: Path) -> None:
+    """Flux's temporal reuse (``flux_reuse``) adds no synchronisation either: three bfloat16 jobs
+    reusing part of their patches, one read per engine step."""
+    from tests.support.flux_world import FluxWorld
+    from tests.test_plan_engine import _warm
+    from tests.test_temporal_reuse import Alternate
+    from workers.maskaware.reuse import TemporalReuse
+
+    world = FluxWorld(tmp_path, steps=6, size=(128, 128), device=CUDA, dtype=torch.bfloat16)
+    runner = world.runner(graphs=False)
+    try:
+        _warm(runner, world.caches, world.key, world.steps, rec=world.job(runner, 9, **world.warm_meta("record")))
+        runner.reuse_rule = Alternate()
+        batch = [world.job(runner, 30 + i, ratio=0.45, **world.warm_meta("masked")) for i in range(3)]
+        for j in batch:
+            j.state.reuse = TemporalReuse(runner.reuse_rule, world.steps, frozenset(), 30.0, world.ctrl.reuse_units,
+                                          max_tokens=runner._full_tokens(j.state))
+        runner.step(batch)  # step 0: every patch computed and measured
+        for j in batch:
+            j.steps_done += 1
+        for _ in range(2):  # steps 1 and 2: some patches reused
+            syncs = _step_syncs(runner, batch)
+            assert len(syncs) == 1, syncs
+            for j in batch:
+                j.steps_done += 1
+        assert all(j.state.reuse.reused > 0 for j in batch)
+    finally:
+        world.caches.close(wait=True)

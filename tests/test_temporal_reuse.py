@@ -13,7 +13,7 @@ from tests.test_host_syncs import counted_steps
 from tests.test_plan_engine import _job, _runner_setup, _warm
 from workers.maskaware import TemplateCacheKey
 from workers.maskaware.reuse import FEATURES, MAX_RUN, PATCH, TemporalReuse
-from workers.maskaware.reuse_rule import ForestRule, ThresholdRule, default_rule
+from workers.maskaware.reuse_rule import ForestRule, ThresholdRule, Tree, default_rule
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -23,6 +23,15 @@ class Never:
 
     def reuse(self, features: np.ndarray) -> np.ndarray:
         return np.zeros(len(features), bool)
+
+
+class Alternate:
+    """Every other patch of a job's decision (one call per job and step: the same for a job batched or alone)."""
+
+    name = "alternate"
+
+    def reuse(self, features: np.ndarray) -> np.ndarray:
+        return np.arange(len(features)) % 2 == 0
 
 
 class Always:
@@ -161,12 +170,88 @@ def test_the_forest_served_with_numpy_votes_as_scikit_learn() -> None:
         ForestRule([], 0.5, 0.1, features=("err",))
 
 
-def test_the_shipped_rule_loads_and_decides_per_patch() -> None:
-    rule = default_rule()
+@pytest.mark.parametrize("family", ["sd", "flux"])
+def test_the_shipped_rule_loads_and_decides_per_patch(family: str) -> None:
+    rule = default_rule(family)
     about = rule.about
     assert about["command"].startswith("python -m ops.train.reuse_rule")
+    assert ("--family flux" in about["command"]) == (family == "flux")
+    assert about["forest"]["accuracy"] > about["threshold_rule"]["accuracy"]  # it beats its baseline
     x = np.tile(np.array([[0.5, 0.04, 1, 0.04, 0.1, 1.0, 0.5, 7.5, 0]]), (3, 1))  # FEATURES, a typical patch
     x[1, 1] = x[1, 3] = x[1, 4] = 10.0  # a patch whose last reuse would have been far off
     decided = rule.reuse(x)
     assert decided.shape == (3,) and decided.dtype == bool
     assert decided[0] and not decided[1]
+
+
+def test_a_forest_does_not_reuse_beyond_the_errors_it_was_trained_on() -> None:
+    always = Tree(np.array([-1]), np.array([0.0]), np.array([-1]), np.array([-1]), np.array([1.0]))
+    x = np.zeros((3, len(FEATURES)))
+    x[:, FEATURES.index("err")] = [0.1, 0.5, 0.51]
+    assert ForestRule([always], 0.5, 0.1).reuse(x).all()
+    bounded = ForestRule.from_json(ForestRule([always], 0.5, 0.1, err_limit=0.5).to_json())
+    assert bounded.reuse(x).tolist() == [True, True, False]
+
+
+def test_a_reused_residual_is_the_units_input_plus_its_last_residual_measured_against_the_residual() -> None:
+    """Flux's blocks (``flux_reuse``): a reused position gets this step's input plus the block's
+    residual from its last computed step; the error is relative to the residual; bucket padding
+    (repeating the last real position) stays equal to it."""
+    g = torch.Generator().manual_seed(1)
+    m, real, c = 24, 20, 5  # 2 patches; positions 20-23 pad (copies of position 19)
+    idx = torch.arange(m).clamp(max=real - 1)
+    r = TemporalReuse(Always(), steps=10, refresh=frozenset({0}), guidance=30.0, units=["b"])
+    u = r.begin(1).plan("b", idx, m, 64, real)
+    x1, y1 = torch.randn(1, m, c, generator=g), torch.randn(1, m, c, generator=g)
+    assert torch.equal(u.combine("y", True, x1, y1, residual=True), y1)
+    r.allowed, u.reuse_next = True, np.array([False, True])  # patch 1 (the last real tokens, the padding) reused
+    u = r.begin(2).plan("b", idx, m, 64, real)
+    assert u.k == PATCH and torch.equal(u.sub, torch.arange(PATCH))
+    x2, y2 = torch.randn(1, m, c, generator=g), torch.randn(1, PATCH, c, generator=g)
+    out = u.combine("y", True, x2, y2, residual=True)
+    assert torch.equal(out[:, :PATCH], y2)
+    assert torch.allclose(out[:, PATCH:real], x2[:, PATCH:real] + (y1 - x1)[:, PATCH:real])
+    assert torch.equal(out[:, real:], out[:, real - 1:real].expand(-1, m - real, -1))
+    pred = x2[:, :PATCH] + (y1 - x1)[:, :PATCH]
+    want = float((y2 - pred).norm() / (y2 - x2[:, :PATCH]).norm())
+    assert float(u.err[0]) == pytest.approx(want, rel=1e-5)
+
+
+def _flux_turbo(world, runner, seed: int, refresh: list[int], reuse: bool):  # type: ignore[no-untyped-def]
+    job = world.job(runner, seed, ratio=0.45, **world.warm_meta("masked"))
+    job.state.refresh = frozenset(refresh)
+    if reuse:
+        job.state.reuse = TemporalReuse(runner.reuse_rule, world.steps, job.state.refresh, 30.0,
+                                        world.ctrl.reuse_units, max_tokens=runner._full_tokens(job.state))
+    return job
+
+
+def test_flux_turbo_never_reusing_equals_fast_and_batches_equal_jobs_alone(tmp_path: Path) -> None:
+    """Flux (``flux_reuse``): a rule that never reuses is ``fast`` bit for bit; reusing jobs batched
+    together (each on its own sub-pack of patches) equal the same jobs stepped alone, reuse where
+    allowed and read the device once per engine step."""
+    from tests.support.flux_world import FluxWorld
+
+    world = FluxWorld(tmp_path, steps=8, size=(128, 128))
+    runner, steps = world.runner(), world.steps
+    try:
+        _warm(runner, world.caches, world.key, steps, rec=world.job(runner, 9, **world.warm_meta("record")))
+        fast = _run(runner, _flux_turbo(world, runner, 30, [0], reuse=False))
+        runner.reuse_rule = Never()
+        never = _run(runner, _flux_turbo(world, runner, 30, [0], reuse=True))
+        assert torch.equal(never["latents"], fast["latents"]) and never["reused_share"] == 0
+        runner.reuse_rule = Alternate()  # some patches of every unit reused, some computed
+        batch = [_flux_turbo(world, runner, 30 + i, [0], reuse=True) for i in range(3)]
+        assert all(j.state.token_masks.m > PATCH for j in batch)  # several patches per job
+        counts = counted_steps(runner, batch, steps)
+        assert all(c.syncs == {"aten._local_scalar_dense.default": 1} for c in counts), [c.syncs for c in counts]
+        alone = [_run(runner, _flux_turbo(world, runner, 30 + i, [0], reuse=True)) for i in range(3)]
+        # steps 0 (refresh), 1 (after it) and 7 (last) compute everything, the others some patches
+        for job, one in zip(batch, alone):
+            got = runner.result(job)
+            assert got["reused_share"] == one["reused_share"] and 0.2 < got["reused_share"] < 4 / 7
+            assert float((got["latents"] - one["latents"]).abs().max()) <= 1e-4 * float(one["latents"].abs().max())
+        diff = float((alone[0]["latents"] - fast["latents"]).abs().max())
+        assert 0 < diff < float(fast["latents"].abs().max()), diff  # it changed something, not everything
+    finally:
+        world.caches.close(wait=True)

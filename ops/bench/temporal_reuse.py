@@ -10,15 +10,17 @@ Options (every one from the template's warm-up, 2 refresh steps unless named oth
 - ``step-skip``: TeaCache-style, a whole denoiser call skipped (the last output reused) while the
   latents' accumulated relative L1 change since the last computed step stays below ``delta``.
 
-Part 1, fidelity (the trained SD model, 128 px, the traces' masks, guidance 1 / 3 / 7.5, 20 and 50
-steps): whole-image and in-mask SSIM against the edit's full compute, the share of (step, unit,
-patch) computations reused (skipped steps count every unit), and the thread CPU time of the masked
-steps. Part 2, speed at scale (the benchmark-size UNet of ``policy_speed``: (320, 640) at 4096
-tokens, CFG, a real warm-up, resident): a masked step's thread CPU time, whole step and the
-transformer units' (the masked work: the step's CPU time times the units' share of its wall
-time), at reused shares from 0 to everything; each option's speed-up over ``fast`` at the share it
-reached in part 1 (interpolated between measured shares; on a model this small part 1's own times
-are mostly per-call overhead).
+Per model family (``--families``: the trained SD and Flux Fill models, each with its own rule):
+part 1, fidelity (128 px, the traces' masks, guidance 1 / 3 / 7.5, 20 and 50 steps): whole-image
+and in-mask SSIM against the edit's full compute, the share of (step, unit, patch) computations
+reused (skipped steps count every unit), and the thread CPU time of the masked steps. Part 2,
+speed at scale (the benchmark-size models of ``policy_speed``: a (320, 640) UNet at 4096 tokens
+with CFG; Flux with 2 + 4 blocks, inner 512, 1024 tokens; a real warm-up, resident): a masked
+step's thread CPU time, whole step and masked work, at reused shares from 0 to everything; each
+option's speed-up over ``fast`` at the share it reached in part 1 (interpolated between measured
+shares; on models this small part 1's own times are mostly per-call overhead). The masked work
+is the UNet's transformer units (the step's CPU time times their share of its wall time: ResNets
+run on the full map) and Flux's whole transformer call (its text tokens included, never reused).
 
     python -m ops.bench.temporal_reuse --edits 3 --out docs/bench/temporal_reuse.md
 """
@@ -107,9 +109,28 @@ class StepClock:
         self.runner.step = self.inner
 
 
-def options(tau: float, delta: float) -> dict[str, dict[str, Any]]:
+class CallClock:
+    """Thread CPU seconds of a runner's denoiser calls (wraps ``runner._forward``)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner, self.inner = runner, runner._forward
+        self.seconds = 0.0
+        runner._forward = self
+
+    def __call__(self, batch: list, groups: list | None) -> Any:
+        t0 = time.thread_time()
+        try:
+            return self.inner(batch, groups)
+        finally:
+            self.seconds += time.thread_time() - t0
+
+    def remove(self) -> None:
+        self.runner._forward = self.inner
+
+
+def options(family: str, tau: float, delta: float) -> dict[str, dict[str, Any]]:
     return {"fast": {"option": "fast"}, "balanced": {"option": "balanced"},
-            "turbo": {"option": "turbo", "rule": default_rule()},
+            "turbo": {"option": "turbo", "rule": default_rule(family)},
             "turbo-threshold": {"option": "turbo", "rule": ThresholdRule(tau)},
             "fixed-interval": {"option": "turbo", "rule": AlwaysReuse()},
             "step-skip": {"option": "fast", "skip": delta}}
@@ -139,10 +160,10 @@ def run_option(fam: Family, spec: dict[str, Any], img: Any, mask: np.ndarray, pa
     return {"latents": out["latents"], "share": float(share), "masked_s": masked_s}
 
 
-def fidelity_part(args: Any) -> list[dict[str, Any]]:
-    fam = Family("sd")
+def fidelity_part(args: Any, family: str) -> list[dict[str, Any]]:
+    fam = Family(family)
     rng = np.random.default_rng(args.seed)
-    specs = options(args.tau, args.delta)
+    specs = options(family, args.tau, args.delta)
     rows = []
     for steps in [int(s) for s in args.steps.split(",")]:
         n_edits = args.edits if steps <= 20 else max(1, args.edits - 1)
@@ -156,21 +177,22 @@ def fidelity_part(args: Any) -> list[dict[str, Any]]:
                     for name, spec in specs.items():
                         got = run_option(fam, spec, templates[t], mask, params, keys[t])
                         m = metrics(full, fam.decode(got["latents"]), pixel)
-                        rows.append({"option": name, "steps": steps, "guidance": g, "trace": trace,
+                        rows.append({"family": family, "option": name, "steps": steps, "guidance": g, "trace": trace,
                                      "ratio": float(pixel.mean()), "ssim": m["ssim"],
                                      "ssim_masked": m.get("ssim_masked", float("nan")),
                                      "share": got["share"], "masked_s": got["masked_s"]})
-            log.info("fidelity: %d steps, guidance %g done (%d rows)", steps, g, len(rows))
+            log.info("fidelity %s: %d steps, guidance %g done (%d rows)", family, steps, g, len(rows))
     return rows
 
 
-def speed_part(args: Any) -> list[dict[str, Any]]:
-    """Masked-step CPU seconds on the benchmark-size UNet at reused shares (module doc)."""
-    bench = Bench("sd", args.speed_steps)
+def speed_part(args: Any, family: str) -> list[dict[str, Any]]:
+    """Masked-step CPU seconds on the family's benchmark-size model at reused shares (module doc)."""
+    bench = Bench(family, args.speed_steps)
     bench.warm()
     out = []
     for q in [float(x) for x in args.shares.split(",")]:
         whole, walls, units, shares = [], [], [], []
+        clock = CallClock(bench.runner)
         for _round in range(args.rounds):
             bench.runner.reuse_rule = ShareRule(q)
             job = bench.job(args.ratio, "masked", [0])  # anchored at step 0; as turbo where q > 0:
@@ -179,18 +201,22 @@ def speed_part(args: Any) -> list[dict[str, Any]]:
             job.state = bench.runner.init_state(bench.tensors(args.ratio), meta)
             bench.step(job)  # the refresh
             for _ in range(args.speed_steps - 2):
-                t0 = time.perf_counter()
+                t0, call0 = time.perf_counter(), clock.seconds
                 whole.append(bench.step(job))
                 walls.append(time.perf_counter() - t0)
-                ctx = bench.runner.last_ctx  # unit times are wall clock: scaled to the step's CPU time
-                units.append(whole[-1] * sum(ctx.unit_seconds.values()) / walls[-1] if ctx is not None
-                             else float("nan"))
+                if family == "sd":  # unit times are wall clock: scaled to the step's CPU time
+                    ctx = bench.runner.last_ctx
+                    units.append(whole[-1] * sum(ctx.unit_seconds.values()) / walls[-1] if ctx is not None
+                                 else float("nan"))
+                else:  # Flux: the whole transformer call
+                    units.append(clock.seconds - call0)
             shares.append(job.state.reuse.share if job.state.reuse is not None else 0.0)
+        clock.remove()
         bench.runner.reuse_rule = None
-        out.append({"q": q, "share": statistics.mean(shares), "step_s": statistics.mean(whole),
+        out.append({"family": family, "q": q, "share": statistics.mean(shares), "step_s": statistics.mean(whole),
                     "units_s": statistics.mean(units)})
-        log.info("speed: rule share %.2f -> reused %.3f, step %.4f s, units %.4f s", q, out[-1]["share"],
-                 out[-1]["step_s"], out[-1]["units_s"])
+        log.info("speed %s: rule share %.2f -> reused %.3f, step %.4f s, masked work %.4f s", family, q,
+                 out[-1]["share"], out[-1]["step_s"], out[-1]["units_s"])
     return out
 
 
@@ -201,15 +227,29 @@ def at_share(points: list[dict[str, Any]], share: float, key: str) -> float:
     return float(np.interp(share, np.asarray(xs)[order], np.asarray(ys)[order]))
 
 
+FAMILY_NAMES = {"sd": "SD (trained tiny SD inpainting)", "flux": "Flux Fill (trained tiny Flux Fill)"}
+MASKED_WORK = {"sd": "transformer units", "flux": "transformer call"}
+
+
 def render(rows: list[dict[str, Any]], speed: list[dict[str, Any]], args: Any, command: str, elapsed: float) -> str:
     lines = ["# Temporal reuse: the fidelity/speed frontier\n",
              f"Command: `{command}`; {time.strftime('%Y-%m-%d')}, CPU, 1 torch thread, {elapsed:.0f} s. "
-             f"Threshold rule tau {args.tau}, step-skip delta {args.delta}. Shipped rule: "
-             f"`{default_rule().about.get('command', '')}`.\n",
+             f"Threshold rule tau {args.tau}, step-skip delta {args.delta}.\n",
              "SSIM: whole image (and in the mask) against the same edit's full compute; reused: share of the "
              "(step, unit, patch) computations of the masked steps taken from the last step (step-skip: share "
-             "of masked steps skipped); speed-up over `fast`: masked steps at the benchmark-size UNet's measured "
-             "cost at that share, whole step and the transformer units (the masked work).\n"]
+             "of masked steps skipped); speed-up over `fast`: masked steps at the benchmark-size model's measured "
+             "cost at that share, whole step and the masked work (SD: the transformer units, whose share of a "
+             "step the ResNets' full-map work bounds; Flux: the transformer call, text tokens included).\n"]
+    for family in dict.fromkeys(r["family"] for r in rows):
+        lines += [f"\n# {FAMILY_NAMES.get(family, family)}\n",
+                  f"Shipped rule: `{default_rule(family).about.get('command', '')}`.\n"]
+        lines += _family_tables([r for r in rows if r["family"] == family],
+                                [p for p in speed if p["family"] == family], args, family)
+    return "\n".join(lines) + "\n"
+
+
+def _family_tables(rows: list[dict[str, Any]], speed: list[dict[str, Any]], args: Any, family: str) -> list[str]:
+    lines: list[str] = []
     fast_points = speed[0] if speed else None
     for steps in sorted({r["steps"] for r in rows}):
         lines += [f"\n## {steps} steps\n",
@@ -232,26 +272,28 @@ def render(rows: list[dict[str, Any]], speed: list[dict[str, Any]], args: Any, c
                 lines.append(f"| {name} | {g:g} | {ssim:.4f} | {statistics.mean(r['ssim_masked'] for r in rs):.4f} | "
                              f"{ssim - fast_ssim:+.4f} | {share:.3f} | {speed_step} | {speed_units} |")
     if speed:
+        shape = Bench.SHAPES[family]
         lines += ["\n## Masked step cost at scale by reused share\n",
-                  f"UNet (320, 640), 4096 tokens, CFG, mask ratio {args.ratio}, {args.rounds} rounds of "
-                  f"{args.speed_steps - 2} masked steps; thread CPU seconds per step.\n",
-                  "| reused share | step (s) | transformer units (s) |", "|---|---|---|"]
+                  f"{shape}, mask ratio {args.ratio}, {args.rounds} rounds of {args.speed_steps - 2} masked steps; "
+                  "thread CPU seconds per step.\n",
+                  f"| reused share | step (s) | {MASKED_WORK[family]} (s) |", "|---|---|---|"]
         lines += [f"| {p['share']:.3f} | {p['step_s']:.4f} | {p['units_s']:.4f} |" for p in speed]
-    about = default_rule().about
+    rule = default_rule(family)
+    about = rule.about
     lines += ["\n## The shipped rule on held-out edits\n",
               f"{about.get('runs', '?')} recorded runs, {about.get('train_samples', '?')} training and "
-              f"{about.get('held_out_samples', '?')} held-out decisions (tau {default_rule().tau}, cut "
-              f"{default_rule().cut}).\n", "| rule | accuracy | reuse share | unsafe share of reuses |",
-              "|---|---|---|---|"]
+              f"{about.get('held_out_samples', '?')} held-out decisions (tau {rule.tau}, cut {rule.cut}).\n",
+              "| rule | accuracy | reuse share | unsafe share of reuses |", "|---|---|---|---|"]
     for name, key in (("forest (shipped)", "forest"), ("threshold (err < tau)", "threshold_rule")):
-        s = about.get(key, {})
-        lines.append(f"| {name} | {s.get('accuracy', '?')} | {s.get('reuse_share', '?')} | "
-                     f"{s.get('unsafe_share_of_reuses', '?')} |")
-    return "\n".join(lines) + "\n"
+        st = about.get(key, {})
+        lines.append(f"| {name} | {st.get('accuracy', '?')} | {st.get('reuse_share', '?')} | "
+                     f"{st.get('unsafe_share_of_reuses', '?')} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     p = cli.parser(__doc__, out="docs/bench/temporal_reuse.md")
+    p.add_argument("--families", default="sd,flux", help="model families, each with its trained model and rule")
     p.add_argument("--edits", type=int, default=3, help="edits per trace and guidance (50 steps: one fewer)")
     p.add_argument("--guidance", default="1.0,3.0,7.5")
     p.add_argument("--traces", default=",".join(TRACE_NAMES))
@@ -265,8 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="", help="also write the rows here")
     run = cli.start(p, argv, __file__, quick=dict(edits=1, guidance="7.5", steps="8", traces="spring", shares=""))
     args = run.args
-    rows = fidelity_part(args)
-    speed = speed_part(args) if args.shares else []  # --quick: no benchmark-size model
+    rows: list[dict[str, Any]] = []
+    speed: list[dict[str, Any]] = []
+    for family in args.families.split(","):
+        rows += fidelity_part(args, family)
+        if args.shares:  # --quick: no benchmark-size model
+            speed += speed_part(args, family)
     text = render(rows, speed, args, run.command, run.elapsed())
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "speed": speed}, indent=1))

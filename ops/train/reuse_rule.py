@@ -1,7 +1,8 @@
 """Train temporal reuse's rule (``workers/maskaware/reuse_rule.py``) on errors recorded from real edits.
 
-Records: edits of the traces (``ops/data/mask_ratios``: ratios, ``app.maskgen`` shapes) on the
-trained SD model, the templates warmed as production warms them, guidance 1 / 3 / 7.5, 20 and 50
+Records: edits of the traces (``ops/data/mask_ratios``: ratios, ``app.maskgen`` shapes) on a
+family's trained model (``--family``: SD or Flux, one rule each), the templates warmed as
+production warms them, guidance 1 / 3 / 7.5, 20 and 50
 steps, run as ``turbo`` with a recording rule that never reuses (so the trajectory is ``fast``'s)
 and logs, per step, unit and patch, the relative error reuse would have made with the offset of
 one step ago (``err``) and of two steps ago (``err2``: what is measured after a reused step).
@@ -12,7 +13,8 @@ t + 1 with the one-step-old offset stays below ``--tau``. Runs are split by edit
 edits give the accuracy of the forest and of the threshold rule (reuse where the measured error is
 below ``tau``) on the same samples, and the reuse each rule would allow.
 
-    python -m ops.train.reuse_rule --edits 6 --out workers/maskaware/reuse_rule.json
+    python -m ops.train.reuse_rule --edits 6                  # SD: workers/maskaware/reuse_rule.json
+    python -m ops.train.reuse_rule --family flux --edits 6    # Flux: workers/maskaware/reuse_rule_flux.json
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from workers.maskaware.reuse import FEATURES
-from workers.maskaware.reuse_rule import RULE_FILE, ForestRule, Tree
+from workers.maskaware.reuse_rule import RULE_FILES, ForestRule, Tree
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +51,11 @@ class Recorder:
         self.log.append(entry)
 
 
-def record_runs(edits: int, guidance: list[float], steps: list[int], seed: int, model: str = "") -> list[dict]:
+def record_runs(edits: int, guidance: list[float], steps: list[int], seed: int, family: str = "sd") -> list[dict]:
     """One record per (edit, guidance, steps): its edit id and its per-step unit logs."""
-    from ops.bench.harness.edits import DEFAULT_MODELS, OPTIONS, TRACE_NAMES, Family, edit, trace_edits
+    from ops.bench.harness.edits import OPTIONS, TRACE_NAMES, Family, edit, trace_edits
 
-    fam = Family("sd", model=model or DEFAULT_MODELS["sd"])
+    fam = Family(family)
     rng = np.random.default_rng(seed)
     runs = []
     for n_steps in steps:
@@ -119,6 +121,7 @@ def to_trees(forest: Any) -> list[Tree]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=sorted(RULE_FILES), default="sd", help="the model family the rule serves")
     p.add_argument("--edits", type=int, default=6, help="edits per trace, guidance and step count")
     p.add_argument("--guidance", default="1.0,3.0,7.5")
     p.add_argument("--steps", default="20,50")
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trees", type=int, default=8)
     p.add_argument("--depth", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(RULE_FILE))
+    p.add_argument("--out", default="", help="default: the family's shipped rule file")
     p.add_argument("--records", default="", help="JSON of the recorded runs: read if it exists, else written "
                    "(retrain with other --tau / --cut without recording again)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 edit per trace, 20 steps, guidance 7.5")
@@ -135,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
     from sklearn.ensemble import RandomForestClassifier
+
+    from ops.bench.harness.edits import DEFAULT_MODELS
 
     torch.set_num_threads(1)
     if args.quick:
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 for r in json.loads(saved.read_text())]
     else:
         runs = record_runs(args.edits, [float(g) for g in args.guidance.split(",")],
-                           [int(s) for s in args.steps.split(",")], args.seed)
+                           [int(s) for s in args.steps.split(",")], args.seed, args.family)
         if saved is not None:
             saved.write_text(json.dumps([dict(r, log=[{k: v.tolist() if isinstance(v, np.ndarray) else v
                                                         for k, v in e.items()} for e in r["log"]]) for r in runs]))
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     x_te, y_te = (np.concatenate([a for a, _ in parts[True]]), np.concatenate([b for _, b in parts[True]]))
     forest = RandomForestClassifier(n_estimators=args.trees, max_depth=args.depth, min_samples_leaf=20,
                                     random_state=args.seed, n_jobs=1).fit(x_tr, y_tr)
-    rule = ForestRule(to_trees(forest), args.cut, args.tau)
+    rule = ForestRule(to_trees(forest), args.cut, args.tau, err_limit=float(x_tr[:, FEATURES.index("err")].max()))
     pred_f = rule.reuse(x_te)
     pred_t = x_te[:, FEATURES.index("err")] < args.tau
 
@@ -179,10 +184,11 @@ def main(argv: list[str] | None = None) -> int:
                   "held_out_samples": int(len(y_te)), "held_out_edits": sorted(held),
                   "safe_share_held_out": round(float(y_te.mean()), 4),
                   "forest": scores(pred_f), "threshold_rule": scores(pred_t),
-                  "model": "tiny-sd-inpaint-trained", "date": time.strftime("%Y-%m-%d")}
-    Path(args.out).write_text(json.dumps(rule.to_json(), separators=(",", ":")) + "\n")
+                  "model": DEFAULT_MODELS[args.family], "date": time.strftime("%Y-%m-%d")}
+    out = Path(args.out or RULE_FILES[args.family])
+    out.write_text(json.dumps(rule.to_json(), separators=(",", ":")) + "\n")
     log.info("held out: forest %s; threshold %s; wrote %s in %.0f s", rule.about["forest"],
-             rule.about["threshold_rule"], args.out, time.time() - started)
+             rule.about["threshold_rule"], out, time.time() - started)
     return 0
 
 

@@ -7,6 +7,8 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from app.jobs import JobParams
 from app.storage.local import LocalStore
 from tests.test_lora_engine import FLUX_DIR, _flux_pipe
@@ -21,25 +23,28 @@ from workers.models.loader import scheduler_config
 
 
 class FluxWorld:
-    def __init__(self, tmp_path: Path, steps: int = 4, size: tuple[int, int] = (96, 96)) -> None:
-        self.steps, self.size = steps, size
+    def __init__(self, tmp_path: Path, steps: int = 4, size: tuple[int, int] = (96, 96), device: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.steps, self.size, self.device = steps, size, device
         self.pipe = _flux_pipe()
-        self.model = copy.deepcopy(self.pipe.transformer).eval()
+        self.model = copy.deepcopy(self.pipe.transformer).eval().to(device, dtype)
         self.store = ActivationStore(LocalStore(tmp_path))
-        self.caches = StepCacheProvider(self.store, 1 << 30)
+        self.caches = StepCacheProvider(self.store, 1 << 30, device=device)
+        self.caches.dtype = dtype
         self.ctrl = MaskAwareFlux(self.model)
+        recorded_in = "" if dtype == torch.float32 else "@" + str(dtype).removeprefix("torch.")
         self.key = TemplateCacheKey("m", "t", size[1], size[0], "FlowMatchEulerDiscreteScheduler", steps, 1.0,
-                                    "single", self.ctrl.cache_layout)
+                                    "single", self.ctrl.cache_layout + recorded_in)
 
     def runner(self, **options: Any) -> FluxRunner:
-        return FluxRunner(self.model, scheduler_config(FLUX_DIR), self.pipe.vae_scale_factor, maskaware=self.ctrl,
-                          caches=self.caches, recorder=CacheRecorder(self.store), **options)
+        return FluxRunner(self.model, scheduler_config(FLUX_DIR), self.pipe.vae_scale_factor, self.device,
+                          maskaware=self.ctrl, caches=self.caches, recorder=CacheRecorder(self.store), **options)
 
-    def job(self, runner: FluxRunner, seed: int, **meta: Any) -> EngineJob:
-        """An edit of the template (image 9) with its own blob mask; ``meta`` sets its cache mode."""
+    def job(self, runner: FluxRunner, seed: int, ratio: float = 0.25, **meta: Any) -> EngineJob:
+        """An edit of the template (image 9) with its own mask; ``meta`` sets its cache mode."""
         params = JobParams(prompt="a cat", steps=self.steps, guidance=30.0, seed=seed)
         prep = prepare_flux_job_tensors(self.pipe, scheduler_config(FLUX_DIR), _image(9, self.size),
-                                        _mask(seed, self.size, 0.25), params, self.size[1], self.size[0])
+                                        _mask(seed, self.size, ratio), params, self.size[1], self.size[0])
         out = EngineJob(job_id=f"f{seed}", total_steps=self.steps)
         out.state = runner.init_state(prep.tensors, {**prep.meta, "cache_mode": "full", **meta})
         return out

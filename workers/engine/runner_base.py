@@ -45,6 +45,7 @@ link, so only the units the plan picks are loaded, one step ahead. Waiting jobs 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -383,9 +384,10 @@ class BaseRunner(ABC):
             if prepare is not None:  # counts and device indices now, never inside a step
                 prepare(getattr(self, "device", "cpu"))
             if meta.get("temporal_reuse") and reuse_supported(self.maskaware):
-                st.reuse = TemporalReuse(self.reuse_rule or default_rule(), len(st.timesteps), st.refresh,
-                                         float(meta.get("guidance", 0.0)), list(getattr(self.maskaware, "units", ())),
-                                         bucketed=self.bucket_tokens, max_tokens=self._full_tokens(st))
+                st.reuse = TemporalReuse(self.reuse_rule or default_rule(self.maskaware.reuse_family),
+                                         len(st.timesteps), st.refresh, float(meta.get("guidance", 0.0)),
+                                         self.maskaware.reuse_units, bucketed=self.bucket_tokens,
+                                         max_tokens=self._full_tokens(st))
             self.caches.prefetch(key, range(self.prefetch_steps))  # type: ignore[union-attr]
 
     def _absent_units(self, key: TemplateCacheKey) -> frozenset[str]:
@@ -659,12 +661,12 @@ class BaseRunner(ABC):
             groups = self._plan_groups(batch, groups)
             self._plan_ahead(batch, started)
         if groups is not None:
-            for job, group in zip(batch, groups):
+            for i, (job, group) in enumerate(zip(batch, groups)):
                 absent = job.state.extra.get("absent_units")
                 if absent and getattr(group, "mode", "") == "masked":
                     group.full_units = frozenset(group.full_units) | absent
                 if job.state.reuse is not None and getattr(group, "mode", "") == "masked":
-                    group.reuse = job.state.reuse.begin(job.steps_done)
+                    groups[i] = dataclasses.replace(group, reuse=job.state.reuse.begin(job.steps_done))
         self.last_ctx = None
         layout.set_invariant(self.batch_invariant and len(batch) > 1)
         rows = layout.rows((g, job.state.rows) for g, job in enumerate(batch)) if layout.wanted() else None

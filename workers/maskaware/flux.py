@@ -55,6 +55,8 @@ Semantics
   matter through masked image tokens) and returns the cached output.
 - Masked-token outputs equal full compute (to float rounding) when the cache was recorded from the
   same inputs; with a real template's cache they are the paper's approximation.
+- Temporal reuse (``turbo``, ``RowGroup.reuse``): a masked row may take some patches of its computed
+  tokens from its last step, block by block (``flux_reuse.py``).
 - Not supported inside a batch (raises): ControlNet residuals, ``joint_attention_kwargs``
   (IP-Adapter), rows of different resolution or text length in one call.
 
@@ -99,6 +101,7 @@ from workers.adapters import layout
 from workers.adapters.patcher import install as install_row_aware
 from workers.compiled import Compiled
 from workers.maskaware.buckets import bucket_range, padded
+from workers.maskaware.flux_reuse import reuse_block
 from workers.maskaware.flux_tokens import pixel_to_token_mask
 from workers.maskaware.tokens import row_index
 
@@ -122,6 +125,7 @@ class FluxTokens:
     m: int  # computed tokens
     sel: torch.Tensor | None  # sorted positions of the computed tokens (None: every token)
     unsel: torch.Tensor | None  # sorted positions taken from the cache
+    masked: int = 0  # masked tokens among the ``m`` (the rest: bucket padding, repeating the last)
 
     @classmethod
     def build(cls, mask: torch.Tensor, device: torch.device | str, bucketed: bool = False) -> "FluxTokens":
@@ -133,12 +137,13 @@ class FluxTokens:
         lowest = m
         if bucketed:
             lowest, m = bucket_range(m, n)
+        masked = int(host.sum())
         if m == n:
-            return cls(host, n, None, None)
+            return cls(host, n, None, None, n)
         sel, unsel = host.nonzero().flatten(), (~host).nonzero().flatten()
         if bucketed and sel.numel():
             sel, unsel = padded(sel, m), padded(unsel, n - lowest)
-        return cls(host, m, sel.to(device), unsel.to(device))
+        return cls(host, m, sel.to(device), unsel.to(device), masked)
 
     def numel(self) -> int:
         return self.mask.numel()
@@ -159,6 +164,7 @@ class RowGroup:
     # in the call's union token grid; the other grid positions are padding, never computed or
     # attended to. None: the job fills the grid (its own order is the grid's).
     positions: torch.Tensor | None = None
+    reuse: Any = None  # masked mode: ``reuse.TemporalReuse`` of the job (patches taken from its last step)
 
 
 @dataclass
@@ -210,6 +216,9 @@ class _Row:
     own: int = 0                  # tokens of this job (N unless placed on a larger grid)
     sel_own: torch.Tensor | None = None  # the computed tokens' indices in the job's own order
     pos_own: torch.Tensor | None = None  # grid positions of all the job's tokens (None: the call's grid)
+    reuse: Any = None  # the job's ``reuse.TemporalReuse`` (``flux_reuse``)
+    real: int = 0  # masked tokens among the ``m`` (the rest: bucket padding)
+    rot_key: Any = None  # RoPE cache key of the row's queries (None: its computed tokens)
 
     @property
     def fresh(self) -> bool:
@@ -258,14 +267,15 @@ class _Plan:
             sel, unsel, unsel_cache, cache = None, None, None, None
             pos = None if g.positions is None else g.positions.to(self.device)
             own = self.N if pos is None else int(pos.numel())
-            sel_own = None
+            sel_own, real, reuse = None, 0, None
             if g.mode == "masked":
                 tok = g.token_mask if isinstance(g.token_mask, FluxTokens) else FluxTokens.build(g.token_mask,
                                                                                                  self.device)
                 if tok.numel() != own:
                     raise ValueError(f"group {gi}: token mask has {tok.numel()} tokens, the job has {own}")
                 if tok.sel is not None:
-                    sel_own, unsel_cache = tok.sel, tok.unsel
+                    sel_own, unsel_cache, real = tok.sel, tok.unsel, tok.masked
+                    reuse = g.reuse if tok.m > 0 else None
                     sel = sel_own if pos is None else pos[sel_own]
                     unsel = unsel_cache if pos is None else pos[unsel_cache]
                     cache = g.cache
@@ -278,7 +288,8 @@ class _Plan:
                 m = self.N if sel is None else int(sel.numel())
                 self.rows.append(_Row(r, gi, sel, m, cache, g.mode == "record", crow, unsel=unsel,
                                       unsel_cache=unsel_cache, own=own, sel_own=sel_own,
-                                      pos_own=pos if pos is not None and own != self.N else None))
+                                      pos_own=pos if pos is not None and own != self.N else None,
+                                      reuse=reuse, real=real))
                 r += 1
         off, a = 0, 0
         for row in self.rows:
@@ -300,6 +311,8 @@ class _Plan:
             empty = torch.zeros(0, dtype=torch.long, device=self.device)
             self.img_pos, self.img_flat = empty, empty
         self.identity = self.all_active and all(row.sel is None for row in self.rows)
+        self.reusing = any(row.reuse is not None for row in self.active)
+        self.unit_reuse: dict[int, Any] = {}  # batch row -> this block's ``reuse.UnitReuse`` (``flux_reuse``)
         self.ctx.image_tokens_computed = self.M
         self.ctx.image_tokens_total = self.B * self.N
 
@@ -352,7 +365,8 @@ class _Plan:
         """RoPE at the row's queries: its text, then its computed tokens at their grid positions."""
         if row.sel is None:
             return self.rot(rope, ("all",), slice(0, self.T + self.N))
-        return self.rot(rope, ("sel", row.row), lambda: self._text_then(row.sel))  # type: ignore[arg-type]
+        return self.rot(rope, row.rot_key or ("sel", row.row),
+                        lambda: self._text_then(row.sel))  # type: ignore[arg-type]
 
     def own_rot(self, rope: tuple[torch.Tensor, torch.Tensor], row: _Row) -> _Rot:
         """RoPE at the row's keys: its text, then every token of the job at its grid position."""
@@ -546,21 +560,29 @@ def _attend(plan: _Plan, attn: Any, name: str, rope: tuple[torch.Tensor, torch.T
             if plan.kv_format == "roped":
                 plan.record_row(row, name, K_SUFFIX["roped"], key[T:])
         else:
+            unit = plan.unit_reuse.get(row.row)  # temporal reuse: reused tokens from the recent offset
             if plan.kv_format == "roped":
                 fresh = _rotate(torch.cat([tk[a], k[seg]]), rot)
-                cached = plan.staged(row, f"{name}.{plan.k_key}", k_raw)
-                cached.index_copy_(0, row.sel_own, fresh[T:].flatten(1))  # type: ignore[arg-type]
+                cached = _write_fresh(plan.staged(row, f"{name}.{plan.k_key}", k_raw), row, unit, plan.k_key,
+                                      fresh[T:].flatten(1))
                 key = torch.cat([fresh[:T], cached.unflatten(-1, (heads, hd))])
             else:
-                cached = plan.staged(row, f"{name}.{plan.k_key}", k_raw)
-                cached.index_copy_(0, row.sel_own, k_raw[seg])  # type: ignore[arg-type]
+                cached = _write_fresh(plan.staged(row, f"{name}.{plan.k_key}", k_raw), row, unit, plan.k_key,
+                                      k_raw[seg])
                 key = _rotate(torch.cat([tk[a], attn.norm_k(cached.unflatten(-1, (heads, hd)))]),
                               plan.own_rot(rope, row))
-            values = plan.staged(row, f"{name}.v", k_raw)
-            values.index_copy_(0, row.sel_own, v[seg].flatten(1))  # type: ignore[arg-type]
+            values = _write_fresh(plan.staged(row, f"{name}.v", k_raw), row, unit, "v", v[seg].flatten(1))
             value = torch.cat([tv[a], values.unflatten(-1, (heads, hd))])
         outs.append(dispatch_attention_fn(query[None], key[None], value[None], backend=backend)[0])
     return outs
+
+
+def _write_fresh(cached: torch.Tensor, row: _Row, unit: Any, kind: str, fresh: torch.Tensor) -> torch.Tensor:
+    """The row's fresh tokens [m, C] written into its cache tensor [N, C] (with temporal reuse, the
+    reused ones too: ``reuse.UnitReuse.merge``)."""
+    if unit is not None:
+        return unit.merge(kind, False, cached[None], fresh[None])[0]
+    return cached.index_copy_(0, row.sel_own, fresh)  # type: ignore[arg-type]
 
 
 def _call_module(module: Any, x: torch.Tensor) -> torch.Tensor:
@@ -772,7 +794,10 @@ class _BlockHook(_Hook):
                                                 image_rotary_emb, joint_attention_kwargs)
         if plan.active:
             fn = double_block_forward if self.double else single_block_forward
-            fn(module, self.name, plan, temb, image_rotary_emb, self.ctrl.kernels)
+            if plan.reusing:
+                reuse_block(fn, module, self.name, plan, temb, image_rotary_emb, self.ctrl.kernels)
+            else:
+                fn(module, self.name, plan, temb, image_rotary_emb, self.ctrl.kernels)
         return encoder_hidden_states, hidden_states
 
 
@@ -858,6 +883,14 @@ class MaskAwareFlux:
     def cache_layout(self) -> str:
         """Goes into the template cache key: caches of the two K formats are not interchangeable."""
         return f"flux-kv-{self.kv_format}"
+
+    temporal_reuse = True  # masked rows may reuse patches of their last step (``flux_reuse``)
+    reuse_family = "flux"  # which trained reuse rule decides (``reuse_rule``)
+
+    @property
+    def reuse_units(self) -> list[str]:
+        """Temporal reuse decides per block, in execution order."""
+        return list(self.names)
 
     def token_mask(self, pixel_mask: torch.Tensor, dilation: int = 0) -> torch.Tensor:
         """Pixel mask at the job's H x W -> bool [N] packed-token mask (OR-pooled, optional dilation)."""

@@ -1,5 +1,6 @@
-"""Temporal reuse inside the mask: per plan unit and per patch of masked tokens, a step may take a
-patch's activations from the job's own previous step instead of computing them.
+"""Temporal reuse inside the mask: per plan unit (a UNet's ``Transformer2DModel``, a Flux block) and
+per patch of masked tokens, a step may take a patch's activations from the job's own previous step
+instead of computing them.
 
 Why: a mask-aware edit computes every masked token at every step, although a transformer's output
 at most tokens moves little between adjacent steps (PatchedServe reuses patches, FORA and DeepCache
@@ -10,7 +11,9 @@ this step plus the job's offset (``runner_base.OffsetCache``). A reused masked t
 the same way with a *recent* offset: ``cached(t) + rel``, where ``rel`` = own - cached at the last
 step that computed the token. So a reused patch follows the template's motion from step to step
 and keeps how far this edit was from it one step ago. K, V and the unit's output Y are treated
-alike, so the next block's attention and ``proj_out`` read consistent values.
+alike, so the next block's attention and ``proj_out`` read consistent values. Flux caches no hidden
+states: there a reused token's block output is its input plus the block's last residual
+(``flux_reuse.py``; ``UnitReuse.combine`` with ``residual``), its K and V as above.
 
 Static shapes, no host sync: a patch is ``PATCH`` consecutive masked-token positions. Which patches
 a step computes is decided on the host *after* the previous step's one read (the engine reads each
@@ -63,6 +66,7 @@ class UnitReuse:
     pos: torch.Tensor  # [patches, PATCH] positions of each patch (the last one clamped to m - 1)
     weight: torch.Tensor  # [patches, PATCH, 1]: 1 at a patch's real tokens, 0 at padding (clamped or bucket)
     err: torch.Tensor  # [patches] float32 on the device: this step's measured error per computed patch
+    real: int = 0  # real masked positions (the rest of the ``m``: bucket padding, copies of the last real one)
     rel: dict[str, torch.Tensor] = field(default_factory=dict)  # cached name -> [rows, m, C] recent offset
     last_err: np.ndarray = field(default_factory=lambda: np.zeros(0))
     err_age: np.ndarray = field(default_factory=lambda: np.zeros(0))  # offset's age when measured (0: the refresh's)
@@ -89,31 +93,45 @@ class UnitReuse:
         """``cached`` [rows, N, C] (writable) with the unit's masked tokens: reused ones from the
         recent offset, computed ones ``fresh`` [rows, k, C]; updates the offset and, for the unit's
         output (``measure``), the per-patch error reuse would have made at the computed patches."""
-        base = cached.index_select(1, self.idx_all)  # [rows, m, C]: template + refresh offset
+        full = self.combine(name, measure, cached.index_select(1, self.idx_all), fresh)
+        return cached.index_copy_(1, self.idx_all, full)
+
+    def combine(self, name: str, measure: bool, base: torch.Tensor, fresh: torch.Tensor,
+                residual: bool = False) -> torch.Tensor:
+        """The unit's value at all its ``m`` positions [rows, m, C]: ``fresh`` [rows, k, C] at the
+        computed ones, ``base + rel`` at the reused ones (``base``: the template's cache plus the
+        refresh offset, or, with ``residual``, the unit's own input: then ``rel`` is the unit's
+        residual and the error is measured against it, not against the whole value); ``rel``
+        becomes ``fresh - base`` at the computed positions."""
         rel = self.rel.get(name)
         if rel is None or rel.shape != base.shape or rel.dtype != base.dtype:
             rel = self.rel[name] = torch.zeros_like(base)
         if self.sub is None:
-            pred = base + rel
             flat = self.pos.reshape(-1)
             if self.rel2 is not None:  # training records: the offset of two steps ago too
                 rel2 = self.rel2.setdefault(name, torch.zeros_like(base))
                 if measure:
-                    _errors(self, fresh.index_select(1, flat), (base + rel2).index_select(1, flat), None, self.err2)
+                    _errors(self, fresh.index_select(1, flat), (base + rel2).index_select(1, flat), None, self.err2,
+                            (fresh - base).index_select(1, flat) if residual else None)
                 rel2.copy_(rel)
+            if measure:
+                _errors(self, fresh.index_select(1, flat), (base + rel).index_select(1, flat), None,
+                        norm=(fresh - base).index_select(1, flat) if residual else None)
             rel.copy_(fresh - base)
-            if measure:
-                _errors(self, fresh.index_select(1, flat), pred.index_select(1, flat), None)
+            out = fresh
         else:
-            cached.index_copy_(1, self.idx_all, base + rel)  # reused tokens (computed ones overwritten below)
+            out = base + rel  # reused positions (computed ones overwritten below)
             base_c = base.index_select(1, self.sub)
-            pred = base_c + rel.index_select(1, self.sub)
-            rel.index_copy_(1, self.sub, fresh - base_c)
             if measure:
-                _errors(self, fresh, pred, self.ids)
+                _errors(self, fresh, base_c + rel.index_select(1, self.sub), self.ids,
+                        norm=fresh - base_c if residual else None)
+            rel.index_copy_(1, self.sub, fresh - base_c)
+            out.index_copy_(1, self.sub, fresh)
+            if 0 < self.real < self.m:  # padding repeats the last real token: keep the copies equal
+                out[:, self.real:] = out[:, self.real - 1:self.real]
         if measure:
             self.measured = True
-        return cached.index_copy_(1, self.idx if self.idx is not None else self.idx_all, fresh)
+        return out
 
 
 class TemporalReuse:
@@ -183,7 +201,7 @@ class TemporalReuse:
         pos = positions.clamp_(max=m - 1).view(patches, PATCH)
         extra: dict[str, Any] = dict(rel2={}, err2=torch.zeros(patches, device=dev)) if self.record else {}
         return UnitReuse(**extra, n=n, m=m, depth=self.unit_order.get(unit, 0.5), idx_all=idx_all, pos=pos,
-                         weight=weight,
+                         weight=weight, real=masked,
                          err=torch.zeros(patches, dtype=torch.float32, device=idx_all.device),
                          last_err=np.full(patches, np.inf), err_age=np.zeros(patches),
                          last_computed=np.full(patches, -1), run=np.zeros(patches, int),
@@ -276,13 +294,15 @@ class TemporalReuse:
 
 
 def _errors(u: UnitReuse, fresh: torch.Tensor, pred: torch.Tensor, ids: torch.Tensor | None,
-            into: torch.Tensor | None = None) -> None:
-    """Relative L2 error of ``pred`` against ``fresh`` per patch ([rows, patches * PATCH, C])."""
+            into: torch.Tensor | None = None, norm: torch.Tensor | None = None) -> None:
+    """Relative L2 error of ``pred`` against ``fresh`` per patch ([rows, patches * PATCH, C]),
+    relative to ``fresh`` or to ``norm`` (e.g. the unit's residual) where given."""
     rows, k, c = fresh.shape
     w = u.weight if ids is None else u.weight.index_select(0, ids)  # padding counts for nothing
     f = fresh.float().view(rows, k // PATCH, PATCH, c)
     d = f - pred.float().view(rows, k // PATCH, PATCH, c)
-    err = ((d.square() * w).sum((0, 2, 3)) / (f.square() * w).sum((0, 2, 3)).clamp_min(1e-12)).sqrt()
+    ref = f if norm is None else norm.float().view(rows, k // PATCH, PATCH, c)
+    err = ((d.square() * w).sum((0, 2, 3)) / (ref.square() * w).sum((0, 2, 3)).clamp_min(1e-12)).sqrt()
     out = u.err if into is None else into
     if ids is None:
         out.copy_(err)
@@ -291,7 +311,7 @@ def _errors(u: UnitReuse, fresh: torch.Tensor, pred: torch.Tensor, ids: torch.Te
 
 
 def supports(maskaware: Any) -> bool:
-    """Whether a mask-aware controller applies temporal reuse (SD-family UNets with cached K/V)."""
+    """Whether a mask-aware controller applies temporal reuse (SD-family UNets with cached K/V, Flux)."""
     return getattr(maskaware, "temporal_reuse", False)
 
 

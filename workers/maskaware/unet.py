@@ -492,6 +492,13 @@ class MaskAwareUNet:
         take K/V from the cache, so only the ``"kv+y"`` layout."""
         return self.kv_source == "cache"
 
+    reuse_family = "sd"  # which trained reuse rule decides (``reuse_rule``)
+
+    @property
+    def reuse_units(self) -> list[str]:
+        """Temporal reuse decides per plan unit, in execution order."""
+        return self.units
+
     def tensor_names(self) -> list[str]:
         """Names a recorded step holds, in block order."""
         names = []

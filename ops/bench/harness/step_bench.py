@@ -27,6 +27,8 @@ from workers.models.tiny_flux import FLUX_SCHEDULER_CONFIG
 class Bench:
     """One family's runner on a benchmark-size model, with synthetic job tensors of real shapes."""
 
+    SHAPES = {"sd": "unet (320, 640), 4096 tokens, CFG", "flux": "flux 2+4 blocks, inner 512, 1024 tokens, T=64"}
+
     def __init__(self, family: str, steps: int, seed: int = 0) -> None:
         self.family, self.steps = family, steps
         self.activations = ActivationStore(LocalStore(tempfile.mkdtemp(prefix="stencil-polspeed-")))
@@ -37,7 +39,7 @@ class Bench:
             cfg = ddim_config()
             self.runner = SDRunner(model, cfg, maskaware=MaskAwareUNet(model), caches=caches,
                                    recorder=CacheRecorder(self.activations), prefetch_steps=steps)
-            self.size, self.layout, self.shape = 512, "kv+y", "unet (320, 640), 4096 tokens, CFG"
+            self.size, self.layout, self.shape = 512, "kv+y", self.SHAPES["sd"]
             self.base = {"latents": torch.randn(1, 4, 64, 64, generator=g),
                          "mask": torch.zeros(2, 1, 64, 64),
                          "masked_image_latents": torch.randn(2, 4, 64, 64, generator=g),
@@ -49,7 +51,7 @@ class Bench:
             cfg = {**FLUX_SCHEDULER_CONFIG, "_class_name": "FlowMatchEulerDiscreteScheduler"}
             self.runner = FluxRunner(model, cfg, 16, maskaware=MaskAwareFlux(model), caches=caches,
                                      recorder=CacheRecorder(self.activations), prefetch_steps=steps)
-            self.size, self.layout, self.shape = 512, "flux-kv-roped", "flux 2+4 blocks, inner 512, 1024 tokens, T=64"
+            self.size, self.layout, self.shape = 512, "flux-kv-roped", self.SHAPES["flux"]
             side = 32
             self.base = {"latents": torch.randn(1, side * side, 64, generator=g),
                          "masked_image_latents": torch.randn(1, side * side, 320, generator=g),
