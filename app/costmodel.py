@@ -4,7 +4,8 @@ Why this shape. The dispatcher (no torch, sub-millisecond decisions), the engine
 admission) and the cluster simulator all need "how long will this batch's next step take" and
 "how long does fetching this template's activations take". Both are fitted offline by
 ``python -m ops.bench.profile`` on the real runner and stored as plain JSON coefficients (never a
-pickle), one file per (model id, device kind). Everything here is pure Python arithmetic.
+pickle), one file per (model id, device kind). Everything the service calls here is pure Python
+arithmetic (the offline curve fitter, ``fit_step_curve``, uses numpy).
 
 Step latency (per architecture, from masked-token counts). A UNet step is a sum of operators whose
 work is known from the config and each job's masked tokens per level; the paper's Table 1 does the
@@ -41,7 +42,8 @@ adds its device time. A model measured on such a device may carry the fitted bat
 model's profiled size, a job's work = its marginal step seconds / a full job's. With a curve a batch's
 step is ``t(sum of the jobs' work)`` instead of ``intercept + sum(job seconds)``, so adding a job to a
 worker costs ``t(W + w) - t(W)``: what routing, SLO admission and deadline checks then integrate.
-Models without one (every CPU fit) stay linear.
+``ops.bench.profile`` fits the curve (``fit_step_curve``) on the batches it measures and writes it
+only where it predicts the held-out batches better than the linear step; models without one stay linear.
 
 Load latency per tier (``local`` folder, ``host`` RAM, ``s3``): ``latency_s + bytes / bandwidth``,
 fitted on measured reads.
@@ -377,6 +379,35 @@ class StepCurve:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StepCurve":
         return cls(float(d["h_s"]), float(d["c_s"]), float(d["p"]))
+
+
+def fit_step_curve(work: Sequence[float], seconds: Sequence[float]) -> StepCurve:
+    """The ``StepCurve`` of least relative squared error through ``(work, seconds)`` (3 points or more).
+
+    Shared by ``ops.bench.profile`` (a deployment's own measured steps) and ``ops.sim.gpu_costs``
+    (the GPU points shipped as data), so both fit the same curve the same way. Relative error because
+    a step's seconds span 1-4x over a batch and a router cares about ratios. For each knee ``p`` on a
+    grid (1 to 8 by 0.01), ``t^p = h^p + c^p W^p`` is linear in ``h^p`` and ``c^p``; weighted by
+    ``1 / t^p`` its least squares is the relative fit of that ``p``, and the ``p`` of least relative
+    error wins: deterministic, no starting point to choose. Offline only (numpy, imported here)."""
+    import numpy as np
+
+    x, y = np.asarray(work, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
+    if len(x) < 3:
+        raise ValueError("a step curve has 3 parameters: fit it on 3 points or more")
+    best: tuple[float, StepCurve] | None = None
+    for p in np.round(np.arange(1.0, 8.0 + 1e-9, 0.01), 2):
+        yp = y ** p
+        design = np.stack([np.ones_like(x), x ** p], axis=1) / yp[:, None]
+        (a, b), *_ = np.linalg.lstsq(design, np.ones_like(x), rcond=None)
+        if a <= 0 or b <= 0:
+            continue
+        err = float(np.mean((((a + b * x ** p) ** (1 / p) - y) / y) ** 2))
+        if best is None or err < best[0]:
+            best = (err, StepCurve(float(a ** (1 / p)), float(b ** (1 / p)), float(p)))
+    if best is None:
+        raise ValueError("no step curve fits these points (a step must not get cheaper with more work)")
+    return best[1]
 
 
 @dataclass
@@ -749,7 +780,7 @@ def queue_finish_time(running: Sequence[tuple[float, int]], queued: Sequence[tup
 __all__ = [
     "BlockSpec", "CostModel", "FitReport", "STEP_FEATURES", "TierFit", "UNetArch", "admission_profile",
     "SHIPPED_DIR", "StepCurve", "default_path", "device_type", "find_model", "finish_after_admission",
-    "finish_times", "level_hw",
+    "finish_times", "fit_step_curve", "level_hw",
     "min_service_seconds", "shipped_model",
     "queue_finish_time", "slo_admission_on", "step_time_predictor", "token_counts_from_mask",
 ]

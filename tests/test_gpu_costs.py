@@ -75,6 +75,10 @@ def test_held_out_error_is_what_the_report_says_and_under_the_target() -> None:
     assert report["loo_mape"] == pytest.approx(costs.mape(), abs=5e-4)
     assert report["loo_errors"] == pytest.approx(loo, abs=5e-4)
     assert report["piecewise_linear_loo_mape"] == pytest.approx(float(np.mean(linear)), abs=5e-4)
+    # the linear cost model's form (intercept + per-job seconds) misses the knee: over 10%, the curve under
+    line = gpu_costs.leave_one_out(*costs.full_points, fit=gpu_costs.straight_line)
+    assert float(np.mean(line)) > 0.10 > costs.mape()
+    assert report["straight_line_loo_mape"] == pytest.approx(float(np.mean(line)), abs=5e-4)
 
 
 def test_host_bound_mask_aware_speed_is_interpolated_and_exact_at_the_measured_points() -> None:

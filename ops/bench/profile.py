@@ -28,6 +28,13 @@ from each job's masked tokens per level; per tier ``seconds ~ latency + bytes / 
 A random quarter of the points is held out *before* fitting; R^2, MAPE and residuals are on
 those. Output: one JSON model file (coefficients only) per (model id, device kind), and a plot.
 
+Batch-step curve (``fit_curve``): on the same training points, ``t(W) = (h^p + (c W)^p)^(1/p)``
+(``app.costmodel.StepCurve``, fitted by ``app.costmodel.fit_step_curve``, the fit the GPU simulators
+use) with W a batch's work in full jobs under the linear fit. Both models' MAPE on the held-out
+points goes into the JSON's meta (``step_curve``) and the report; the curve goes into the JSON
+(``curve``) only where its held-out MAPE is lower by more than ``--curve-margin`` (half a point): a
+host-bound GPU step, not a single CPU thread, whose step is linear and whose curve is the line.
+
 Mixed image sizes (``--sizes WxH,...``): every job of a composition draws its size from the list
 (uniformly: each size and mixture is covered), each size has its own template cache recorded by
 a warm-up at that size, and the runner batches the sizes exactly (one call per size in lockstep
@@ -60,7 +67,16 @@ from sklearn.linear_model import LinearRegression
 from sklearn.metrics import r2_score
 
 from app import steptime
-from app.costmodel import STEP_FEATURES, CostModel, FitReport, TierFit, UNetArch, default_path
+from app.costmodel import (
+    STEP_FEATURES,
+    CostModel,
+    FitReport,
+    StepCurve,
+    TierFit,
+    UNetArch,
+    default_path,
+    fit_step_curve,
+)
 from app.settings import Settings
 from app.storage.local import LocalStore
 from ops.bench.harness import TRACES, cli, load_trace
@@ -129,6 +145,11 @@ def compositions(n: int, max_jobs: int, full_fraction: float, seed: int,
 
 # -- fitting ------------------------------------------------------------------------------------
 
+# The step curve is written only where its held-out MAPE beats the linear model's by more than this
+# (half a percentage point, the margin ``app.steptime.fit`` gives its linear kernel): below it the
+# two are a tie on a few dozen held-out points, and the linear step is the simpler, cheaper model.
+CURVE_MARGIN = 0.005
+
 
 def split(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     idx = np.random.default_rng(seed).permutation(n)
@@ -173,6 +194,45 @@ def cross_validated_r2(x: np.ndarray, y: np.ndarray, folds: int, seed: int) -> f
         tr = np.setdiff1d(idx, te)
         pred[te] = _NonNegFit().fit(x[tr], y[tr]).predict(x[te])
     return float(1 - np.sum((y - pred) ** 2) / np.sum((y - y.mean()) ** 2))
+
+
+def fit_curve(model: CostModel, x: np.ndarray, y: np.ndarray, test_idx: np.ndarray,
+              margin: float = CURVE_MARGIN) -> tuple[StepCurve | None, dict[str, Any]]:
+    """The batch-step curve (``app.costmodel.StepCurve``) on the training points, and whether to keep it.
+
+    A point's work is its jobs' marginal seconds under the linear fit over a full job's, the unit the
+    curve is priced in (``CostModel.curved_step``), so the curve is fitted on exactly the numbers a
+    deployment feeds it. Both models predict the held-out points through ``CostModel.step_seconds``
+    (what routing and admission compute); the curve is kept only where its held-out MAPE is lower by
+    more than ``margin``: a linear device (one CPU thread) gains nothing from it (its fit is the
+    line, p = 1, and ties the linear model up to rounding), a host-bound GPU step does."""
+    test = np.zeros(len(y), dtype=bool)
+    test[test_idx] = True
+    sums = x @ np.asarray(model.coef, dtype=np.float64)
+    full = model.job_step_seconds(None)
+    linear = np.array([model.step_seconds([s]) for s in sums])
+    info: dict[str, Any] = {"form": "t(W) = (h^p + (c W)^p)^(1/p)", "n_train": int((~test).sum()),
+                            "n_test": int(test.sum()), "linear_mape_test": steptime.mape(linear[test], y[test]),
+                            "work_train": [float(sums[~test].min() / full), float(sums[~test].max() / full)]
+                            if full > 0 else None}
+    try:
+        if full <= 0:
+            raise ValueError("the linear fit gives a full job no seconds: no work unit")
+        curve = fit_step_curve(sums[~test] / full, y[~test])
+    except ValueError as exc:
+        info.update(written=False, reason=str(exc))
+        log.info("step curve: not fitted (%s)", exc)
+        return None, info
+    curved = dataclasses.replace(model, curve=curve, _memo={})
+    pred = np.array([curved.step_seconds([s]) for s in sums])
+    info.update(curve.to_dict(), curve_mape_train=steptime.mape(pred[~test], y[~test]),
+                curve_mape_test=steptime.mape(pred[test], y[test]))
+    info["margin"] = margin
+    info["written"] = bool(info["curve_mape_test"] < info["linear_mape_test"] - margin)
+    log.info("step curve: h %.2f ms, c %.2f ms, p %.2f; held-out MAPE %.1f%% vs linear %.1f%% on %d points: %s",
+             curve.floor_s * 1e3, curve.per_job_s * 1e3, curve.knee, info["curve_mape_test"] * 100,
+             info["linear_mape_test"] * 100, info["n_test"], "written" if info["written"] else "not written")
+    return (curve if info["written"] else None), info
 
 
 def profile_steps(mut: ModelUnderTest, args: argparse.Namespace, arch: UNetArch) -> dict[str, Any]:
@@ -254,7 +314,7 @@ def fit_tiers(samples: dict[str, list[tuple[int, float]]], args: argparse.Namesp
 def plot(model: CostModel, rows: list[dict[str, Any]], test_idx: np.ndarray, out: Path) -> None:
     """Predicted vs measured step latency, held-out points marked."""
     y = np.array([r["seconds"] for r in rows])
-    pred = np.array([model.intercept + model.features_seconds(r["features"]) for r in rows])
+    pred = np.array([model.step_seconds([model.features_seconds(r["features"])]) for r in rows])
     test = np.zeros(len(rows), dtype=bool)
     test[test_idx] = True
     fig, ax = pyplot().subplots(figsize=(5, 4.5))
@@ -266,6 +326,11 @@ def plot(model: CostModel, rows: list[dict[str, Any]], test_idx: np.ndarray, out
     ax.set_ylabel("predicted step ms")
     r = model.step_report
     title = f"{model.model_id} on {model.device_kind[:28]}\nheld-out R^2 = {r.r2_test:.3f}" if r else model.model_id
+    info = model.meta.get("step_curve") or {}
+    if model.curve is not None and "curve_mape_test" in info:  # the points are predicted on the curve
+        title = title.replace("held-out R^2", "linear step: held-out R^2")
+        title += (f"\nplotted, the step curve: held-out MAPE {info['curve_mape_test'] * 100:.1f}% "
+                  f"(linear {info['linear_mape_test'] * 100:.1f}%)")
     ax.set_title(title, fontsize=9)
     ax.legend()
     save_figure(fig, out)
@@ -387,6 +452,25 @@ def save(model: CostModel, args: argparse.Namespace, plotted: bool = True) -> No
                         render_model(model, Path(args.plot).name if args.plot and plotted else ""))
 
 
+def render_curve(info: dict[str, Any] | None) -> list[str]:
+    """The batch-step curve's line of the report: both held-out MAPEs and whether the curve was written."""
+    if not info:
+        return []
+    if "p" not in info:
+        return [f"- Batch-step curve `{info['form']}`: not fitted ({info.get('reason')}); the model prices a step "
+                f"linearly (held-out MAPE {info['linear_mape_test'] * 100:.1f}%)."]
+    margin = info.get("margin", 0.0) * 100
+    verdict = ("**written** into the model JSON (`curve`): routing and SLO admission price a step as t(total work)"
+               if info["written"] else f"**not written** (it must beat the linear step by more than {margin:.1f} "
+               "points): the model stays linear")
+    work = info.get("work_train") or [float("nan")] * 2
+    return [f"- Batch-step curve `{info['form']}` (W = a batch's work in full jobs at the profiled size), fitted by "
+            f"relative least squares on the {info['n_train']} training points (W {work[0]:.2f}-{work[1]:.2f}): "
+            f"h {info['h_s'] * 1e3:.3g} ms, c {info['c_s'] * 1e3:.3g} ms, p {info['p']:.2f}. Held-out MAPE on the "
+            f"same {info['n_test']} points: **curve {info['curve_mape_test'] * 100:.1f}%, linear "
+            f"{info['linear_mape_test'] * 100:.1f}%** (curve train {info['curve_mape_train'] * 100:.1f}%); {verdict}."]
+
+
 def render_model(model: CostModel, plot_name: str = "") -> str:
     """A markdown section describing a fitted (or projected) model file."""
     m = model.meta
@@ -418,6 +502,7 @@ def render_model(model: CostModel, plot_name: str = "") -> str:
                   "- Coefficients (seconds per unit; non-negative least squares, intercept >= 0): "
                   + ", ".join(f"`{f}` {c:.4g}" for f, c in zip(STEP_FEATURES, model.coef))
                   + f", intercept {model.intercept:.4g} s."]
+    lines += render_curve(m.get("step_curve"))
     if m.get("projected"):
         v = m.get("validation") or {}
         lines += [f"- **Projected, not fitted**: {m['seconds_per_gmac']:.4g} s per GMAC (the base model's total-MACs "
@@ -467,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--test-fraction", type=float, default=0.25)
     p.add_argument("--load-sizes-mib", type=float, nargs="+", default=[0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128])
     p.add_argument("--load-repeats", type=int, default=3)
+    p.add_argument("--curve-margin", type=float, default=CURVE_MARGIN,
+                   help="write the batch-step curve only where its held-out MAPE beats the linear model's by more")
     p.add_argument("--out", default="", help="model JSON (default: <STENCIL_HOME>/costmodels/<model>--<device>.json)")
     p.add_argument("--plot", default="", help="PNG of predicted vs measured step latency")
     p.add_argument("--raw", default="", help="also write the measured points (JSON)")
@@ -531,14 +618,17 @@ def main(argv: list[str] | None = None) -> int:
                                               "maskaware": steps["maskaware"], "measurement": measurement},
                                              separators=(",", ":")))  # compact: the repository's size budget
     batch = fit_batch_predictor(rows, arch, test_idx, latent_sizes(args), args.seed) if args.sizes else None
+    curve, curve_info = fit_curve(CostModel(model_id=mut.model_id, device_kind=dev, arch=arch,
+                                            intercept=float(reg.intercept_), coef=tuple(float(c) for c in reg.coef_)),
+                                  x, y, test_idx, args.curve_margin)
     model = CostModel(
         model_id=mut.model_id, device_kind=dev, arch=arch, intercept=float(reg.intercept_),
         coef=tuple(float(c) for c in reg.coef_), tiers=tiers, step_report=report,
         meta={"created": time.time(), "command": command, "model": mut.description, "latent": mut.latent,
               "maskaware_profiled": steps["maskaware"], "torch": torch.__version__, "points": len(rows),
               "cv5_r2": cv_r2, "total_macs_only_r2_test": macs_only.r2_test, **measurement,
-              "fit_command": command, **({"sizes": args.sizes} if args.sizes else {})},
-        batch=batch)
+              "fit_command": command, "step_curve": curve_info, **({"sizes": args.sizes} if args.sizes else {})},
+        batch=batch, curve=curve)
     if args.plot:
         plot(model, rows, test_idx, Path(args.plot))
         log.info("wrote %s", args.plot)

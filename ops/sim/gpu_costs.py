@@ -14,9 +14,11 @@ is the bound, ``p`` how sharp the knee between the two is. Three parameters, eac
 quantity, against five points; a power law ``a + b J^k`` cannot bend both ways (its exponent from
 the 2-4-8 points is 3.0, from 8-16 1.4), and piecewise-linear interpolation, the sourced curve's
 form, extrapolates the knee's slope past the last point (leave-one-out MAPE 6.3% against the
-roofline's 2.8%, ``leave_one_out``). Fitted by relative least squares: for each ``p`` on a grid,
-``t^p = h^p + c^p J^p`` is linear in ``h^p`` and ``c^p`` (weighted by ``1 / t^p``, i.e. relative
-error), and the ``p`` of least relative error wins; deterministic, numpy only.
+roofline's 2.8%, ``leave_one_out``), and a straight line (intercept + per-job seconds, the linear
+cost model's form) misses the knee (17.5%). Fitted by relative least squares in
+``app.costmodel.fit_step_curve``, the fit ``ops.bench.profile`` writes into a deployment's cost model:
+for each ``p`` on a grid, ``t^p = h^p + c^p J^p`` is linear in ``h^p`` and ``c^p`` (weighted by
+``1 / t^p``, i.e. relative error), and the ``p`` of least relative error wins; deterministic, numpy only.
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ from typing import Any
 
 import numpy as np
 
+from app.costmodel import fit_step_curve
+
 FORMAT = "stencil-gpu-costs"
 COSTMODELS = Path(__file__).resolve().parent / "gpucosts"  # apart from costmodels/: another format
 # The measured model the simulators use by default: SD 1.5 inpainting at 512 px (the size a full
 # 128x128 job of the CPU-fitted trace stands for) on one H200 in bfloat16.
 DEFAULT_FILE = COSTMODELS / "sd15-inpaint-512--h200-bf16.json"
-KNEES = np.round(np.arange(1.0, 8.0 + 1e-9, 0.01), 2)  # the grid of ``p``
 
 
 @dataclass(frozen=True)
@@ -53,23 +56,17 @@ class Roofline:
 
 
 def fit_roofline(jobs: Sequence[float], seconds: Sequence[float]) -> Roofline:
-    """The roofline of least relative squared error through ``(jobs, seconds)`` (at least 3 points)."""
-    x, y = np.asarray(jobs, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
-    if len(x) < 3:
-        raise ValueError("a roofline has 3 parameters: fit it on 3 points or more")
-    best: tuple[float, Roofline] | None = None
-    for p in KNEES:
-        yp = y ** p
-        design = np.stack([np.ones_like(x), x ** p], axis=1) / yp[:, None]
-        (a, b), *_ = np.linalg.lstsq(design, np.ones_like(x), rcond=None)
-        if a <= 0 or b <= 0:
-            continue
-        err = float(np.mean((((a + b * x ** p) ** (1 / p) - y) / y) ** 2))
-        if best is None or err < best[0]:
-            best = (err, Roofline(float(a ** (1 / p)), float(b ** (1 / p)), float(p)))
-    if best is None:
-        raise ValueError("no roofline fits these points (a step must not get cheaper with more jobs)")
-    return best[1]
+    """The roofline of least relative squared error through ``(jobs, seconds)`` (at least 3 points):
+    ``app.costmodel.fit_step_curve``, the fit ``ops.bench.profile`` writes into a deployment's cost model."""
+    curve = fit_step_curve(jobs, seconds)
+    return Roofline(curve.floor_s, curve.per_job_s, curve.knee)
+
+
+def straight_line(jobs: Sequence[float], seconds: Sequence[float]) -> Callable[[float], float]:
+    """``intercept + per-job seconds x J`` by least squares: the linear step model's form
+    (``app.costmodel``: intercept + the sum of the jobs' seconds), the one a cost model has without a curve."""
+    slope, intercept = np.polyfit(np.asarray(jobs, dtype=np.float64), np.asarray(seconds, dtype=np.float64), 1)
+    return lambda x: float(intercept + slope * x)
 
 
 def piecewise_linear(jobs: Sequence[float], seconds: Sequence[float]) -> Callable[[float], float]:
@@ -222,6 +219,7 @@ def fit_report(costs: GpuCosts) -> dict[str, Any]:
     """The fitted curve and its held-out error, as ``docs/bench/gpu_measured_costs.json`` holds them."""
     jobs, secs = costs.full_points
     linear = leave_one_out(jobs, secs, fit=piecewise_linear)
+    line = leave_one_out(jobs, secs, fit=straight_line)
     c = costs.curve
     return {"file": Path(costs.path).name, "device": costs.data["device"],
             "harness": costs.data["provenance"]["harness"], "jobs": jobs, "measured_s": [round(s, 6) for s in secs],
@@ -230,6 +228,7 @@ def fit_report(costs: GpuCosts) -> dict[str, Any]:
             "in_sample_errors": [abs(c(j) - s) / s for j, s in zip(jobs, secs)],
             "loo_errors": costs.leave_one_out(), "loo_mape": costs.mape(),
             "piecewise_linear_loo_errors": linear, "piecewise_linear_loo_mape": float(np.mean(linear)),
+            "straight_line_loo_errors": line, "straight_line_loo_mape": float(np.mean(line)),
             "points": len(jobs)}
 
 
