@@ -124,7 +124,6 @@ def _step_syncs(runner, batch) -> list[str]:  # type: ignore[no-untyped-def]
 def test_steady_turbo_steps_synchronise_once(warmed) -> None:  # type: ignore[no-untyped-def]
     """Temporal reuse adds no synchronisation: its per-patch errors ride on the step's one read
     (a pinned, non-blocking copy) and its patch indices go up without waiting."""
-    from workers.maskaware.reuse import TemporalReuse
     from workers.maskaware.reuse_rule import ThresholdRule
 
     unet, ctrl, runner, caches, cfg, job, key, steps = warmed
@@ -132,20 +131,29 @@ def test_steady_turbo_steps_synchronise_once(warmed) -> None:  # type: ignore[no
     runner.reuse_rule = ThresholdRule(10.0)  # every measured patch reused (at most twice in a row)
     try:
         batch = [job(runner, "masked", key, steps, seed=20 + i) for i in range(3)]
-        for j in batch:
-            j.state.reuse = TemporalReuse(runner.reuse_rule, steps, frozenset(), 5.0, list(ctrl.units),
-                                          max_tokens=runner._full_tokens(j.state))
-        runner.step(batch)  # step 0: every patch computed and measured
-        for j in batch:
-            j.steps_done += 1
-        for _ in range(2):  # steps 1 and 2: reused
-            syncs = _step_syncs(runner, batch)
-            assert len(syncs) == 1, syncs
-            for j in batch:
-                j.steps_done += 1
-        assert all(j.state.reuse.reused > 0 for j in batch)
+        _assert_turbo_steps_synchronise_once(runner, batch, steps, 5.0, list(ctrl.units))
     finally:
         runner.reuse_rule = None
+
+
+def _assert_turbo_steps_synchronise_once(runner, batch, steps: int, guidance: float,  # type: ignore[no-untyped-def]
+                                         units: list[str]) -> None:
+    """The jobs as ``turbo`` under the runner's rule: step 0 computes and measures every patch,
+    steps 1 and 2 reuse some, each with exactly one synchronisation."""
+    from workers.maskaware.reuse import TemporalReuse
+
+    for j in batch:
+        j.state.reuse = TemporalReuse(runner.reuse_rule, steps, frozenset(), guidance, units,
+                                      max_tokens=runner._full_tokens(j.state))
+    runner.step(batch)
+    for j in batch:
+        j.steps_done += 1
+    for _ in range(2):
+        syncs = _step_syncs(runner, batch)
+        assert len(syncs) == 1, syncs
+        for j in batch:
+            j.steps_done += 1
+    assert all(j.state.reuse.reused > 0 for j in batch)
 
 
 @pytest.mark.parametrize("family", ["sd", "flux"])
@@ -224,7 +232,6 @@ def test_steady_flux_turbo_steps_synchronise_once(tmp_path: Path) -> None:
     from tests.support.flux_world import FluxWorld
     from tests.test_plan_engine import _warm
     from tests.test_temporal_reuse import Alternate
-    from workers.maskaware.reuse import TemporalReuse
 
     world = FluxWorld(tmp_path, steps=6, size=(128, 128), device=CUDA, dtype=torch.bfloat16)
     runner = world.runner(graphs=False)
@@ -232,17 +239,6 @@ def test_steady_flux_turbo_steps_synchronise_once(tmp_path: Path) -> None:
         _warm(runner, world.caches, world.key, world.steps, rec=world.job(runner, 9, **world.warm_meta("record")))
         runner.reuse_rule = Alternate()
         batch = [world.job(runner, 30 + i, ratio=0.45, **world.warm_meta("masked")) for i in range(3)]
-        for j in batch:
-            j.state.reuse = TemporalReuse(runner.reuse_rule, world.steps, frozenset(), 30.0, world.ctrl.reuse_units,
-                                          max_tokens=runner._full_tokens(j.state))
-        runner.step(batch)  # step 0: every patch computed and measured
-        for j in batch:
-            j.steps_done += 1
-        for _ in range(2):  # steps 1 and 2: some patches reused
-            syncs = _step_syncs(runner, batch)
-            assert len(syncs) == 1, syncs
-            for j in batch:
-                j.steps_done += 1
-        assert all(j.state.reuse.reused > 0 for j in batch)
+        _assert_turbo_steps_synchronise_once(runner, batch, world.steps, 30.0, world.ctrl.reuse_units)
     finally:
         world.caches.close(wait=True)

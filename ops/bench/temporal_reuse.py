@@ -39,6 +39,7 @@ import torch
 
 from app.jobs import JobParams
 from ops.bench.harness import cli
+from ops.bench.harness.dispatch import DispatchCounter
 from ops.bench.harness.edits import OPTIONS, TRACE_NAMES, Family, edit, metrics, trace_edits
 from ops.bench.harness.step_bench import Bench
 from workers.maskaware.reuse_rule import ThresholdRule, default_rule
@@ -191,15 +192,21 @@ def speed_part(args: Any, family: str) -> list[dict[str, Any]]:
     bench.warm()
     out = []
     for q in [float(x) for x in args.shares.split(",")]:
-        whole, walls, units, shares = [], [], [], []
+        whole, walls, units, shares, kernels = [], [], [], [], []
         clock = CallClock(bench.runner)
-        for _round in range(args.rounds):
+        for rnd in range(args.rounds + 1):  # the last round untimed: operators per masked step
             bench.runner.reuse_rule = ShareRule(q)
             job = bench.job(args.ratio, "masked", [0])  # anchored at step 0; as turbo where q > 0:
             meta = dict(bench.meta, cache_mode="masked", cache_key=bench.key.to_dict(), refresh_steps=[0],
                         temporal_reuse=q > 0)
             job.state = bench.runner.init_state(bench.tensors(args.ratio), meta)
             bench.step(job)  # the refresh
+            if rnd == args.rounds:
+                for _ in range(args.speed_steps - 2):
+                    with DispatchCounter() as counter:
+                        bench.step(job)
+                    kernels.append(counter.kernels)
+                continue
             for _ in range(args.speed_steps - 2):
                 t0, call0 = time.perf_counter(), clock.seconds
                 whole.append(bench.step(job))
@@ -214,9 +221,9 @@ def speed_part(args: Any, family: str) -> list[dict[str, Any]]:
         clock.remove()
         bench.runner.reuse_rule = None
         out.append({"family": family, "q": q, "share": statistics.mean(shares), "step_s": statistics.mean(whole),
-                    "units_s": statistics.mean(units)})
-        log.info("speed %s: rule share %.2f -> reused %.3f, step %.4f s, masked work %.4f s", family, q,
-                 out[-1]["share"], out[-1]["step_s"], out[-1]["units_s"])
+                    "units_s": statistics.mean(units), "kernels": statistics.mean(kernels)})
+        log.info("speed %s: rule share %.2f -> reused %.3f, step %.4f s, masked work %.4f s, %.0f operators", family,
+                 q, out[-1]["share"], out[-1]["step_s"], out[-1]["units_s"], out[-1]["kernels"])
     return out
 
 
@@ -275,9 +282,12 @@ def _family_tables(rows: list[dict[str, Any]], speed: list[dict[str, Any]], args
         shape = Bench.SHAPES[family]
         lines += ["\n## Masked step cost at scale by reused share\n",
                   f"{shape}, mask ratio {args.ratio}, {args.rounds} rounds of {args.speed_steps - 2} masked steps; "
-                  "thread CPU seconds per step.\n",
-                  f"| reused share | step (s) | {MASKED_WORK[family]} (s) |", "|---|---|---|"]
-        lines += [f"| {p['share']:.3f} | {p['step_s']:.4f} | {p['units_s']:.4f} |" for p in speed]
+                  "thread CPU seconds per step; kernel-launching operators per masked step (one more round, "
+                  "untimed: on a GPU each is a launch the host pays for while steps run eagerly).\n",
+                  f"| reused share | step (s) | {MASKED_WORK[family]} (s) | operators per step | vs `fast` |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {p['share']:.3f} | {p['step_s']:.4f} | {p['units_s']:.4f} | {p['kernels']:.0f} | "
+                  f"{p['kernels'] / speed[0]['kernels']:.2f}x |" for p in speed]
     rule = default_rule(family)
     about = rule.about
     lines += ["\n## The shipped rule on held-out edits\n",
