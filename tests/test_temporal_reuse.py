@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from app.jobs import JobParams
 from tests.test_host_syncs import counted_steps
 from tests.test_plan_engine import _job, _runner_setup, _warm
 from workers.maskaware import TemplateCacheKey
@@ -253,5 +254,39 @@ def test_flux_turbo_never_reusing_equals_fast_and_batches_equal_jobs_alone(tmp_p
             assert float((got["latents"] - one["latents"]).abs().max()) <= 1e-4 * float(one["latents"].abs().max())
         diff = float((alone[0]["latents"] - fast["latents"]).abs().max())
         assert 0 < diff < float(fast["latents"].abs().max()), diff  # it changed something, not everything
+    finally:
+        world.caches.close(wait=True)
+
+
+def test_flux_turbo_jobs_on_a_larger_grid_equal_each_job_alone(tmp_path: Path) -> None:
+    """Flux jobs of different sizes share a step on the union grid (``RowGroup.positions``): reusing
+    jobs of the smaller size, batched with full jobs of other sizes, equal each job alone."""
+    from tests.support.flux_world import FluxWorld
+    from tests.test_lora_engine import run_engine
+    from tests.test_mixed_sizes import _image, _mask
+    from workers.flux_inputs import prepare_flux_job_tensors
+
+    world = FluxWorld(tmp_path, steps=8, size=(96, 128))
+    runner = world.runner()
+
+    def prepare(seed: int, size: tuple[int, int], **meta):  # type: ignore[no-untyped-def]
+        params = JobParams(prompt="a cat", steps=world.steps, guidance=30.0, seed=seed)
+        prep = prepare_flux_job_tensors(world.pipe, runner.scheduler_config, _image(seed, size),
+                                        _mask(seed, size, 0.5), params, size[1], size[0])
+        return prep.tensors, {**prep.meta, "cache_mode": "full", **meta}
+
+    try:
+        _warm(runner, world.caches, world.key, world.steps, rec=world.job(runner, 9, **world.warm_meta("record")))
+        runner.reuse_rule = Alternate()
+        turbo = dict(world.warm_meta("masked"), temporal_reuse=True, refresh_steps=[0])
+        jobs = [prepare(0, (128, 128)), prepare(1, (128, 96)), prepare(9, (96, 128), **turbo),
+                prepare(8, (96, 128), **turbo)]
+        alone = [run_engine(runner, [job])[0][0] for job in jobs]
+        together, engine = run_engine(runner, jobs, max_batch=4)
+        assert any(len(r.job_ids) == 4 for r in engine.stats.history), "the sizes never shared a step"
+        for a, b in zip(alone, together):
+            assert a.get("reused_share") == b.get("reused_share")
+            assert float((a["latents"] - b["latents"]).abs().max()) <= 1e-4
+        assert all(r["reused_share"] > 0 for r in together[2:])
     finally:
         world.caches.close(wait=True)
