@@ -4,16 +4,17 @@
 # process (ops.bench.gpu_engine) and the whole stack against the stock pipeline (ops.bench.e2e_gpu).
 # From the project root, after `bash ../shared/gpu/prepare.sh` here:
 #   device run (carry .gpu):  source .gpu/setup.sh && bash ops/gpu_checks.sh
-# Results go to $OUT (the device tool's folder; ./gpu-out elsewhere), 6 files (the tool returns 8 at
+# Results go to $OUT (the device tool's folder; ./gpu-out elsewhere), 7 files (the tool returns 8 at
 # most): summary.txt (GPU, driver, versions, each stage's exit status and seconds), tests.log, each
-# benchmark's report (gpu_step.md, gpu_engine.md, e2e_gpu.md) and details.tar.gz (their .json and
-# .log). Each stage has its own time limit (560 s together: the device allows 600 s a command), so
-# one that hangs or runs long leaves the others' results; GPU_CHECKS=tests,step,engine,e2e selects stages.
+# benchmark's report (gpu_step.md, gpu_reuse.md, gpu_engine.md, e2e_gpu.md) and details.tar.gz (their
+# .json and .log). Each stage has its own time limit (580 s together: the device allows 600 s a
+# command), so one that hangs or runs long leaves the others' results; GPU_CHECKS=tests,step,reuse,engine,e2e
+# selects stages.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-STAGES=${GPU_CHECKS:-tests,step,engine,e2e}
+STAGES=${GPU_CHECKS:-tests,step,reuse,engine,e2e}
 work=$(mktemp -d)  # the benchmarks' .json and .log, packed into one file at the end
 export OUT work
 summary="$OUT/summary.txt"
@@ -38,11 +39,13 @@ bench() {  # module [options]: its report into $OUT, its JSON and log into $work
 export -f bench
 
 stage tests 90 bash -c "python3 -m pytest -m gpu -p no:xdist -q -rA tests/test_gpu.py > '$OUT/tests.log' 2>&1"
-# 5 interleaved rounds (the benchmark's default is 10): its three models in the stage's time.
-stage step 150 bash -c "bench gpu_step --rounds 5"
+# 4 interleaved rounds (the benchmark's default is 10): its three models in the stage's time.
+stage step 130 bash -c "bench gpu_step --rounds 4"
+# temporal reuse (turbo) per step: SD 1.5 and Flux, its own report
+stage reuse 40 bash -c "exec python3 -m ops.bench.gpu_step --parts reuse --models sd15,flux --rounds 4 --out '$OUT/gpu_reuse.md' --json '$work/gpu_reuse.json' > '$work/gpu_reuse.log' 2>&1"
 stage engine 110 bash -c "bench gpu_engine"
 # Its defaults are sized for this stage: SD 1.5 512 px bf16, a 185 s budget (model save, loads and warm-ups in it).
 stage e2e 210 bash -c "bench e2e_gpu"
-(cd "$work" && ls -- *.json *.log >/dev/null 2>&1 && tar -czf "$OUT/details.tar.gz" -- *.json *.log)
+(cd "$work" && shopt -s nullglob && files=(*.json *.log) && ((${#files[@]})) && tar -czf "$OUT/details.tar.gz" -- "${files[@]}")
 rm -rf "$work"
 cat "$summary"

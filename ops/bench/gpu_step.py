@@ -17,6 +17,9 @@ service pools them). Parts:
   wall time per step (host and device, synchronised): wall / kernel time says how host-bound it is.
 - ``dispatch`` (any machine): operators and host-sync operators of one full and one mask-aware
   step at true size, counted by dispatch on the meta device (no memory, no compute).
+- ``reuse``: temporal reuse (``turbo``, ``workers/maskaware/reuse.py``) per step at ratio 0.2: a
+  step reusing a share of every unit's patches (eager: steps with reuse are not graph-captured)
+  against the mask-aware step, eager and graph, and its kernels and wall / kernel time.
 
 ``--quick``: the shrunk models (``true_size.shrunk``) at small sizes, one round, on whatever device
 there is: the test suite's smoke run on the CPU (graphs then replay eagerly). Writes Markdown
@@ -63,7 +66,8 @@ class Case:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
-def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: Sequence[float] = ()) -> Case:
+def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: Sequence[float] = (),
+              turbo: bool = False) -> Case:
     """Full and mask-aware calls of a true-size UNet (``jobs`` CFG jobs, one template cache each)."""
     from workers.maskaware.unet import MaskAwareUNet, RowGroup
 
@@ -122,10 +126,12 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
                    for m, s in zip(masks, staged)]
         case.calls[f"masked {r:g} eager"], case.calls[f"masked {r:g} graph"] = eager(groups), graphed(buckets)
         case.notes[f"level_share {r:g}"] = [round(float(lv.float().mean()), 3) for lv in masks[0].levels]
+        if turbo:
+            with_turbo(case, ctrl, groups, lambda gs: eager(gs)())
     return case
 
 
-def flux_case(args: Any, device: torch.device, ratios: Sequence[float]) -> Case:
+def flux_case(args: Any, device: torch.device, ratios: Sequence[float], turbo: bool = False) -> Case:
     """Full and mask-aware calls of FLUX.1 Fill's transformer (one row, T5 text of 512 tokens)."""
     from diffusers import FluxPipeline
 
@@ -179,6 +185,8 @@ def flux_case(args: Any, device: torch.device, ratios: Sequence[float]) -> Case:
         groups = [RowGroup(1, "masked", token_mask=ctrl.prepared(grid, device), cache=staged)]
         buckets = [RowGroup(1, "masked", token_mask=ctrl.prepared(grid, device, bucketed=True), cache=staged)]
         case.calls[f"masked {r:g} eager"], case.calls[f"masked {r:g} graph"] = eager(groups), graphed(buckets)
+        if turbo:
+            with_turbo(case, ctrl, groups, lambda gs: eager(gs)())
     return case
 
 
@@ -326,7 +334,70 @@ def part_dispatch(args: Any, device: torch.device) -> list[str]:
     return lines + [""]
 
 
-PARTS = {"step": part_step, "batch": part_batch, "profile": part_profile, "dispatch": part_dispatch}
+REUSE_SHARES = (0.5, 1.0)  # of every unit's patches, on a step that may reuse
+
+
+def with_turbo(case: Case, ctrl: Any, masked: list[Any], call: Callable[[list[Any]], Any]) -> None:
+    """Add ``turbo <share> eager`` calls to ``case``: the masked groups with a ``TemporalReuse`` whose
+    units reuse every ``1 / share``-th patch (all at 1.0) from the step before; each call is the next
+    step of the job (its first computes every patch). What the engine does between steps (the
+    rule's decision after the step's read) is host work outside the step and not timed."""
+    import dataclasses
+
+    import numpy as np
+
+    from workers.maskaware.reuse import TemporalReuse
+
+    class Fixed:
+        name, record = "fixed", False
+
+        def reuse(self, features: np.ndarray) -> np.ndarray:
+            return np.zeros(len(features), bool)
+
+    for share in REUSE_SHARES:
+        tr = TemporalReuse(Fixed(), 1 << 30, frozenset(), 7.5, ctrl.reuse_units, max_tokens=1)
+        every = max(1, round(1 / share))
+
+        def run(tr: TemporalReuse = tr, every: int = every) -> Any:
+            step = tr.step + 1
+            tr.begin(step)
+            if step > 0:
+                tr.allowed = True
+                for u in tr.units.values():
+                    u.reuse_next = np.arange(u.patches) % every == 0
+            out = call([dataclasses.replace(g, reuse=tr) for g in masked])
+            tr.collect(step)  # the errors' copy to the host, as the engine starts it
+            return out
+
+        case.calls[f"turbo {share:g} eager"] = run
+
+
+def part_reuse(args: Any, device: torch.device) -> list[str]:
+    lines = ["## Temporal reuse per step (one job, ratio 0.2; `turbo` steps run eagerly)", "",
+             "| model | masked eager ms | masked graph ms | "
+             + " | ".join(f"turbo {s:g} eager ms" for s in REUSE_SHARES)
+             + " | turbo vs masked eager | turbo vs masked graph | kernels masked / turbo 1 | "
+             "turbo 1 wall / kernel |", "|---|---|---|" + "---|" * len(REUSE_SHARES) + "---|---|---|---|"]
+    for key in [k for k in args.models if k in ("sd15", "flux")]:
+        case = flux_case(args, device, [0.2], turbo=True) if key == "flux" else \
+            unet_case(key, args, device, ratios=[0.2], turbo=True)
+        t = measure(case, args, device)
+        prof = {name: profile_call(case.calls[name], device) for name in ("masked 0.2 eager", "turbo 1 eager")}
+        args.results.setdefault("reuse", {})[key] = {"ms": {k: v * 1e3 for k, v in t.items()}, "profile": prof}
+        eager, graph = t["masked 0.2 eager"], t["masked 0.2 graph"]
+        turbo = [t[f"turbo {s:g} eager"] for s in REUSE_SHARES]
+        p1 = prof["turbo 1 eager"]
+        lines.append(f"| {case.label} | {eager * 1e3:.1f} | {graph * 1e3:.1f} | "
+                     + " | ".join(f"{x * 1e3:.1f}" for x in turbo) + " | "
+                     + " / ".join(f"{eager / x:.2f}x" for x in turbo) + " | "
+                     + " / ".join(f"{graph / x:.2f}x" for x in turbo) + " | "
+                     + f"{prof['masked 0.2 eager']['kernels']} / {p1['kernels']} | "
+                     + (f"{p1['wall_ms'] / p1['kernel_ms']:.2f}" if p1["kernel_ms"] else "-") + " |")
+    return lines + [""]
+
+
+PARTS = {"step": part_step, "batch": part_batch, "profile": part_profile, "dispatch": part_dispatch,
+         "reuse": part_reuse}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
