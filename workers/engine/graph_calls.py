@@ -128,7 +128,8 @@ def flux_call(graphs: StepGraphs, transformer: Any, ctrl: Any, kwargs: dict[str,
                              lambda g: RowGroup(g.rows, "full"),
                              lambda g, sp, cache, parts: RowGroup(
                                  g.rows, "masked", cache=cache,
-                                 token_mask=FluxTokens(g.token_mask.mask, sp[4], *(parts + [None] * (2 - len(parts))))))
+                                 token_mask=FluxTokens(g.token_mask.mask, sp[4], *(parts + [None] * (2 - len(parts))),
+                                                       g.token_mask.masked)))
         return _untimed(ctrl, replayed, lambda: transformer(**kw)[0])
 
     return graphs.run(("flux", tuple(names), _signature(head), tuple(spec)), head + jobs, forward, horizon)

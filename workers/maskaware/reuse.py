@@ -108,24 +108,26 @@ class UnitReuse:
             rel = self.rel[name] = torch.zeros_like(base)
         if self.sub is None:
             flat = self.pos.reshape(-1)
+            delta = fresh - base
+            norm = delta.index_select(1, flat) if residual and measure else None
             if self.rel2 is not None:  # training records: the offset of two steps ago too
                 rel2 = self.rel2.setdefault(name, torch.zeros_like(base))
                 if measure:
                     _errors(self, fresh.index_select(1, flat), (base + rel2).index_select(1, flat), None, self.err2,
-                            (fresh - base).index_select(1, flat) if residual else None)
+                            norm)
                 rel2.copy_(rel)
             if measure:
-                _errors(self, fresh.index_select(1, flat), (base + rel).index_select(1, flat), None,
-                        norm=(fresh - base).index_select(1, flat) if residual else None)
-            rel.copy_(fresh - base)
+                _errors(self, fresh.index_select(1, flat), (base + rel).index_select(1, flat), None, norm=norm)
+            rel.copy_(delta)
             out = fresh
         else:
             out = base + rel  # reused positions (computed ones overwritten below)
             base_c = base.index_select(1, self.sub)
+            delta = fresh - base_c
             if measure:
                 _errors(self, fresh, base_c + rel.index_select(1, self.sub), self.ids,
-                        norm=fresh - base_c if residual else None)
-            rel.index_copy_(1, self.sub, fresh - base_c)
+                        norm=delta if residual else None)
+            rel.index_copy_(1, self.sub, delta)
             out.index_copy_(1, self.sub, fresh)
             if 0 < self.real < self.m:  # padding repeats the last real token: keep the copies equal
                 out[:, self.real:] = out[:, self.real - 1:self.real]
