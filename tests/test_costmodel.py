@@ -176,6 +176,23 @@ def test_profiler_runs_the_real_runner_end_to_end(tmp_path: Path, model_home: Pa
     assert model.step_seconds([model.job_seconds(mask_ratio=0.2)]) > 0
 
 
+def test_profiler_builds_the_true_size_unet_it_is_asked_for_and_names_the_device() -> None:
+    """``--model sd15-inpaint`` profiles the UNet a GPU deployment serves (its shrunk twin here: the
+    same structure); a CPU fit's device kind keeps naming the processor and the threads."""
+    from ops.bench import profile
+    from ops.bench.harness.runner_timing import load_model
+    from workers.models import true_size
+
+    mut = load_model("sd15-inpaint", 8, 0, quick=True)
+    want = true_size.shrunk("sd15-inpaint").components["unet"].config
+    assert mut.model_id == "sd15-inpaint" and mut.latent == 8
+    assert list(mut.unet.config.block_out_channels) == list(want["block_out_channels"])
+    assert mut.unet.config.in_channels == 9 and mut.cross_dim == want["cross_attention_dim"]
+    assert profile.device_kind("cpu").startswith("cpu-") and profile.device_kind("cpu").endswith(
+        f"-{torch.get_num_threads()}t")
+    assert profile.host_copy_seconds(torch.ones(1 << 16), "cpu") >= 0
+
+
 def test_queue_integration_matches_step_by_step_simulation() -> None:
     rng = np.random.default_rng(3)
     for _ in range(200):

@@ -242,3 +242,23 @@ def test_steady_flux_turbo_steps_synchronise_once(tmp_path: Path) -> None:
         _assert_turbo_steps_synchronise_once(runner, batch, world.steps, 30.0, world.ctrl.reuse_units)
     finally:
         world.caches.close(wait=True)
+
+
+def test_profile_on_cuda_fits_a_cost_model_the_dispatcher_picks_for_cuda(tmp_path: Path) -> None:
+    """``stencil profile --device cuda`` times the runner's steps on the GPU (synchronised wall time,
+    bfloat16) and its host tier is the pinned copy to the device; the file it writes is the one a
+    CUDA worker's routing picks, never a CPU fit."""
+    from app.costmodel import CostModel, shipped_model
+    from ops.bench import profile
+
+    out = tmp_path / "costmodels" / "m.json"
+    assert profile.main(["--quick", "--model", "sd15-inpaint", "--device", CUDA, "--points", "8", "--max-jobs", "3",
+                         "--out", str(out)]) == 0
+    model = CostModel.load(out)
+    assert model.device_kind.startswith("cuda-") and model.device_kind.endswith("-bfloat16")
+    assert model.meta["clock"] == "wall" and model.meta["dtype"] == "bfloat16"
+    assert torch.cuda.get_device_name() in model.meta["hardware"]
+    assert model.step_seconds([model.job_seconds(mask_ratio=0.2)]) > 0
+    found = shipped_model("sd15-inpaint", CUDA, folder=out.parent)
+    assert found is not None and found[1] == out
+    assert shipped_model("sd15-inpaint", "cpu", folder=out.parent) is None

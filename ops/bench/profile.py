@@ -21,7 +21,15 @@ What is measured (never fake data, DESIGN.md section 3):
   shared with other jobs (load average 5-7 while profiling): wall time of identical 2-thread
   steps varied 20x (OpenMP threads spin while descheduled), so wall time measured the neighbours.
   A single thread's CPU time is what the step costs on a dedicated core. ``--clock wall`` fits
-  wall time instead (use it on a dedicated machine / GPU).
+  wall time instead (use it on a dedicated machine).
+- On a GPU (``--device cuda``, bfloat16 unless ``--dtype``): the step's synchronised wall time (a
+  GPU step's cost includes its launches and the host work between them), the host tier as the
+  copy from pinned host memory to the device, and a device kind ``cuda-<GPU>-<dtype>``: the file
+  a CUDA worker's routing and SLO admission pick (``app.costmodel.shipped_model``). A deployment
+  profiles the model it serves (``--model tiny`` reads the configured model; ``--latent`` its
+  size) or the true-size SD 1.5 inpainting UNet with random weights (``--model sd15-inpaint``):
+
+      python -m ops.bench.profile --device cuda --model sd15-inpaint --points 64 --max-jobs 16
 
 Fit: non-negative linear regression of step seconds on the features ``app.costmodel`` derives
 from each job's masked tokens per level; per tier ``seconds ~ latency + bytes / bandwidth``.
@@ -75,11 +83,13 @@ from app.costmodel import (
     TierFit,
     UNetArch,
     default_path,
+    device_type,
     fit_step_curve,
 )
 from app.settings import Settings
 from app.storage.local import LocalStore
 from ops.bench.harness import TRACES, cli, load_trace
+from ops.bench.harness.gpu import DTYPES, hardware
 from ops.bench.harness.report import pyplot, replace_section, save_figure
 from ops.bench.harness.runner_timing import JobSpec, ModelUnderTest, RunnerTimer, load_model
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
@@ -90,7 +100,12 @@ log = logging.getLogger(__name__)
 # -- device and sizes (the model under test and the runner's timer: ops.bench.harness.runner_timing) ----
 
 
-def device_kind(device: str) -> str:
+def device_kind(device: str, dtype: torch.dtype = torch.float32) -> str:
+    """What a cost model was measured on: ``cpu-<processor>-<threads>t`` or ``cuda-<GPU>-<dtype>``
+    (a GPU's step depends on its precision, not on the host's threads)."""
+    if device_type(device) == "cuda":
+        name = torch.cuda.get_device_name(torch.device(device))
+        return f"cuda-{_slug(name)}-{str(dtype).removeprefix('torch.')}"
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -99,10 +114,14 @@ def device_kind(device: str) -> str:
                 break
     except OSError:
         pass
-    slug = "".join(ch if ch.isalnum() else "-" for ch in cpu).strip("-").lower()
+    return f"{device}-{_slug(cpu)}-{torch.get_num_threads()}t"
+
+
+def _slug(name: str) -> str:
+    slug = "".join(ch if ch.isalnum() else "-" for ch in name).strip("-").lower()
     while "--" in slug:
         slug = slug.replace("--", "-")
-    return f"{device}-{slug}-{torch.get_num_threads()}t"
+    return slug
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:
@@ -237,7 +256,7 @@ def fit_curve(model: CostModel, x: np.ndarray, y: np.ndarray, test_idx: np.ndarr
 
 def profile_steps(mut: ModelUnderTest, args: argparse.Namespace, arch: UNetArch) -> dict[str, Any]:
     sizes = latent_sizes(args)
-    harness = RunnerTimer(mut, steps=args.repeats + 1, sizes=sizes)
+    harness = RunnerTimer(mut, steps=args.repeats + 1, device=args.device, sizes=sizes)
     comps = compositions(args.points, args.max_jobs, args.full_fraction, args.seed, sizes)
     rows = []
     t_start = time.monotonic()
@@ -290,12 +309,28 @@ def profile_loads(args: argparse.Namespace, work: Path) -> dict[str, list[tuple[
             store.read_step(key, i)
             out["local_warm"].append((nbytes, time.perf_counter() - start))
             src = torch.cat([t.reshape(-1) for t in tensors.values()])
-            dst = torch.empty_like(src)
-            dst.zero_()  # fault the pages in: a host cache copies into resident buffers
-            start = time.thread_time()
-            dst.copy_(src)
-            out["host"].append((nbytes, time.thread_time() - start))
+            out["host"].append((nbytes, host_copy_seconds(src, args.device)))
     return out
+
+
+def host_copy_seconds(src: torch.Tensor, device: str) -> float:
+    """One host-RAM tier read: on a GPU the copy from pinned host memory to the device (how the
+    worker's host cache feeds a step), synchronised wall time; on the CPU a copy into a resident
+    buffer, thread CPU time (the runner reads host RAM directly there, so this is an upper bound)."""
+    if device_type(device) == "cuda":
+        pinned = src.pin_memory()
+        dst = torch.empty_like(src, device=device)
+        dst.copy_(pinned, non_blocking=True)  # first copy: allocation and driver set-up, not timed
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(pinned, non_blocking=True)
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+    dst = torch.empty_like(src)
+    dst.zero_()  # fault the pages in: a host cache copies into resident buffers
+    start = time.thread_time()
+    dst.copy_(src)
+    return time.thread_time() - start
 
 
 def fit_tiers(samples: dict[str, list[tuple[int, float]]], args: argparse.Namespace) -> dict[str, TierFit]:
@@ -541,7 +576,11 @@ def render_model(model: CostModel, plot_name: str = "") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = cli.parser(__doc__, out=None, clock="cpu")
-    p.add_argument("--model", default="tiny", help="tiny | sd-l2")
+    p.add_argument("--model", default="tiny",
+                   help="tiny (the configured model) | sd-l2 | sd15-inpaint (true size, random weights)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N: where the runner steps")
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                   help="the model's precision (auto: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--latent", type=int, default=None, help="latent side (tiny: 16, sd-l2: 32)")
     p.add_argument("--points", type=int, default=48, help="batch compositions measured")
     p.add_argument("--max-jobs", type=int, default=8, help="largest batch (CFG jobs)")
@@ -572,9 +611,14 @@ def main(argv: list[str] | None = None) -> int:
         replace_section(Path(args.report), f"costmodel-{model.model_id}",
                         render_model(model, Path(args.plot).name if args.plot else ""))
         return 0
+    gpu = device_type(args.device) == "cuda"
+    dtype = DTYPES["bfloat16" if gpu else "float32"] if args.dtype == "auto" else DTYPES[args.dtype]
+    if gpu and args.clock == "cpu":
+        args.clock = "wall"  # a GPU step's cost is its synchronised wall time, not the launching thread's CPU
+        log.info("--device %s: timing synchronised wall time", args.device)
     torch.manual_seed(args.seed)
     load_before = os.getloadavg()
-    mut = load_model(args.model, args.latent, args.seed)
+    mut = load_model(args.model, args.latent, args.seed, args.device, dtype, quick=args.quick)
     sizes = latent_sizes(args)
     arch = UNetArch.from_unet_config(dict(mut.unet.config), sizes[0] if sizes else (mut.latent, mut.latent),
                                      text_len=mut.text_len)
@@ -607,10 +651,11 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="stencil-profile-", dir=os.environ.get("STENCIL_PROFILE_TMP")) as tmp:
             loads = profile_loads(args, Path(tmp))
     tiers = fit_tiers(loads, args)
-    dev = device_kind("cpu")
+    dev = device_kind(args.device, dtype)
     command = args.command
     measurement = steps.get("measurement") or {
         "command": command, "clock": args.clock, "threads": torch.get_num_threads(), "repeats": args.repeats,
+        "hardware": hardware(torch.device(args.device)), "dtype": str(dtype).removeprefix("torch."),
         **({"cpu_clock": "process_time (lockstep threads of mixed sizes compute one at a time)"} if sizes else {}),
         "loadavg_before": [round(v, 2) for v in load_before], "loadavg_after": [round(v, 2) for v in os.getloadavg()]}
     if args.raw:

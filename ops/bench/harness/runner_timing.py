@@ -13,12 +13,14 @@ from typing import Any
 import torch
 
 from app.settings import Settings
+from ops.bench.harness.gpu import build_on, sync
 from ops.bench.harness.models import build_sd_unet, cfg_job, ddim_config, pixel_mask
 from workers.engine.job import EngineJob
 from workers.engine.sd_runner import SDRunner
 from workers.maskaware.activation_store import TemplateCacheKey
 from workers.maskaware.tokens import build_token_masks
 from workers.maskaware.unet import MaskAwareUNet
+from workers.models import true_size
 from workers.models.loader import ensure_model_dir, load_unet, scheduler_config
 
 log = logging.getLogger(__name__)
@@ -35,29 +37,39 @@ class ModelUnderTest:
     description: str
 
 
-def load_model(kind: str, latent: int | None, seed: int) -> ModelUnderTest:
-    """``tiny``: the embedded default the service runs; ``sd-l2``: SD-1.5-width blocks (320/640
-    channels, heads of 64, cross dim 768), two levels so that it fits 2 CPU cores; ``sd15``: the
-    full SD-1.5 architecture (only for ``--project-from``: a few validation points)."""
+def load_model(kind: str, latent: int | None, seed: int, device: str = "cpu",
+               dtype: torch.dtype = torch.float32, quick: bool = False) -> ModelUnderTest:
+    """``tiny``: the model the service is configured with (the embedded default unless ``STENCIL_MODEL``
+    / ``STENCIL_MODEL_DIR`` name another), at its own sample size; ``sd-l2``: SD-1.5-width blocks
+    (320/640 channels, heads of 64, cross dim 768), two levels so that it fits 2 CPU cores; ``sd15``:
+    the full SD-1.5 architecture (only for ``--project-from``: a few validation points);
+    ``sd15-inpaint``: the true-size SD 1.5 inpainting UNet (``workers/models/true_size.py``, random
+    weights made on ``device``: what a GPU deployment serves; ``quick``: its shrunk test twin)."""
     if kind == "tiny":
         s = Settings.from_env()
         folder = ensure_model_dir(s)
-        unet = load_unet(folder, "cpu")
-        return ModelUnderTest(s.model_id, unet, scheduler_config(folder), latent or 16, 77,
-                              int(unet.config.cross_attention_dim), f"embedded default ({folder})")
+        unet = load_unet(folder, device, dtype)
+        return ModelUnderTest(s.model_id, unet, scheduler_config(folder), latent or int(unet.config.sample_size), 77,
+                              int(unet.config.cross_attention_dim), f"the configured model ({folder})")
     if kind == "sd-l2":
         lat = latent or 32
-        unet = build_sd_unet((320, 640), lat, 1, 1, 768, seed)
+        unet = build_sd_unet((320, 640), lat, 1, 1, 768, seed).to(device, dtype)
         return ModelUnderTest("sd-arch-320-640", unet, ddim_config(), lat, 77, 768,
                               "SD-architecture UNet, block_out_channels (320, 640), layers_per_block 1, "
                               "cross_attention_dim 768, heads of 64, random init")
     if kind == "sd15":
         lat = latent or 64
-        unet = build_sd_unet((320, 640, 1280, 1280), lat, 2, 1, 768, seed)
+        unet = build_sd_unet((320, 640, 1280, 1280), lat, 2, 1, 768, seed).to(device, dtype)
         return ModelUnderTest("sd15-arch", unet, ddim_config(), lat, 77, 768,
                               "SD-1.5 architecture UNet (320/640/1280/1280, 2 layers per block, cross dim 768, "
                               "heads of 64), 9-channel inpainting, random init")
-    raise ValueError(f"unknown model kind {kind!r} (tiny | sd-l2 | sd15)")
+    if kind in true_size.TRUE_SIZE_MODELS and true_size.spec(kind).pipeline == "StableDiffusionInpaintPipeline":
+        spec = true_size.shrunk(kind) if quick else true_size.spec(kind)
+        unet = build_on(spec.components["unet"], dtype, torch.device(device), seed)
+        lat = latent or int(unet.config.sample_size)
+        return ModelUnderTest(kind, unet, ddim_config(), lat, 77, int(unet.config.cross_attention_dim),
+                              f"true-size {kind} UNet{' (shrunk)' if quick else ''}, random weights")
+    raise ValueError(f"unknown model kind {kind!r} (tiny | sd-l2 | sd15 | sd15-inpaint)")
 
 
 class RecordedCaches:
@@ -99,6 +111,7 @@ class RunnerTimer:
                  sizes: list[tuple[int, int]] | None = None) -> None:
         self.mut = mut
         self.steps = steps
+        self.device = device
         self.sizes = sizes or [(mut.latent, mut.latent)]  # latent (h, w)
         self.h = self.w = mut.latent
         self.caches = RecordedCaches()
@@ -146,9 +159,12 @@ class RunnerTimer:
         jobs = [self.make_job(s, mode(s), i) for i, s in enumerate(specs)]
         cpu_clock = time.process_time if len(self.sizes) > 1 else time.thread_time
         wall, cpu = [], []
+        device = torch.device(self.device)
         for r in range(repeats + 1):
+            sync(device)  # on a GPU: the step's wall time from its first launch to its last kernel
             c0, w0 = cpu_clock(), time.perf_counter()
             self.runner.step(jobs)
+            sync(device)
             dw, dc = time.perf_counter() - w0, cpu_clock() - c0
             for j in jobs:
                 j.steps_done += 1
