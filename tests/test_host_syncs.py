@@ -162,3 +162,22 @@ def test_a_steady_flux_engine_step_reads_the_device_once(tmp_path: Path) -> None
         assert all(runner.result(j)["masked_steps"] == steps for j in batch)
     finally:
         world.caches.close(wait=True)
+
+
+def test_attention_on_the_meta_device_counts_as_the_one_fused_kernel_it_is_on_a_gpu() -> None:
+    """True-size counts run on the meta device, where attention would decompose into a dozen
+    operators; the counter counts it once (positional or keyword call) and keeps its shape."""
+    from ops.bench.harness.dispatch import FUSED_ATTENTION
+
+    q = torch.empty(2, 4, 8, 16, device="meta")
+    k, v = torch.empty(2, 4, 32, 16, device="meta"), torch.empty(2, 4, 32, 24, device="meta")
+    counter = DispatchCounter()
+    with counter:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        again = torch.nn.functional.scaled_dot_product_attention(query=q, key=k, value=v)
+    assert counter.ops == {FUSED_ATTENTION: 2} and counter.kernels == 2
+    assert out.shape == again.shape == (2, 4, 8, 24) and out.device.type == "meta"
+    plain = DispatchCounter()
+    with plain:  # anything else on the meta device is counted operator by operator
+        torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+    assert FUSED_ATTENTION not in plain.ops and plain.kernels >= 2

@@ -311,27 +311,35 @@ def part_profile(args: Any, device: torch.device) -> list[str]:
 
 def part_dispatch(args: Any, device: torch.device) -> list[str]:
     """Operators and host-sync operators of one step, counted by dispatch on the meta device: the
-    true-size models at their true sizes with no memory and no compute (what holds without a GPU)."""
+    true-size models at their true sizes with no memory and no compute (what holds without a GPU).
+    Attention counts as the one fused kernel it is on a GPU (``DispatchCounter``). The UNets also
+    with 8 CFG jobs at different masks (one template cache each): what a batch adds per job."""
     from ops.bench.harness.dispatch import DispatchCounter
 
     meta = torch.device("meta")
-    lines = ["## Operators per step at true size (dispatch counts on the meta device; one job, ratio 0.2)", "",
-             "| model | full: operators / kernel-launching | mask-aware: operators / kernel-launching | ratio | "
-             "host-sync operators (mask-aware) |", "|---|---|---|---|---|"]
+    lines = ["## Operators per step at true size (dispatch counts on the meta device; ratio 0.2)", "",
+             "| model | jobs | full: operators / kernel-launching | mask-aware: operators / kernel-launching | ratio | "
+             "host-sync operators (mask-aware) |", "|---|---|---|---|---|---|"]
     for key in args.models:
-        case = flux_case(args, meta, [0.2]) if key == "flux" else unet_case(key, args, meta, ratios=[0.2])
-        counts = {}
-        for name in ("full eager", "masked 0.2 eager"):
-            counts[name] = DispatchCounter()
-            with torch.no_grad(), counts[name]:
-                case.calls[name]()
-        full, masked = counts["full eager"], counts["masked 0.2 eager"]
-        args.results.setdefault("dispatch", {})[key] = {
-            "full": [full.total, full.kernels], "masked": [masked.total, masked.kernels], "syncs": masked.syncs}
-        lines.append(f"| {case.label} | {full.total} / {full.kernels} | {masked.total} / {masked.kernels} | "
-                     f"{masked.total / full.total:.3f} / {masked.kernels / full.kernels:.3f} | "
-                     f"{sum(masked.syncs.values())} |")
+        for jobs in [1] if key == "flux" else DISPATCH_JOBS:
+            case = (flux_case(args, meta, [0.2]) if key == "flux"
+                    else unet_case(key, args, meta, jobs=jobs, ratios=[0.2]))
+            counts = {}
+            for name in ("full eager", "masked 0.2 eager"):
+                counts[name] = DispatchCounter()
+                with torch.no_grad(), counts[name]:
+                    case.calls[name]()
+            full, masked = counts["full eager"], counts["masked 0.2 eager"]
+            args.results.setdefault("dispatch", {})[key if jobs == 1 else f"{key} x{jobs}"] = {
+                "jobs": jobs, "full": [full.total, full.kernels], "masked": [masked.total, masked.kernels],
+                "syncs": masked.syncs}
+            lines.append(f"| {case.label} | {jobs} | {full.total} / {full.kernels} | {masked.total} / {masked.kernels} | "
+                         f"{masked.total / full.total:.3f} / {masked.kernels / full.kernels:.3f} | "
+                         f"{sum(masked.syncs.values())} |")
     return lines + [""]
+
+
+DISPATCH_JOBS = (1, 8)
 
 
 REUSE_SHARES = (0.5, 1.0)  # of every unit's patches, on a step that may reuse

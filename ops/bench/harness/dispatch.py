@@ -14,6 +14,8 @@ import collections
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Operators that copy a device value to the host (or size their output by one).
@@ -34,14 +36,39 @@ VIEW_OPS = frozenset({
 })
 
 
+FUSED_ATTENTION = "attention (one fused kernel)"
+
+
 class DispatchCounter(TorchDispatchMode):
-    """Counts dispatched operators by name (``ops``); ``syncs``, ``kernels`` and ``total`` sum them."""
+    """Counts dispatched operators by name (``ops``); ``syncs``, ``kernels`` and ``total`` sum them.
+
+    On the meta device (true sizes without memory) ``scaled_dot_product_attention`` has no fused
+    kernel and decomposes into a dozen operators; on a GPU it is one flash or memory-efficient
+    kernel, and on the CPU one operator: there it is counted once, as ``FUSED_ATTENTION``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
+        self._paused = False
+        self._attention = _FusedAttention(self)
+
+    def __enter__(self) -> "DispatchCounter":
+        self._attention.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._attention.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._attention.__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if self._paused:
+            return func(*args, **(kwargs or {}))
         name = str(func)
         if name == "aten.index.Tensor" and _bool_index(args):
             name = "aten.index.Tensor(bool)"  # boolean indexing: a nonzero inside
@@ -62,9 +89,32 @@ class DispatchCounter(TorchDispatchMode):
         return sum(v for k, v in self.ops.items() if k not in VIEW_OPS)
 
 
+class _FusedAttention(TorchFunctionMode):
+    """Counts a meta-device ``scaled_dot_product_attention`` as one operator and returns its
+    output's shape without decomposing it (see ``DispatchCounter``)."""
+
+    def __init__(self, counter: DispatchCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q = args[0] if args else kwargs["query"]
+            v = args[2] if len(args) > 2 else kwargs["value"]
+        if func is F.scaled_dot_product_attention and q.device.type == "meta":
+            self.counter.ops[FUSED_ATTENTION] += 1
+            self.counter._paused = True
+            try:
+                return q.new_empty((*q.shape[:-1], v.shape[-1]))
+            finally:
+                self.counter._paused = False
+        return func(*args, **kwargs)
+
+
 def _bool_index(args: tuple) -> bool:
     indices = args[1] if len(args) > 1 else ()
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
 
 
-__all__ = ["DispatchCounter", "SYNC_OPS", "VIEW_OPS"]
+__all__ = ["FUSED_ATTENTION", "DispatchCounter", "SYNC_OPS", "VIEW_OPS"]
