@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": run.command, "capacity_stock": capacity, "rates": rates, "batch_curve": curve,
               "multiples": multiples, "results": results, "args": vars(args), "elapsed_s": run.elapsed(),
               "machine": f"{platform.machine()} {os.cpu_count()} cores"}
-    (out / "e2e.json").write_text(json.dumps(report, indent=1, default=float))
+    (out / "e2e.json").write_text(json.dumps(report, separators=(",", ":"), default=float))  # compact: the size budget
     write_report(report, out)
     log.info("done in %.0fs; report in %s", run.elapsed(), out)
     return 0
