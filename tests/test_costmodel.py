@@ -193,6 +193,24 @@ def test_profiler_builds_the_true_size_unet_it_is_asked_for_and_names_the_device
     assert profile.host_copy_seconds(torch.ones(1 << 16), "cpu") >= 0
 
 
+def test_profiled_steps_are_graph_replays_where_the_engine_replays_graphs() -> None:
+    """Where steps are graphed (CUDA; the CPU stand-in here), the profiler's timed steps are the
+    replays the engine runs in steady state, full and masked batches alike, never the capture."""
+    from ops.bench.harness.runner_timing import JobSpec, RunnerTimer, load_model
+
+    timer = RunnerTimer(load_model("sd15-inpaint", 8, 0, quick=True), steps=8, graphs=True)
+    graphs = timer.runner.graphs
+    assert graphs is not None and timer.warm == graphs.repeats
+    for specs in ([JobSpec(0.3, True, "blob", 1), JobSpec(0.1, True, "rect", 2)], [JobSpec(1.0, False, "blob", 3)]):
+        before = (graphs.captures, graphs.replays)
+        wall, _, jobs = timer.time_batch(specs, 3)
+        assert len(wall) == 3 and all(j.steps_done == 3 + timer.warm for j in jobs)
+        # one eager step, one capture (which replays once), then the 3 timed replays
+        assert graphs.captures == before[0] + 1 and graphs.replays == before[1] + 1 + 3
+    with pytest.raises(ValueError, match="exceed"):
+        timer.time_batch([JobSpec(0.3, True, "blob", 1)], 7)
+
+
 def test_queue_integration_matches_step_by_step_simulation() -> None:
     rng = np.random.default_rng(3)
     for _ in range(200):

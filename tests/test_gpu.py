@@ -257,6 +257,7 @@ def test_profile_on_cuda_fits_a_cost_model_the_dispatcher_picks_for_cuda(tmp_pat
     model = CostModel.load(out)
     assert model.device_kind.startswith("cuda-") and model.device_kind.endswith("-bfloat16")
     assert model.meta["clock"] == "wall" and model.meta["dtype"] == "bfloat16"
+    assert model.meta["graph_replays"] >= 8 * 3  # the timed steps are the engine's steady graph replays
     assert torch.cuda.get_device_name() in model.meta["hardware"]
     assert model.step_seconds([model.job_seconds(mask_ratio=0.2)]) > 0
     found = shipped_model("sd15-inpaint", CUDA, folder=out.parent)

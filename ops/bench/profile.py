@@ -92,6 +92,7 @@ from ops.bench.harness import TRACES, cli, load_trace
 from ops.bench.harness.gpu import DTYPES, hardware
 from ops.bench.harness.report import pyplot, replace_section, save_figure
 from ops.bench.harness.runner_timing import JobSpec, ModelUnderTest, RunnerTimer, load_model
+from workers.engine.graphs import MIN_HORIZON
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
 
 log = logging.getLogger(__name__)
@@ -256,7 +257,11 @@ def fit_curve(model: CostModel, x: np.ndarray, y: np.ndarray, test_idx: np.ndarr
 
 def profile_steps(mut: ModelUnderTest, args: argparse.Namespace, arch: UNetArch) -> dict[str, Any]:
     sizes = latent_sizes(args)
-    harness = RunnerTimer(mut, steps=args.repeats + 1, device=args.device, sizes=sizes)
+    graphed = device_type(args.device) == "cuda"  # the engine replays steady steps as CUDA graphs there
+    # Graphed: steps to be seen and captured first, and enough left after them that the signature
+    # is worth capturing (``graphs.MIN_HORIZON``).
+    steps = args.repeats + (1 if not graphed else 2 + MIN_HORIZON)
+    harness = RunnerTimer(mut, steps=steps, device=args.device, sizes=sizes)
     comps = compositions(args.points, args.max_jobs, args.full_fraction, args.seed, sizes)
     rows = []
     t_start = time.monotonic()
@@ -274,7 +279,12 @@ def profile_steps(mut: ModelUnderTest, args: argparse.Namespace, arch: UNetArch)
                  [f"{s.ratio:.2f}" for s in specs], [int(j.cached) for j in jobs], med * 1e3, args.clock,
                  "/".join(f"{t * 1e3:.0f}" for t in wall), os.getloadavg()[0])
     log.info("step profile: %d points in %.0f s", len(rows), time.monotonic() - t_start)
-    return {"rows": rows, "maskaware": True}
+    graphs = harness.runner.graphs
+    replayed = {} if graphs is None else {"graph_captures": graphs.captures, "graph_replays": graphs.replays,
+                                          "graph_eager_calls": graphs.eager}
+    if replayed:
+        log.info("step graphs: %s", replayed)
+    return {"rows": rows, "maskaware": True, "graphs": replayed}
 
 
 def _evict(path: Path) -> None:
@@ -656,6 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     measurement = steps.get("measurement") or {
         "command": command, "clock": args.clock, "threads": torch.get_num_threads(), "repeats": args.repeats,
         "hardware": hardware(torch.device(args.device)), "dtype": str(dtype).removeprefix("torch."),
+        **steps.get("graphs", {}),
         **({"cpu_clock": "process_time (lockstep threads of mixed sizes compute one at a time)"} if sizes else {}),
         "loadavg_before": [round(v, 2) for v in load_before], "loadavg_after": [round(v, 2) for v in os.getloadavg()]}
     if args.raw:

@@ -38,6 +38,7 @@ import torch
 log = logging.getLogger(__name__)
 
 Forward = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+MIN_HORIZON = 4  # steps a signature must have left to be worth a capture (a few eager steps' cost)
 
 
 class Replayable(Protocol):
@@ -85,7 +86,7 @@ class StepGraphs:
     """Captured denoiser calls by signature (module doc). ``run`` returns the call's output."""
 
     def __init__(self, device: torch.device | str, *, max_graphs: int = 32, budget_bytes: int | None = None,
-                 repeats: int = 2, min_horizon: int = 4,
+                 repeats: int = 2, min_horizon: int = MIN_HORIZON,
                  capture: Callable[[Forward, Sequence[torch.Tensor], Any], Replayable] | None = None) -> None:
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"

@@ -108,7 +108,7 @@ class RunnerTimer:
     """Builds jobs for the real ``SDRunner`` and times its ``step`` (one template cache per size)."""
 
     def __init__(self, mut: ModelUnderTest, steps: int, device: str = "cpu",
-                 sizes: list[tuple[int, int]] | None = None) -> None:
+                 sizes: list[tuple[int, int]] | None = None, graphs: bool | None = None) -> None:
         self.mut = mut
         self.steps = steps
         self.device = device
@@ -117,7 +117,10 @@ class RunnerTimer:
         self.caches = RecordedCaches()
         self.maskaware = MaskAwareUNet(mut.unet)
         self.runner = SDRunner(mut.unet, mut.scheduler_config, device, maskaware=self.maskaware, caches=self.caches,
-                               recorder=self.caches, prefetch_steps=0)
+                               recorder=self.caches, prefetch_steps=0, graphs=graphs)
+        # Untimed steps of a batch: one; with step graphs (CUDA by default) until its signature is
+        # captured (``StepGraphs.repeats``), so that the timed steps are the replays the engine runs.
+        self.warm = 1 if self.runner.graphs is None else self.runner.graphs.repeats
         self.keys = {hw: TemplateCacheKey(
             model_id=mut.model_id, template_id="profile", height=hw[0] * 8, width=hw[1] * 8,
             scheduler=str(mut.scheduler_config["_class_name"]), steps=steps, strength=1.0, guidance="cfg2",
@@ -153,14 +156,16 @@ class RunnerTimer:
                  sum(t.numel() * t.element_size() for t in first.values()) / 2**20)
 
     def time_batch(self, specs: list[JobSpec], repeats: int) -> tuple[list[float], list[float], list[Any]]:
-        """(wall seconds, CPU seconds) of ``repeats`` steps after one warm step. CPU: this thread's,
-        or with several sizes the process's (lockstep threads compute one at a time)."""
+        """(wall seconds, CPU seconds) of ``repeats`` steps after ``warm`` untimed ones. CPU: this
+        thread's, or with several sizes the process's (lockstep threads compute one at a time)."""
         mode = lambda s: "masked" if (s.cached and s.ratio < 1.0) else "full"  # noqa: E731
         jobs = [self.make_job(s, mode(s), i) for i, s in enumerate(specs)]
         cpu_clock = time.process_time if len(self.sizes) > 1 else time.thread_time
         wall, cpu = [], []
         device = torch.device(self.device)
-        for r in range(repeats + 1):
+        if repeats + self.warm > self.steps:
+            raise ValueError(f"{repeats} timed + {self.warm} warm steps exceed the template's {self.steps}")
+        for r in range(repeats + self.warm):
             sync(device)  # on a GPU: the step's wall time from its first launch to its last kernel
             c0, w0 = cpu_clock(), time.perf_counter()
             self.runner.step(jobs)
@@ -168,7 +173,7 @@ class RunnerTimer:
             dw, dc = time.perf_counter() - w0, cpu_clock() - c0
             for j in jobs:
                 j.steps_done += 1
-            if r:
+            if r >= self.warm:
                 wall.append(dw)
                 cpu.append(dc)
         return wall, cpu, jobs
