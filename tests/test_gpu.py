@@ -253,7 +253,7 @@ def test_profile_on_cuda_fits_a_cost_model_the_dispatcher_picks_for_cuda(tmp_pat
 
     out = tmp_path / "costmodels" / "m.json"
     assert profile.main(["--quick", "--model", "sd15-inpaint", "--device", CUDA, "--points", "8", "--max-jobs", "3",
-                         "--out", str(out)]) == 0
+                         "--repeats", "3", "--out", str(out)]) == 0
     model = CostModel.load(out)
     assert model.device_kind.startswith("cuda-") and model.device_kind.endswith("-bfloat16")
     assert model.meta["clock"] == "wall" and model.meta["dtype"] == "bfloat16"
