@@ -333,7 +333,8 @@ def part_dispatch(args: Any, device: torch.device) -> list[str]:
             args.results.setdefault("dispatch", {})[key if jobs == 1 else f"{key} x{jobs}"] = {
                 "jobs": jobs, "full": [full.total, full.kernels], "masked": [masked.total, masked.kernels],
                 "syncs": masked.syncs}
-            lines.append(f"| {case.label} | {jobs} | {full.total} / {full.kernels} | {masked.total} / {masked.kernels} | "
+            lines.append(f"| {case.label} | {jobs} | {full.total} / {full.kernels} | "
+                         f"{masked.total} / {masked.kernels} | "
                          f"{masked.total / full.total:.3f} / {masked.kernels / full.kernels:.3f} | "
                          f"{sum(masked.syncs.values())} |")
     return lines + [""]
