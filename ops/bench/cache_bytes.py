@@ -470,7 +470,7 @@ def part_steps(args: argparse.Namespace, state: dict) -> list[str]:
     if args.json:
         Path(args.json).write_text(json.dumps({"criterion": SSIM_LOSS_MAX, "counts": counts, "worst": worst,
                                                "passing": passing, "default": default, "rows": rows,
-                                               "quick": bool(args.quick)}, separators=(",", ":")))  # compact: the size budget
+                                               "quick": bool(args.quick)}, separators=(",", ":")))  # compact
     return lines
 
 

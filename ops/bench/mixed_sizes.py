@@ -816,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         results["plot"] = plot(results, Path(args.out).with_name(Path(args.out).stem + ".png"))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, separators=(",", ":"), default=float))  # compact: the size budget
+        Path(args.json).write_text(json.dumps(results, separators=(",", ":"), default=float))  # compact
     run.write(render(results, args, run.command, args.out))
     log.info("done in %.0f s", run.elapsed())
     return 0
