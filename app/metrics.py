@@ -55,6 +55,7 @@ FAILURE_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 CACHE_TIERS = ("device", "host", "store")
+STEP_GRAPH_OUTCOMES = ("replayed", "captured", "eager", "off")
 
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _JOB_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0, 3600.0)
@@ -112,6 +113,9 @@ class StencilMetrics:
         self.batch_size = Histogram(
             "stencil_engine_batch_size", "Jobs sharing one denoising step.",
             buckets=_BATCH_BUCKETS, registry=registry)
+        self.steps = Counter(
+            "stencil_engine_steps", "Denoising steps by how the denoiser call ran: replayed from a CUDA graph, "
+            "captured, eager, or off (no step graphs: the CPU).", ["graph"], registry=registry)
         self.masked_tokens = Histogram(
             "stencil_engine_masked_tokens", "Masked (computed) latent tokens per step, all jobs of the batch.",
             buckets=_TOKEN_BUCKETS, registry=registry)
@@ -146,7 +150,8 @@ class StencilMetrics:
             "stencil_api_request_seconds", "Gateway requests: seconds to the response's first byte.",
             ["route", "status"], buckets=_API_BUCKETS, registry=registry)
 
-    def observe_step(self, batch_size: int, masked_tokens: int, seconds: float) -> None:
+    def observe_step(self, batch_size: int, masked_tokens: int, seconds: float, graph: str = "off") -> None:
+        self.steps.labels(graph=graph if graph in STEP_GRAPH_OUTCOMES else "other").inc()
         self.step_seconds.observe(seconds)
         self.batch_size.observe(batch_size)
         self.masked_tokens.observe(masked_tokens)
@@ -250,9 +255,10 @@ def register_queue_collector(redis_url: str, queues: Iterable[str] | Callable[[]
 METRICS = StencilMetrics()
 
 
-def observe_step(batch_size: int, masked_tokens: int, seconds: float) -> None:
-    """One engine step: how many jobs shared it, how many tokens it computed, how long it took."""
-    METRICS.observe_step(batch_size, masked_tokens, seconds)
+def observe_step(batch_size: int, masked_tokens: int, seconds: float, graph: str = "off") -> None:
+    """One engine step: how many jobs shared it, how many tokens it computed, how long it took and
+    whether its denoiser call replayed a CUDA graph (``graph``: one of ``STEP_GRAPH_OUTCOMES``)."""
+    METRICS.observe_step(batch_size, masked_tokens, seconds, graph)
 
 
 def observe_job_end(record_fields: Mapping[Any, Any]) -> None:

@@ -51,6 +51,19 @@ def test_observe_step_fills_the_three_engine_histograms(reg: CollectorRegistry) 
     assert s[("stencil_engine_masked_tokens_bucket", (("le", "256.0"),))] == 1
 
 
+def test_steps_are_counted_by_how_their_denoiser_call_ran(reg: CollectorRegistry) -> None:
+    """``stencil_engine_steps_total{graph}``: the share of steps a GPU worker replays from CUDA graphs
+    (a batch whose jobs change every few steps cannot replay); an unknown outcome never becomes a label."""
+    m = StencilMetrics(reg)
+    for graph in ("replayed", "replayed", "captured", "eager", "off", "bogus"):
+        m.observe_step(batch_size=2, masked_tokens=10, seconds=0.01, graph=graph)
+    s = scrape(reg)
+    assert {g: s[("stencil_engine_steps_total", (("graph", g),))] for g in ("replayed", "captured", "eager", "off",
+                                                                           "other")} == {
+        "replayed": 2, "captured": 1, "eager": 1, "off": 1, "other": 1}
+    assert ("stencil_engine_steps_total", (("graph", "bogus"),)) not in s
+
+
 def test_cache_hits_misses_and_bytes_are_per_tier(reg: CollectorRegistry) -> None:
     m = StencilMetrics(reg)
     m.observe_cache("host", True, 1000)

@@ -66,23 +66,29 @@ def test_graphed_runner_steps_equal_eager_steps(tmp_path: Path) -> None:
         graphed.graphs.min_horizon = 1  # these jobs are short: capture even near their end
         assert graphed.bucket_tokens and not runner.bucket_tokens
         runner.bucket_tokens = True  # the same computation eagerly (tests/test_token_buckets.py: against exact counts)
-        results = {}
+        results, replayed = {}, {}
         for name, r in (("eager", runner), ("graphed", graphed)):
             batch = [_job(r, "masked", key, steps, seed=10 + i) for i in range(3)]
             batch.append(_job(r, "full", None, steps, seed=20))
             late = _job(r, "masked", key, steps, seed=30)
+            seen = replayed[name] = {id(j): 0 for j in batch + [late]}  # steps each job took from a replay
             for step in range(steps):
                 r.step(batch)
                 for job in batch:
                     job.steps_done += 1
+                    seen[id(job)] += r.last_step_graph == "replayed"
                 if step == 1:
                     batch.append(late)
             while not late.finished:
                 r.step([late])
                 late.steps_done += 1
+                seen[id(late)] += r.last_step_graph == "replayed"
             results[name] = [j.state.latents for j in batch]
             assert all(r.result(j)["masked_steps"] == steps for j in batch if j.state.mode == "masked")
+            assert [r.result(j)["graph_replayed_steps"] for j in batch] == [seen[id(j)] for j in batch]
         assert graphed.graphs.captures >= 2 and graphed.graphs.replays >= 4
+        assert runner.last_step_graph == "off" and not any(replayed["eager"].values())
+        assert 0 < min(replayed["graphed"].values()) and max(replayed["graphed"].values()) < steps
         for a, b in zip(results["eager"], results["graphed"]):
             assert torch.equal(a, b)
     finally:

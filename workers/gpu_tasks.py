@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from celery.exceptions import Ignore
@@ -77,8 +78,10 @@ class RedisEngineHooks(EngineHooks):
 
     def __init__(self, worker_id: str, lease_seconds: float, *, max_batch: int = 8,
                  resident_templates: Any = None, resident_adapters: Any = None,
-                 resident_controlnets: Any = None, step_time: Any = None) -> None:
+                 resident_controlnets: Any = None, step_time: Any = None,
+                 step_graph: Callable[[], str] = lambda: "off") -> None:
         self.worker_id = worker_id
+        self.step_graph = step_graph  # how the engine's last step ran (CUDA graph replay or not)
         self.step_time = step_time  # SLO admission's predictor; its calibration factor is published
         self.max_batch = max_batch
         self.resident_templates = resident_templates
@@ -109,7 +112,8 @@ class RedisEngineHooks(EngineHooks):
     def on_step(self, batch: list[EngineJob], step_seconds: float, waiting: list[EngineJob]) -> None:
         self.last_step_seconds = step_seconds
         self.busy_seconds += step_seconds
-        metrics.observe_step(len(batch), sum((j.masked_tokens or (0,))[0] for j in batch), step_seconds)
+        metrics.observe_step(len(batch), sum((j.masked_tokens or (0,))[0] for j in batch), step_seconds,
+                             self.step_graph())
         self.steps += 1
         state = self._state(batch, waiting)
         with self._lock:
@@ -269,7 +273,8 @@ def get_engine() -> Engine:
                                      resident_adapters=bank.resident,
                                      resident_controlnets=getattr(getattr(runner, "controlnets", None), "resident",
                                                                   None),
-                                     step_time=step_time)
+                                     step_time=step_time,
+                                     step_graph=lambda: getattr(runner, "last_step_graph", "off"))
             _engine = Engine(runner, BatchScheduler(s.max_batch, s.batching, step_time=step_time, on_expire=expire,
                                                      size_affinity_steps=SIZE_AFFINITY_STEPS,
                                                      **device_defaults(s.device)),
@@ -393,6 +398,8 @@ def denoise(self: Any, prep: dict[str, Any]) -> dict[str, Any]:
                     cache_store_bytes=out.get("cache_store_bytes", 0),
                     # ``turbo``: share of (step, unit, patch) computations taken from the job's last step
                     reused_share=("" if out.get("reused_share") is None else f"{out['reused_share']:.3f}"),
+                    # steps whose denoiser call replayed a captured CUDA graph (GPU; 0 elsewhere)
+                    graph_replayed_steps=out.get("graph_replayed_steps", 0),
                     **_lora_fields(out))
         return prep
     finally:

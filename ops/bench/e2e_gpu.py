@@ -116,6 +116,9 @@ def measure(stack: Any, client: Any, tids: list[str], templates: list[Any], work
     summary["gpu_util"] = sampler.mean(t0, time.time())
     done = [r for r in rows if r["status"] == "done"]
     summary["masked_share"] = sum(r["masked_steps"] for r in done) / (len(done) * args.steps) if done else math.nan
+    # steps replayed from CUDA graphs: a batch whose jobs change every few steps runs eagerly
+    summary["graph_share"] = (sum(r.get("graph_replayed_steps", 0) for r in done) / (len(done) * args.steps)
+                              if done else math.nan)
     return {"summary": summary, "phases": mean_phases(r for r in rows if r["status"] == "done"), "rows": rows}
 
 

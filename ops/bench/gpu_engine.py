@@ -124,6 +124,8 @@ class Stencil:
         system = "stencil-maskaware" if key is not None else "stencil-full"
         extra = {"prepare_s": prep_s, "engine_s": stepped - prepared, "decode_s": decode_s,
                  "steps": engine.stats.steps}
+        # steps replayed from CUDA graphs (the burst's jobs step together: few signatures)
+        extra["graph_replayed_share"] = sum(r["graph_replayed_steps"] for r in results) / (len(results) * edits.steps)
         if key is not None:
             extra["masked_steps"] = sum(r["masked_steps"] for r in results)
             extra["fallback_steps"] = sum(r["fallback_steps"] for r in results)

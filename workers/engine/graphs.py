@@ -100,6 +100,7 @@ class StepGraphs:
         self._seen: dict[Hashable, int] = {}
         self._failed: set[Hashable] = set()
         self.captures = self.replays = self.eager = 0
+        self.last = "eager"  # how the latest call ran: replayed | captured (then replayed) | eager
 
     @property
     def static_bytes(self) -> int:
@@ -118,9 +119,12 @@ class StepGraphs:
             entry = None if short else self._maybe_capture(key, inputs, forward)
             if entry is None:
                 self.eager += 1
+                self.last = "eager"
                 return forward(inputs)
+            self.last = "captured"
         else:
             self._graphs.move_to_end(key)
+            self.last = "replayed"
         for dst, src in zip(entry.static, inputs):
             if dst is not src:
                 dst.copy_(src, non_blocking=True)

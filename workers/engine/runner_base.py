@@ -235,6 +235,7 @@ class BaseRunner(ABC):
         self.link_bound = False  # measured: loading a step takes longer than computing it
         self._ahead: dict[tuple[str, int], set[str]] = {}  # (cache, step) -> units chosen a step ahead
         self.last_ctx: Any = None  # the mask-aware context of the last step (set by _forward)
+        self.last_step_graph = "off"  # how the last step's denoiser call ran (``graphs.StepGraphs.last``)
         self._units_on = (cache_plan != "step" and hasattr(maskaware, "units")
                           and hasattr(caches, "set_units") and hasattr(caches, "unit_status"))
         if self._units_on:
@@ -668,6 +669,9 @@ class BaseRunner(ABC):
                 if job.state.reuse is not None and getattr(group, "mode", "") == "masked":
                     groups[i] = dataclasses.replace(group, reuse=job.state.reuse.begin(job.steps_done))
         self.last_ctx = None
+        graphs = getattr(self, "graphs", None)
+        if graphs is not None:
+            graphs.last = "eager"  # a step that never reaches the graphs (not graphable) runs eagerly
         layout.set_invariant(self.batch_invariant and len(batch) > 1)
         rows = layout.rows((g, job.state.rows) for g, job in enumerate(batch)) if layout.wanted() else None
         try:
@@ -677,6 +681,10 @@ class BaseRunner(ABC):
             layout.set_invariant(False)
             if self.lora is not None:
                 self.lora.finish()  # also ends the step's layout demand (thread-local)
+        self.last_step_graph = "off" if graphs is None else graphs.last
+        if self.last_step_graph == "replayed":
+            for job in batch:
+                job.state.extra["graph_replayed_steps"] = job.state.extra.get("graph_replayed_steps", 0) + 1
         if self.caches is not None and self.stager.asynchronous:
             self._stage_ahead(batch)
         # Schedulers with state (not covered by ``stepper``) roll back if the step fails, so a retry is exact.
@@ -819,7 +827,9 @@ class BaseRunner(ABC):
                 "lora_term_steps": st.extra.get("lora_term_steps", 0),
                 # temporal reuse (``turbo``): (step, unit, patch) computations taken from the last step
                 "reused_patches": st.reuse.reused if st.reuse is not None else None,
-                "reused_share": st.reuse.share if st.reuse is not None else None}
+                "reused_share": st.reuse.share if st.reuse is not None else None,
+                # steps replayed from a captured CUDA graph (the rest ran eagerly or were captured)
+                "graph_replayed_steps": st.extra.get("graph_replayed_steps", 0)}
 
 
 class OffsetCache(Mapping[str, torch.Tensor]):

@@ -98,17 +98,18 @@ def poisson(report: dict[str, Any]) -> list[str]:
              f"{_f(cap.get('jobs_per_s'), 3)} jobs/s (the capacity of `{cap.get('source')}` on the burst); mask ratios "
              f"from the {args['trace']} trace, shapes from `app.maskgen`, templates: {args['templates']} (Stencil: "
              "warmed). Latency: queued to done, from the job records. Masked: the share of the done jobs' steps "
-             "that ran mask-aware.", "",
+             "that ran mask-aware; graph: the share replayed from a captured CUDA graph (the rest ran eagerly or "
+             "were captured).", "",
              "| system | rate /s | done | mean s | P50 s | P95 s | P99 s | throughput /s | engine busy | GPU util "
-             "| masked |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| masked | graph |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     phases = {}
     for name, per_rate in view["results"].items():
         for key in sorted(per_rate, key=float):
             s = per_rate[key]["summary"]
             lines.append(f"| {name} | {float(key):.3f} | {s['done']}/{s['jobs']} | {_f(s['mean'])} | {_f(s['p50'])} | "
                          f"{_f(s['p95'])} | {_f(s['p99'])} | {_f(s['throughput'], 3)} | {_f(s['gpu_busy'])} | "
-                         f"{_f(s.get('gpu_util'))} | {_f(s.get('masked_share'))} |")
+                         f"{_f(s.get('gpu_util'))} | {_f(s.get('masked_share'))} | {_f(s.get('graph_share'))} |")
             phases[f"{name} @ {float(key):.3f}/s"] = report["systems"][name]["runs"][key]["phases"]
     lines += ["", "Mean seconds per job in each phase:", "", *phase_table(phases), "", "### Claims", ""]
     if base is None or base not in view["results"]:

@@ -64,6 +64,7 @@ def run_rate(client, stock: bool, template_ids: list[str], templates: list[Image
                      "worker": str(rec.fields.get("worker") or ""),
                      "masked_steps": float(rec.fields.get("masked_steps") or 0),
                      "fallback_steps": float(rec.fields.get("fallback_steps") or 0),
+                     "graph_replayed_steps": float(rec.fields.get("graph_replayed_steps") or 0),
                      "phases": job_phases(rec.fields)})
     return rows
 
