@@ -9,7 +9,8 @@ with the exact command line that produced it. ``--quick`` is a smoke run in seco
   at their public sizes, mask-aware vs full per step), ``gpu_step`` (the same models on a GPU: full vs
   mask-aware steps, eager vs graph-replayed, batch scaling, kernels and host syncs per step),
   ``gpu_engine`` (the engine in process on a GPU: mask-aware and full compute against the stock
-  pipeline on a burst of edits, jobs/s, latency, a steady step's phases), ``cache_bytes`` (cache bytes per template per
+  pipeline on a burst of edits, jobs/s, latency, a steady step's phases), ``graph_churn`` (the share of
+  the engine's steps that replay a CUDA graph under continuous batching), ``cache_bytes`` (cache bytes per template per
   storage codec at true sizes, codec fidelity, host-tier capacity, link-speed unit selection);
 - fidelity: ``fidelity``, ``fidelity_causes``, ``fidelity_baselines``, ``temporal_reuse`` (``turbo``'s
   patch reuse from the last step on the frontier beside fixed-interval and whole-step reuse);

@@ -1,0 +1,145 @@
+"""How many of the engine's steps replay a CUDA graph under continuous batching.
+
+A step graph is keyed by the batch's signature: every job's mode, rows and token counts per level
+(``workers/engine/graph_calls.py``). It is captured the second time a signature runs and replayed
+while the batch keeps its jobs; a job joining or leaving (or a refresh step changing a job's mode)
+makes a new signature. So the share of steps that replay depends on how the batch churns, not on the
+device: this benchmark counts it with the real engine (``Engine``, ``BatchScheduler``, ``SDRunner``
+with step graphs on) and the CPU stand-in for a graph (``graphs.EagerReplay``: the same signatures,
+captures and replays as on a GPU), on the embedded model at a small size.
+
+Arrivals are counted in engine steps: a burst (every job at once, as ``ops.bench.gpu_engine`` runs)
+and Poisson arrivals at ``--loads`` x the batch's capacity (``max_batch / steps`` jobs per step).
+Jobs are edits of one warmed template, mask ratios from ``--trace``, the ``fast`` policy's refresh
+steps. Reported per arrival pattern: engine steps, and the shares of steps replayed, captured and
+run eagerly.
+
+    python -m ops.bench.graph_churn --out docs/bench/graph_churn.md
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from app.fidelity import policy_schedule
+from ops.bench.harness import load_trace
+from ops.bench.harness.cli import parser, start
+from ops.bench.harness.models import cfg_job, pixel_mask
+from ops.bench.harness.runner_timing import ModelUnderTest, RecordedCaches, load_model
+from workers.engine.engine import Engine
+from workers.engine.scheduler import BatchScheduler
+from workers.engine.sd_runner import SDRunner
+from workers.maskaware.activation_store import TemplateCacheKey
+from workers.maskaware.unet import MaskAwareUNet
+
+log = logging.getLogger(__name__)
+
+
+class _Caches(RecordedCaches):
+    """The recorded template, resident (no object store behind it)."""
+
+    def store_bytes_of(self, key: Any) -> int:
+        return 0
+
+
+def arrivals(pattern: str, jobs: int, max_batch: int, steps: int, rng: np.random.Generator) -> np.ndarray:
+    """Engine step at which each job arrives: ``burst`` (all at 0) or a load (``0.9``: Poisson at
+    0.9 x the batch's capacity of ``max_batch / steps`` jobs per step)."""
+    if pattern == "burst":
+        return np.zeros(jobs)
+    rate = float(pattern) * max_batch / steps
+    return np.cumsum(rng.exponential(1.0 / rate, jobs))
+
+
+def run(mut: ModelUnderTest, pattern: str, args: Any) -> dict[str, Any]:
+    """One arrival pattern on a fresh engine (its own mask-aware hooks, removed after)."""
+    ctrl = MaskAwareUNet(mut.unet)
+    try:
+        return _run(mut, ctrl, pattern, args)
+    finally:
+        ctrl.remove()
+
+
+def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, args: Any) -> dict[str, Any]:
+    """Step counts by how the denoiser call ran."""
+    hw = (mut.latent, mut.latent)
+    caches = _Caches()
+    runner = SDRunner(mut.unet, mut.scheduler_config, "cpu", maskaware=ctrl, caches=caches, recorder=caches,
+                      prefetch_steps=0, graphs=True)
+    key = TemplateCacheKey(model_id=mut.model_id, template_id="t", height=hw[0] * 8, width=hw[1] * 8,
+                           scheduler=str(mut.scheduler_config["_class_name"]), steps=args.steps, strength=1.0,
+                           guidance="cfg2", layout=ctrl.cache_layout).to_dict()
+    engine = Engine(runner, BatchScheduler(max_batch=args.max_batch))
+    text = (mut.text_len, mut.cross_dim)
+    tensors, meta = cfg_job(pixel_mask(hw[0] * 8, 0.0, "blob", 7), hw, args.steps, text, 1, mode="record",
+                            cache_key=key)
+    warm = engine.submit("warm", tensors, meta, total_steps=args.steps)
+    while not warm.future.done():
+        engine._drain_inbox(block=False)
+        engine.step_once()
+    graphs = runner.graphs
+    assert graphs is not None
+    graphs.captures = graphs.replays = graphs.eager = 0
+    rng = np.random.default_rng(args.seed)
+    trace = load_trace(args.trace)
+    at = arrivals(pattern, args.jobs, args.max_batch, args.steps, rng)
+    counts = {"replayed": 0, "captured": 0, "eager": 0}
+    handles: list[Any] = []
+    step = submitted = 0
+    while submitted < args.jobs or not all(h.future.done() for h in handles):
+        while submitted < args.jobs and at[submitted] <= step:
+            ratio = float(np.clip(trace[rng.integers(len(trace))], 0.01, 0.9))
+            tensors, meta = cfg_job(pixel_mask(hw[0] * 8, ratio, ("blob", "rect")[submitted % 2], 100 + submitted),
+                                    hw, args.steps, text, 100 + submitted, mode="masked", cache_key=key)
+            meta["refresh_steps"] = policy_schedule("fast", args.steps)
+            handles.append(engine.submit(f"j{submitted}", tensors, meta, total_steps=args.steps))
+            submitted += 1
+        engine._drain_inbox(block=False)
+        if engine.step_once():
+            counts[runner.last_step_graph] += 1
+        step += 1
+    ran = sum(counts.values())
+    results = [h.future.result() for h in handles]
+    replayed_job_steps = sum(r["graph_replayed_steps"] for r in results) / (len(results) * args.steps)
+    log.info("%s: %d engine steps %s, job steps replayed %.3f", pattern, ran, counts, replayed_job_steps)
+    return {"pattern": pattern, "steps": ran, **{k: v / ran for k, v in counts.items()},
+            "captures": graphs.captures, "job_steps_replayed": replayed_job_steps}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__, out="docs/bench/graph_churn.md")
+    p.add_argument("--patterns", type=lambda s: s.split(","), default=["burst", "0.5", "0.7", "0.9", "1.1"],
+                   help="burst and/or loads (x the batch's capacity)")
+    p.add_argument("--jobs", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--latent", type=int, default=8, help="latent side of the embedded model's jobs")
+    p.add_argument("--trace", default="spring")
+    run_ = start(p, argv, __file__, quick=dict(patterns=["burst", "0.9"], jobs=8, max_batch=4, steps=8))
+    args = run_.args
+    torch.manual_seed(args.seed)
+    mut = load_model("tiny", args.latent, args.seed)
+    rows = [run(mut, pattern, args) for pattern in args.patterns]
+    lines = ["# Step graphs under continuous batching", "", f"Command: `{run_.command}`", "",
+             f"The embedded model, {args.jobs} edits of one warmed template per pattern, {args.steps} steps, max batch "
+             f"{args.max_batch}, policy `fast` (refresh steps {policy_schedule('fast', args.steps)}), mask ratios from "
+             f"the {args.trace} trace; step graphs on (the CPU stand-in: the same signatures, captures and replays "
+             "as on a GPU). Shares of the engine's steps by how their denoiser call ran; job steps replayed: the "
+             "share of the jobs' steps that a replay computed.", "",
+             "| arrivals | engine steps | replayed | captured | eager | job steps replayed |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        name = "burst (all at once)" if r["pattern"] == "burst" else f"Poisson, load {float(r['pattern']):g}"
+        lines.append(f"| {name} | {r['steps']} | {r['replayed']:.1%} | {r['captured']:.1%} | {r['eager']:.1%} | "
+                     f"{r['job_steps_replayed']:.1%} |")
+    run_.write(lines + [""])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
