@@ -147,3 +147,74 @@ def test_a_signature_about_to_change_is_not_captured() -> None:
     assert graphs.captures == 0 and graphs.eager == 3
     graphs.run("k", [a, b], _double, 4)
     assert graphs.captures == 1
+
+
+def _graphed_runner(unet, ctrl, caches, cfg, **options):  # type: ignore[no-untyped-def]
+    from workers.engine.sd_runner import SDRunner
+
+    runner = SDRunner(unet, cfg, maskaware=ctrl, caches=caches, prefetch_steps=0, cache_plan="plan", graphs=True,
+                      **options)
+    assert runner.graphs is not None and runner.graphs.capture is EagerReplay
+    runner.graphs.min_horizon = 1  # these jobs are short: capture even near their end
+    return runner
+
+
+def test_refresh_steps_are_graphed_and_equal_eager_steps(tmp_path: Path) -> None:
+    """A refresh step (the job records its activations to re-anchor its offset) replays a graph
+    too: what it records is among the graph's outputs, copied out before the next replay. Three
+    identical batches one after the other, two of three jobs refreshing at step 2: the third
+    replays every step, its refresh step included, and every batch equals the eager runner's steps
+    bit for bit."""
+    steps = 5  # three batches: a signature is captured the second time it runs, replayed the third
+    unet, ctrl, runner, caches, store, cfg = _runner_setup(tmp_path, "plan", bandwidth=1e9)
+    try:
+        key = TemplateCacheKey("t", "tpl", 128, 128, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout)
+        _warm(runner, caches, key, steps)
+        graphed = _graphed_runner(unet, ctrl, caches, cfg)
+        runner.bucket_tokens = True  # the same computation eagerly
+        latents, outcomes = {}, {}
+        for name, r in (("eager", runner), ("graphed", graphed)):
+            latents[name], outcomes[name] = [], []
+            for _ in range(3):
+                batch = [_job(r, "masked", key, steps, seed=10 + i) for i in range(3)]
+                for job in batch[1:]:
+                    job.state.refresh = frozenset({2})
+                ran = []
+                for _step in range(steps):
+                    r.step(batch)
+                    ran.append(r.last_step_graph)
+                    for job in batch:
+                        job.steps_done += 1
+                outcomes[name].append(ran)
+                latents[name] += [j.state.latents for j in batch]
+                assert [r.result(j)["refresh_steps"] for j in batch] == [0, 1, 1]
+        assert outcomes["eager"] == [["off"] * steps] * 3
+        assert outcomes["graphed"][1][2] == "captured" and outcomes["graphed"][2] == ["replayed"] * steps, outcomes
+        for a, b in zip(latents["eager"], latents["graphed"]):
+            assert torch.equal(a, b)
+    finally:
+        caches.close(wait=True)
+
+
+def test_the_gpu_workers_runner_replays_graphs_for_steps_without_controlnets(tmp_path: Path) -> None:
+    """The GPU worker's runner computes ControlNets concurrently with the UNet's down path; a step
+    with no ControlNet input is graphed like any other (a step with one runs eagerly: its residuals
+    arrive from another thread)."""
+    from workers.controlnets.bank import ControlNetBank
+
+    steps = 5
+    unet, ctrl, runner, caches, store, cfg = _runner_setup(tmp_path, "plan", bandwidth=1e9)
+    try:
+        key = TemplateCacheKey("t", "tpl", 128, 128, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout)
+        _warm(runner, caches, key, steps)
+        graphed = _graphed_runner(unet, ctrl, caches, cfg, controlnets=ControlNetBank(lambda i: None, 1 << 30),
+                                  controlnet_parallel=True)
+        assert graphed.concurrent is not None
+        batch = [_job(graphed, "masked", key, steps, seed=10 + i) for i in range(2)]
+        for _step in range(steps):
+            graphed.step(batch)
+            for job in batch:
+                job.steps_done += 1
+        assert graphed.graphs.captures == 1 and graphed.graphs.replays == steps - 1
+    finally:
+        caches.close(wait=True)

@@ -114,7 +114,7 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
         return run
 
     def graphed(groups: list[Any] | None) -> Callable[[], Any]:
-        return lambda: unet_call(graphs, unet, ctrl, (x, t), kwargs, groups, device)
+        return lambda: unet_call(graphs, unet, ctrl, (x, t), kwargs, groups, device)[0]
 
     case.calls["full eager"], case.calls["full graph"] = eager(None), graphed(full_groups)
     for r in ratios:

@@ -21,13 +21,15 @@ from workers.engine.graphs import StepGraphs
 from workers.engine.staging import StagedCache
 
 
-def graphable(groups: Sequence[Any] | None) -> bool:
-    """Every job computes fully, or reads a staged cache laid out in one buffer (no unit waited
-    for mid-call, no recording, no job placed on a larger grid, no temporal reuse: its per-step
-    patch indices and offsets are not graph inputs yet)."""
+def graphable(groups: Sequence[Any] | None, record: bool = False) -> bool:
+    """Every job computes fully (``record``: or records its activations, which the call then
+    returns), or reads a staged cache laid out in one buffer (no unit waited for mid-call, no job
+    placed on a larger grid, no temporal reuse: its per-step patch indices and offsets are not
+    graph inputs yet)."""
     return groups is None or all(
-        g.mode == "full" or (g.mode == "masked" and isinstance(g.cache, StagedCache) and g.cache.flat is not None
-                             and getattr(g, "positions", None) is None and getattr(g, "reuse", None) is None)
+        g.mode == "full" or (record and g.mode == "record")
+        or (g.mode == "masked" and isinstance(g.cache, StagedCache) and g.cache.flat is not None
+            and getattr(g, "positions", None) is None and getattr(g, "reuse", None) is None)
         for g in groups)
 
 
@@ -42,12 +44,12 @@ def _job_inputs(groups: Sequence[Any] | None,
                 describe: Describe) -> tuple[bool, list[torch.Tensor], list[tuple[Any, ...]]]:
     """(whether a job is masked, each masked job's staged cache and index tensors, the groups'
     signature). ``describe(group)``: a masked job's index tensors and what else fixes its shapes."""
-    masked = groups is not None and any(g.mode == "masked" for g in groups)
+    masked = groups is not None and any(g.mode in ("masked", "record") for g in groups)
     inputs: list[torch.Tensor] = []
     spec: list[tuple[Any, ...]] = []
     for g in (groups or []) if masked else []:
         if g.mode != "masked":
-            spec.append(("full", g.rows))
+            spec.append((g.mode, g.rows))  # full, or record
             continue
         parts, shape = describe(g)
         inputs += [g.cache.flat, *parts]
@@ -61,7 +63,7 @@ def _replayed(groups: Sequence[Any], spec: list[tuple[Any, ...]], tensors: Seque
     """The row groups rebuilt over ``tensors`` (a graph's static buffers: staged caches and indices)."""
     rest, out = iter(tensors), []
     for g, sp in zip(groups, spec):
-        if sp[0] == "full":
+        if sp[0] != "masked":
             out.append(full(g))
             continue
         cache = StagedCache.over(next(rest), sp[3])
@@ -71,8 +73,10 @@ def _replayed(groups: Sequence[Any], spec: list[tuple[Any, ...]], tensors: Seque
 
 def unet_call(graphs: StepGraphs, unet: Any, ctrl: Any, args: tuple[torch.Tensor, torch.Tensor],
               kwargs: dict[str, Any], groups: Sequence[Any] | None, device: torch.device,
-              horizon: int | None = None) -> torch.Tensor:
-    """``unet(*args, **kwargs)`` (under ``ctrl.batch(groups)`` when a job is masked) through ``graphs``."""
+              horizon: int | None = None) -> tuple[torch.Tensor, list[Any]]:
+    """``unet(*args, **kwargs)`` (under ``ctrl.batch(groups)`` when a job is masked or records)
+    through ``graphs``: the output and each group's recorded activations (None where it records
+    none). Both are the graph's own buffers when replayed: the next replay overwrites them."""
     from workers.maskaware.unet import RowGroup
 
     added = kwargs.get("added_cond_kwargs")
@@ -86,18 +90,18 @@ def unet_call(graphs: StepGraphs, unet: Any, ctrl: Any, args: tuple[torch.Tensor
 
     masked, jobs, spec = _job_inputs(groups, describe)
 
-    def forward(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    def forward(ts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[Any]]:
         kw: dict[str, Any] = {"encoder_hidden_states": ts[2], "return_dict": False}
         if added is not None:
             kw["added_cond_kwargs"] = {"text_embeds": ts[3], "time_ids": ts[4]}
         if not masked:
-            return unet(ts[0], ts[1], **kw)[0]
+            return unet(ts[0], ts[1], **kw)[0], [None] * len(groups or ())
         replayed = _replayed(groups, spec, ts[len(head):],  # type: ignore[arg-type]
-                             lambda g: RowGroup(g.rows, "full"),
+                             lambda g: RowGroup(g.rows, g.mode),
                              lambda g, sp, cache, parts: RowGroup(
                                  g.rows, "masked", cache=cache, full_units=g.full_units,
                                  token_mask=g.token_mask.with_indices(dict(zip(sp[5], parts)), device)))
-        return _untimed(ctrl, replayed, lambda: unet(ts[0], ts[1], **kw)[0])
+        return _untimed(ctrl, replayed, lambda: unet(ts[0], ts[1], **kw)[0], recorded=True)
 
     return graphs.run(("unet", _signature(head), tuple(spec)), head + jobs, forward, horizon)
 
@@ -135,15 +139,16 @@ def flux_call(graphs: StepGraphs, transformer: Any, ctrl: Any, kwargs: dict[str,
     return graphs.run(("flux", tuple(names), _signature(head), tuple(spec)), head + jobs, forward, horizon)
 
 
-def _untimed(ctrl: Any, groups: list[Any], call: Any) -> torch.Tensor:
+def _untimed(ctrl: Any, groups: list[Any], call: Any, recorded: bool = False) -> Any:
     """``call()`` inside ``ctrl.batch(groups)`` without the controller's unit timings (no events
-    inside a captured call)."""
+    inside a captured call); ``recorded``: with what the groups recorded."""
     timing = getattr(ctrl, "timing", None)
     if timing is not None:
         ctrl.timing = False
     try:
-        with ctrl.batch(groups):
-            return call()
+        with ctrl.batch(groups) as ctx:
+            out = call()
+        return (out, list(ctx.recorded)) if recorded else out
     finally:
         if timing is not None:
             ctrl.timing = timing

@@ -34,6 +34,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ class EagerReplay:
         self.output = forward(static)
 
     def replay(self) -> None:
-        self.output.copy_(self.forward(self.static))
+        for dst, src in zip(tree_leaves(self.output), tree_leaves(self.forward(self.static))):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
 
 
 class _Entry:

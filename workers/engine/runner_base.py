@@ -672,6 +672,8 @@ class BaseRunner(ABC):
         graphs = getattr(self, "graphs", None)
         if graphs is not None:
             graphs.last = "eager"  # a step that never reaches the graphs (not graphable) runs eagerly
+            if groups is not None:
+                batch, groups = _full_first(batch, groups)
         layout.set_invariant(self.batch_invariant and len(batch) > 1)
         rows = layout.rows((g, job.state.rows) for g, job in enumerate(batch)) if layout.wanted() else None
         try:
@@ -861,6 +863,14 @@ class OffsetCache(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.base)
+
+
+def _full_first(batch: list[EngineJob], groups: list[Any]) -> tuple[list[EngineJob], list[Any]]:
+    """The step's jobs with those computing fully (refresh steps, records, fallbacks) first, each
+    kind in batch order: a graph's signature then depends on how many jobs compute fully, not on
+    where they sit (every job's results are its own rows, whatever their position)."""
+    order = sorted(range(len(batch)), key=lambda i: getattr(groups[i], "mode", "full") == "masked")
+    return [batch[i] for i in order], [groups[i] for i in order]
 
 
 def _one_shape(batch: list[EngineJob]) -> bool:

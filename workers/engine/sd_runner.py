@@ -305,9 +305,10 @@ class SDRunner(BaseRunner):
         kwargs.update(self._control_kwargs(batch, sample, t_rows, text))
         args = (torch.cat([sample, torch.cat(masks)], dim=1), t_rows)
         if self.graphs is not None and not lockstep and self._graphable(groups, kwargs):
-            out = unet_call(self.graphs, self.unet, self.maskaware, args, kwargs, groups, self.device,
-                            horizon=min(job.total_steps - job.steps_done for job in batch))
-            return out, [None] * len(groups or ())
+            out, recorded = unet_call(self.graphs, self.unet, self.maskaware, args, kwargs, groups, self.device,
+                                      horizon=min(job.total_steps - job.steps_done for job in batch))
+            # the graph's buffers: a refresh's activations outlive the step (its anchor, the cache)
+            return out, [None if r is None else {k: v.clone() for k, v in r.items()} for r in recorded]
         try:
             # ControlNets computed concurrently with the down path hook the UNet's forward: eager
             forward = self.forward if self.concurrent is None else self.unet
@@ -330,8 +331,8 @@ class SDRunner(BaseRunner):
     def _graphable(self, groups: list[Any] | None, kwargs: dict[str, Any]) -> bool:
         """Whether this call may replay a CUDA graph (``graph_calls.graphable``), and nothing per
         step lives outside tensors: no ControlNet residuals, no per-job adapter terms."""
-        return (self.concurrent is None and not layout.wanted() and "down_block_additional_residuals" not in kwargs
-                and graphable(groups))
+        return (not layout.wanted() and "down_block_additional_residuals" not in kwargs
+                and graphable(groups, record=True))
 
     def _rows_alike(self, st: JobState) -> bool:
         """CFG rows get bit-equal inputs when the prompt's and the negative prompt's conditioning
