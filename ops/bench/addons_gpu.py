@@ -106,37 +106,38 @@ class Bench:
         return JobParams(prompt="a hat", steps=self.args.steps, guidance=7.5, seed=seed, loras=loras)
 
 
+def _version(package: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def versions() -> str:
+    """PEFT's and transformers' versions: diffusers' LoRA loading runs on them."""
+    return f"peft {_version('peft')}, transformers {_version('transformers')}"
+
+
 def lora_backend() -> str | None:
     """Why diffusers' LoRA loading cannot run here (it needs PEFT and transformers at least at its
     minimum versions), or None."""
-    import importlib.metadata
-
     import diffusers
     from diffusers.utils import constants
 
     if constants.USE_PEFT_BACKEND:
         return None
-    found = {}
-    for name in ("peft", "transformers"):
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = "absent"
     return (f"diffusers {diffusers.__version__}'s LoRA loading needs peft >= {constants.MIN_PEFT_VERSION} "
-            f"and transformers >= {constants.MIN_TRANSFORMERS_VERSION}; found peft {found['peft']}, "
-            f"transformers {found['transformers']}")
+            f"and transformers >= {constants.MIN_TRANSFORMERS_VERSION}; found {versions()}")
 
 
-def versions() -> str:
-    import importlib.metadata
-
-    out = []
-    for name in ("peft", "transformers"):
-        try:
-            out.append(f"{name} {importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            out.append(f"{name} absent")
-    return ", ".join(out)
+def graph_counts(svc: InProcess) -> dict[str, int] | None:
+    """Stencil's steps replayed as CUDA graphs so far (None: its runner has no graphs)."""
+    graphs = svc.runner.graphs
+    if graphs is None:
+        return None
+    return {"captures": graphs.captures, "replays": graphs.replays, "eager": graphs.eager}
 
 
 def rounds_until(deadline: float, rounds: int, configs: Sequence[Any], measure: Callable[[Any, int], float],
@@ -237,13 +238,19 @@ def part_trace(b: Bench, deadline: float) -> dict[str, Any]:
     for _image, _mask, p in run:
         svc.route(p)
     handles = [svc.submit(*svc.prepare(image, mask, p)) for image, mask, p in run]
-    for h in handles:
-        svc.decode(h.future.result()["latents"])
+    results = [h.future.result() for h in handles]
+    for r in results:
+        svc.decode(r["latents"])
     sync(b.device)
     ours_s = time.perf_counter() - t0
     distinct = len({i for s in sets[:done] for i, _ in s})
+    # What Stencil's engine did with the adapters: jobs that applied theirs, steps as terms / merged.
+    engine = {"jobs_applied": sum(r["lora_applied_step"] is not None for r in results),
+              "term_steps": sum(r["lora_term_steps"] for r in results),
+              "merged_steps": sum(r["lora_merged_steps"] for r in results)}
     return {"jobs": done, "distinct_adapters": distinct, "stock_s": stock_s, "stencil_s": ours_s,
-            "stock_jobs_per_s": done / stock_s, "stencil_jobs_per_s": done / ours_s, "speedup": stock_s / ours_s}
+            "stock_jobs_per_s": done / stock_s, "stencil_jobs_per_s": done / ours_s, "speedup": stock_s / ours_s,
+            "stencil_engine": engine}
 
 
 def part_controlnet(b: Bench, deadline: float) -> dict[str, Any]:
@@ -305,7 +312,10 @@ def part_controlnet(b: Bench, deadline: float) -> dict[str, Any]:
                                          ("stock batched", stock_batched), ("stencil", stencil))}
     n = len(inputs)
     best_stock = min(batch["stock one at a time"], batch["stock batched"])
+    concurrent = svc.runner.concurrent
     return {"setup_s": setup_s, "rounds": rounds, "jobs": n,
+            "stencil_controlnet_s": concurrent.busy_seconds if concurrent is not None else float("nan"),
+            "stencil_controlnet_waited_s": concurrent.waited_seconds if concurrent is not None else float("nan"),
             "latency": {f"{s}-{k}": median(lat[(s, k)]) for s, k in configs},
             "batch_s": batch, "jobs_per_s": {k: n / v for k, v in batch.items()},
             "speedup_vs_best_stock": best_stock / batch["stencil"]}
@@ -336,6 +346,10 @@ def render(report: dict[str, Any]) -> list[str]:
              f"defaults (max batch {a['max_batch']}, adapter bank {report['bank_mib']} MiB). {_setup(report)} "
              f"Total {report.get('elapsed_s', float('nan')):.0f} s of a {a['budget_s']:.0f} s budget.", ""]
     parts = report["parts"]
+    graphs = [r["stencil_graphs"] for r in parts.values() if r.get("stencil_graphs")]
+    if graphs:  # the GPU worker's SD runner replays a step as a CUDA graph when nothing rules it out
+        lines += [f"Stencil's steps over the run: {graphs[-1]['replays']} replayed as CUDA graphs "
+                  f"({graphs[-1]['captures']} captures), the others eager.", ""]
     if "latency" in parts:
         r = parts["latency"]
         lines += ["## Latency adapters add to one job", "",
@@ -345,7 +359,8 @@ def render(report: dict[str, Any]) -> list[str]:
                   f"s. The stock path's LoRA calls (load, set, fuse; unfuse, unload) took "
                   f"{r['stock_lora_s'] * 1e3:.0f} ms per request (median).", "",
                   "| adapters | stock latency | stock added | Stencil latency | Stencil added | "
-                  f"Stencil added / stock added (target <= {TARGETS['added_ratio']:.2f}) |", "|---|---|---|---|---|---|"]
+                  f"Stencil added / stock added (target <= {TARGETS['added_ratio']:.2f}) |",
+                  "|---|---|---|---|---|---|"]
         for n, row in sorted(r["rows"].items()):
             met = "met" if row["added_ratio"] <= TARGETS["added_ratio"] else "not met"
             lines.append(f"| {n} | {row['stock_s']:.3f} s | {row['stock_added_s'] * 1e3:.0f} ms | "
@@ -366,7 +381,8 @@ def render(report: dict[str, Any]) -> list[str]:
         r = parts["controlnet"]
         lat = r["latency"]
         lines += ["## One ControlNet", "",
-                  f"A ControlNet of the model's size (`ControlNetModel.from_unet`, random weights), conditioning scale 0.8, canny control "
+                  f"A ControlNet of the model's size (`ControlNetModel.from_unet`, random weights), conditioning scale "
+                  f"0.8, canny control "
                   f"images; latency: one job alone, median of {r['rounds']} interleaved rounds; batch: {r['jobs']} "
                   f"jobs (stock in calls of {a['max_batch']}, Stencil all submitted at once). ControlNet made, "
                   f"saved, loaded and made resident in {r['setup_s']:.1f} s.", "",
@@ -402,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="auto = cuda if available, else cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("--size", type=int, default=0, help="image side in px (0 = the model's)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=Settings().max_batch)
@@ -423,16 +440,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     if unknown := [x for x in parts if x not in PARTS]:
         p.error(f"--parts: unknown {unknown} (known: {', '.join(PARTS)})")
+    # No CUDA before the adapter processes fork (``Adapters.prefill``): "auto" asks NVML, not the driver.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     device = device_of(args)
     until = run.t0 + args.budget_s
     work = Path(args.workdir or tempfile.mkdtemp(prefix="stencil-addons-gpu-"))
-    side = 64 if args.quick else MODELS[args.model][2]
+    side = args.size or (64 if args.quick else MODELS[args.model][2])
     settings = Settings()
-    report: dict[str, Any] = {"command": run.command, "hardware": f"{hardware(device)}, {versions()}",
+    report: dict[str, Any] = {"command": run.command, "hardware": f"{device.type}, {versions()}",
                               "args": vars(args), "side": side, "bank_mib": settings.lora_cache_bytes >> 20,
                               "model": MODELS[args.model][1 if args.quick else 0], "parts": {}, "notes": []}
     signal.signal(signal.SIGTERM, lambda *_: _stop("SIGTERM"))  # a stage limit: keep what ran
     svc = None
+    failed: list[str] = []
     try:
         t0 = time.monotonic()
         model_dir = save_model(args, work)
@@ -448,6 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Forked before this process touches CUDA; the adapters are made while the models load.
         adapters_ready = adapters.prefill(ids, args.processes)
         report["setup"]["first_adapter_s"] = time.monotonic() - t1
+        report["hardware"] = f"{hardware(device)}, {versions()}"  # CUDA from here on
         svc = InProcess(model_dir, store, max_batch=args.max_batch, lora_cache_bytes=settings.lora_cache_bytes,
                         controlnet_cache_bytes=settings.controlnet_cache_bytes, dtype=DTYPES[args.dtype],
                         device=str(device))
@@ -465,8 +486,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             share = SHARE[name] / sum(SHARE[x] for x in parts[k:])
             t0 = time.monotonic()
-            report["parts"][name] = RUNS[name](bench, time.monotonic() + left * share)
+            try:
+                report["parts"][name] = RUNS[name](bench, time.monotonic() + left * share)
+            except Exception as exc:  # one GPU call, several parts: a failure keeps the others' results
+                log.exception("%s failed", name)
+                report["notes"].append(f"{name} failed: {type(exc).__name__}: {exc}")
+                failed.append(name)
+                continue
             report["parts"][name]["wall_s"] = time.monotonic() - t0
+            report["parts"][name]["stencil_graphs"] = graph_counts(svc)
             log.info("%s done in %.0f s", name, time.monotonic() - t0)
             report["elapsed_s"] = run.elapsed()
             write(report, args)
@@ -479,7 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["elapsed_s"] = run.elapsed()
         write(report, args)
     log.info("done in %.0f s", run.elapsed())
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
