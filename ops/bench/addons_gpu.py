@@ -193,11 +193,21 @@ def part_latency(b: Bench, deadline: float) -> dict[str, Any]:
         p = b.params(tuple((i, 0.8) for i in latency_ids(rnd)[n]), rnd + 1)
         return stock.job(image, mask, p) if system == "stock" else svc.job(image, mask, p)[1]
 
+    lora, weights = svc.lora, svc.lora.weights
+    before = (lora.term_seconds, weights.sync_seconds, weights.staged_seconds)
     samples, rounds = rounds_until(deadline, args.latency_rounds, configs, measure, random.Random(args.seed),
                                    "latency")
     if rounds < args.latency_rounds:
         b.notes.append(f"latency: {rounds} of {args.latency_rounds} rounds (time budget)")
+    # Where Stencil's adapter work went, per job with adapters (host clock: a term's kernels are queued,
+    # not waited for): terms added in the steps, merges on the critical path and in the background.
+    jobs = 2 * rounds
+    term_s, sync_s, staged_s = (now - then for now, then in
+                                zip((lora.term_seconds, weights.sync_seconds, weights.staged_seconds), before))
     out: dict[str, Any] = {"rounds": rounds, "stock_lora_s": median(stock.lora_seconds),
+                           "stencil_lora": {"term_host_s_per_job": term_s / jobs, "merge_sync_s_per_job": sync_s / jobs,
+                                            "merge_staged_s_per_job": staged_s / jobs,
+                                            "merges_allowed": bool(lora.merge_allowed)},
                            "adapter_mib": b.adapters.get("lat-1").joinpath("pytorch_lora_weights.safetensors")
                            .stat().st_size / 2**20, "rows": {}}
     for n in (1, 2):
@@ -278,7 +288,7 @@ def part_controlnet(b: Bench, deadline: float) -> dict[str, Any]:
     for config in (("stock", 1), ("stencil", 1)):  # warm-up
         latency(config)
     configs = [(s, n) for s in ("stock", "stencil") for n in (0, 1)]
-    # One latency round costs about a third of the batch runs: keep two thirds of the time for those.
+    # A latency round costs about half a batch round: a third of the time for the latency rounds.
     lat, rounds = rounds_until(time.monotonic() + (deadline - time.monotonic()) / 3, args.cn_rounds, configs,
                                latency, random.Random(args.seed), "controlnet latency")
     if rounds < args.cn_rounds:
@@ -308,12 +318,16 @@ def part_controlnet(b: Bench, deadline: float) -> dict[str, Any]:
         sync(b.device)
         return time.perf_counter() - t
 
-    batch = {name: fn() for name, fn in (("stock one at a time", stock_one_at_a_time),
-                                         ("stock batched", stock_batched), ("stencil", stencil))}
+    runs = {"stock one at a time": stock_one_at_a_time, "stock batched": stock_batched, "stencil": stencil}
+    samples, batch_rounds = rounds_until(deadline, args.cn_rounds, list(runs), lambda name, _rnd: runs[name](),
+                                         random.Random(args.seed + 1), "controlnet batch")
+    if batch_rounds < args.cn_rounds:
+        b.notes.append(f"controlnet: {batch_rounds} of {args.cn_rounds} batch rounds (time budget)")
+    batch = {name: median(v) for name, v in samples.items()}
     n = len(inputs)
     best_stock = min(batch["stock one at a time"], batch["stock batched"])
     concurrent = svc.runner.concurrent
-    return {"setup_s": setup_s, "rounds": rounds, "jobs": n,
+    return {"setup_s": setup_s, "rounds": rounds, "batch_rounds": batch_rounds, "jobs": n,
             "stencil_controlnet_s": concurrent.busy_seconds if concurrent is not None else float("nan"),
             "stencil_controlnet_waited_s": concurrent.waited_seconds if concurrent is not None else float("nan"),
             "latency": {f"{s}-{k}": median(lat[(s, k)]) for s, k in configs},
@@ -334,6 +348,14 @@ def _setup(report: dict[str, Any]) -> str:
                  f"{report['args']['processes']} processes) made in {s.get('adapters_s', nan):.1f} s, the models "
                  f"loaded meanwhile ({s.get('loads_s', nan):.1f} s)")
     return text + "."
+
+
+def _stencil_lora(r: dict[str, Any]) -> str:
+    how = ("merged or as per-row terms, by its cost model" if r["merges_allowed"] else
+           "as per-row terms every step (half precision never merges: PEFT's unfused roundings)")
+    return (f"Stencil applied the adapters {how}: per job with adapters, {r['term_host_s_per_job'] * 1e3:.0f} ms of "
+            f"host time adding terms, {r['merge_sync_s_per_job'] * 1e3:.0f} ms merging on the critical path, "
+            f"{r['merge_staged_s_per_job'] * 1e3:.0f} ms merging in the background.")
 
 
 def render(report: dict[str, Any]) -> list[str]:
@@ -357,7 +379,7 @@ def render(report: dict[str, Any]) -> list[str]:
                   f"rounds; added: median over rounds of the difference to the same round's job without adapters. "
                   f"A job without adapters: stock {r['none']['stock_s']:.3f} s, Stencil {r['none']['stencil_s']:.3f} "
                   f"s. The stock path's LoRA calls (load, set, fuse; unfuse, unload) took "
-                  f"{r['stock_lora_s'] * 1e3:.0f} ms per request (median).", "",
+                  f"{r['stock_lora_s'] * 1e3:.0f} ms per request (median). {_stencil_lora(r['stencil_lora'])}", "",
                   "| adapters | stock latency | stock added | Stencil latency | Stencil added | "
                   f"Stencil added / stock added (target <= {TARGETS['added_ratio']:.2f}) |",
                   "|---|---|---|---|---|---|"]
@@ -384,7 +406,8 @@ def render(report: dict[str, Any]) -> list[str]:
                   f"A ControlNet of the model's size (`ControlNetModel.from_unet`, random weights), conditioning scale "
                   f"0.8, canny control "
                   f"images; latency: one job alone, median of {r['rounds']} interleaved rounds; batch: {r['jobs']} "
-                  f"jobs (stock in calls of {a['max_batch']}, Stencil all submitted at once). ControlNet made, "
+                  f"jobs (stock in calls of {a['max_batch']}, Stencil all submitted at once), median of "
+                  f"{r['batch_rounds']} interleaved rounds. ControlNet made, "
                   f"saved, loaded and made resident in {r['setup_s']:.1f} s.", "",
                   "| ControlNets | stock latency | Stencil latency | Stencil / stock |", "|---|---|---|---|"]
         for k in (0, 1):

@@ -127,8 +127,12 @@ class Adapters:
         def wait() -> None:
             try:
                 pending.get()
-            finally:
+            except BaseException:  # a failure or a signal: stop the others' work now
+                pool.terminate()
+                raise
+            else:
                 pool.close()
+            finally:
                 pool.join()
             self.dirs.update((i, self.root / i) for i in todo)
 
