@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -99,3 +100,22 @@ def test_quick_mode_runs_every_part_through_the_stock_and_stencil_paths_on_the_c
     assert "python -m ops.bench.addons_gpu --quick --device cpu" in text
     for heading in ("## Latency adapters add to one job", "## Long-tail trace", "## One ControlNet"):
         assert heading in text
+
+
+def test_without_a_peft_diffusers_can_load_loras_with_the_run_says_so_and_still_runs_the_controlnet(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU machine whose PEFT is older than diffusers needs: the LoRA parts are reported as not run,
+    with the versions found, and the ControlNet part runs."""
+    from diffusers.utils import constants
+
+    from ops.bench.addons_gpu import main
+
+    monkeypatch.setattr(constants, "USE_PEFT_BACKEND", False)
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    js = tmp_path / "r.json"
+    code = main(["--quick", "--device", "cpu", "--parts", "latency,controlnet", "--out", str(tmp_path / "r.md"),
+                 "--json", str(js), "--workdir", str(tmp_path / "work")])
+    report = json.loads(js.read_text())
+    assert code == 0 and list(report["parts"]) == ["controlnet"]
+    assert any(n.startswith("LoRA parts not run") and "peft" in n for n in report["notes"]), report["notes"]
+    assert report["setup"]["adapters"] == 0

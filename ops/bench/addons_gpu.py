@@ -57,6 +57,7 @@ from ops.bench.controlnet import Stock as ControlNetStock
 from ops.bench.controlnet import _inputs as controlnet_inputs
 from ops.bench.controlnet import add_controlnets
 from ops.bench.e2e_gpu import MODELS, save_model
+from ops.bench.harness.addons_gpu_report import render
 from ops.bench.harness.cli import parser, start
 from ops.bench.harness.gpu import DTYPES, device_of, hardware, sync
 from ops.bench.harness.service import InProcess
@@ -69,7 +70,6 @@ log = logging.getLogger(__name__)
 
 PARTS = ("latency", "trace", "controlnet")
 SHARE = {"latency": 1.0, "trace": 1.4, "controlnet": 1.0}  # of the time left after set-up
-TARGETS = {"added_ratio": 0.10, "trace_speedup": 1.5}
 CONTROLNET = "edges"
 
 
@@ -339,87 +339,40 @@ RUNS: dict[str, Callable[[Bench, float], dict[str, Any]]] = {
     "latency": part_latency, "trace": part_trace, "controlnet": part_controlnet}
 
 
-def _setup(report: dict[str, Any]) -> str:
-    s, nan = report.get("setup", {}), float("nan")
-    text = f"Set-up {report.get('setup_s', nan):.0f} s: model saved in {s.get('model_save_s', nan):.1f} s"
-    if s.get("adapters"):
-        text += (f"; {s['adapters']} adapters (the first through PEFT in {s.get('first_adapter_s', nan):.1f} s, the "
-                 f"others derived from it and converted as `stencil lora add` converts, in "
-                 f"{report['args']['processes']} processes) made in {s.get('adapters_s', nan):.1f} s, the models "
-                 f"loaded meanwhile ({s.get('loads_s', nan):.1f} s)")
-    return text + "."
-
-
-def _stencil_lora(r: dict[str, Any]) -> str:
-    how = ("merged or as per-row terms, by its cost model" if r["merges_allowed"] else
-           "as per-row terms every step (half precision never merges: PEFT's unfused roundings)")
-    return (f"Stencil applied the adapters {how}: per job with adapters, {r['term_host_s_per_job'] * 1e3:.0f} ms of "
-            f"host time adding terms, {r['merge_sync_s_per_job'] * 1e3:.0f} ms merging on the critical path, "
-            f"{r['merge_staged_s_per_job'] * 1e3:.0f} ms merging in the background.")
-
-
-def render(report: dict[str, Any]) -> list[str]:
-    """The Markdown report of what ran (a run cut short renders what it measured)."""
-    a = report["args"]
-    lines = [f"# LoRA adapters and ControlNets on {report['hardware']}", "",
-             f"Command: `{report['command']}`", "",
-             f"{report['model']} at {report['side']} px in {a['dtype']}, {a['steps']} steps, guidance 7.5, random "
-             f"weights; adapters rank {a['rank']} on every attention projection of the UNet; Stencil's GPU-worker "
-             f"defaults (max batch {a['max_batch']}, adapter bank {report['bank_mib']} MiB). {_setup(report)} "
-             f"Total {report.get('elapsed_s', float('nan')):.0f} s of a {a['budget_s']:.0f} s budget.", ""]
-    parts = report["parts"]
-    graphs = [r["stencil_graphs"] for r in parts.values() if r.get("stencil_graphs")]
-    if graphs:  # the GPU worker's SD runner replays a step as a CUDA graph when nothing rules it out
-        lines += [f"Stencil's steps over the run: {graphs[-1]['replays']} replayed as CUDA graphs "
-                  f"({graphs[-1]['captures']} captures), the others eager.", ""]
-    if "latency" in parts:
-        r = parts["latency"]
-        lines += ["## Latency adapters add to one job", "",
-                  f"Fresh adapters ({r['adapter_mib']:.2f} MiB each) for every request, {r['rounds']} interleaved "
-                  f"rounds; added: median over rounds of the difference to the same round's job without adapters. "
-                  f"A job without adapters: stock {r['none']['stock_s']:.3f} s, Stencil {r['none']['stencil_s']:.3f} "
-                  f"s. The stock path's LoRA calls (load, set, fuse; unfuse, unload) took "
-                  f"{r['stock_lora_s'] * 1e3:.0f} ms per request (median). {_stencil_lora(r['stencil_lora'])}", "",
-                  "| adapters | stock latency | stock added | Stencil latency | Stencil added | "
-                  f"Stencil added / stock added (target <= {TARGETS['added_ratio']:.2f}) |",
-                  "|---|---|---|---|---|---|"]
-        for n, row in sorted(r["rows"].items()):
-            met = "met" if row["added_ratio"] <= TARGETS["added_ratio"] else "not met"
-            lines.append(f"| {n} | {row['stock_s']:.3f} s | {row['stock_added_s'] * 1e3:.0f} ms | "
-                         f"{row['stencil_s']:.3f} s | {row['stencil_added_s'] * 1e3:.0f} ms | "
-                         f"{row['added_ratio']:.3f} ({met}) |")
-        lines.append("")
-    if "trace" in parts:
-        r = parts["trace"]
-        met = "met" if r["speedup"] >= TARGETS["trace_speedup"] else "not met"
-        lines += ["## Long-tail trace", "",
-                  f"{r['jobs']} jobs, {a['pool']} adapters with Zipf({a['zipf']}) popularity ({r['distinct_adapters']} "
-                  f"distinct), 1-2 per job, scales in [0.5, 1]; stock one request at a time, Stencil all submitted "
-                  "at once.", "", "| system | seconds | jobs/s | vs stock |", "|---|---|---|---|",
-                  f"| stock per-request path | {r['stock_s']:.2f} | {r['stock_jobs_per_s']:.3f} | 1.00x |",
-                  f"| Stencil | {r['stencil_s']:.2f} | {r['stencil_jobs_per_s']:.3f} | {r['speedup']:.2f}x "
-                  f"(target >= {TARGETS['trace_speedup']}x: {met}) |", ""]
-    if "controlnet" in parts:
-        r = parts["controlnet"]
-        lat = r["latency"]
-        lines += ["## One ControlNet", "",
-                  f"A ControlNet of the model's size (`ControlNetModel.from_unet`, random weights), conditioning scale "
-                  f"0.8, canny control "
-                  f"images; latency: one job alone, median of {r['rounds']} interleaved rounds; batch: {r['jobs']} "
-                  f"jobs (stock in calls of {a['max_batch']}, Stencil all submitted at once), median of "
-                  f"{r['batch_rounds']} interleaved rounds. ControlNet made, "
-                  f"saved, loaded and made resident in {r['setup_s']:.1f} s.", "",
-                  "| ControlNets | stock latency | Stencil latency | Stencil / stock |", "|---|---|---|---|"]
-        for k in (0, 1):
-            s, o = lat[f"stock-{k}"], lat[f"stencil-{k}"]
-            lines.append(f"| {k} | {s:.3f} s | {o:.3f} s | {o / s:.2f}x |")
-        lines += ["", f"| {r['jobs']} jobs with 1 ControlNet | seconds | jobs/s |", "|---|---|---|"]
-        for name, s in r["batch_s"].items():
-            lines.append(f"| {name} | {s:.2f} | {r['jobs_per_s'][name]:.3f} |")
-        lines += ["", f"Stencil against the faster stock way: {r['speedup_vs_best_stock']:.2f}x.", ""]
-    if report["notes"]:
-        lines += ["Notes: " + "; ".join(report["notes"]) + ".", ""]
-    return lines
+def set_up(args: argparse.Namespace, parts: Sequence[str], device: torch.device, work: Path, side: int,
+           report: dict[str, Any]) -> Bench:
+    """The model saved, Stencil and the stock LoRA pipeline loaded on ``device``, and every adapter the
+    LoRA parts will use made and stored meanwhile (in processes forked before CUDA is touched)."""
+    t0 = time.monotonic()
+    model_dir = save_model(args, work)
+    report["setup"] = setup = {"model_save_s": time.monotonic() - t0}
+    store = LocalStore(work / "store")
+    adapters = Adapters(model_dir, work / "loras", store, args.rank, dtype=DTYPES[args.dtype], derive=True)
+    missing = lora_backend()
+    if missing:
+        report["notes"].append(f"LoRA parts not run: {missing}")
+    lora_parts = not missing and bool({"latency", "trace"} & set(parts))
+    t1 = time.monotonic()
+    ids = adapter_ids(args, parts) if lora_parts else []
+    adapters_ready = adapters.prefill(ids, args.processes)
+    setup["first_adapter_s"] = time.monotonic() - t1
+    report["hardware"] = f"{hardware(device)}, {versions()}"  # CUDA from here on
+    settings = Settings()
+    svc = InProcess(model_dir, store, max_batch=args.max_batch, lora_cache_bytes=settings.lora_cache_bytes,
+                    controlnet_cache_bytes=settings.controlnet_cache_bytes, dtype=DTYPES[args.dtype],
+                    device=str(device))
+    bench = Bench(args, device, model_dir, work, store, svc, side, adapters, report["notes"])
+    try:
+        if lora_parts:
+            bench.lora_stock  # noqa: B018 (loaded while the adapters are made)
+        setup["loads_s"] = time.monotonic() - t1
+        adapters_ready()
+    except BaseException:
+        svc.close()
+        raise
+    setup.update(adapters=len(ids), adapters_s=time.monotonic() - t1)
+    report["setup_s"] = time.monotonic() - t0
+    return bench
 
 
 def write(report: dict[str, Any], args: argparse.Namespace) -> None:
@@ -469,39 +422,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     until = run.t0 + args.budget_s
     work = Path(args.workdir or tempfile.mkdtemp(prefix="stencil-addons-gpu-"))
     side = args.size or (64 if args.quick else MODELS[args.model][2])
-    settings = Settings()
     report: dict[str, Any] = {"command": run.command, "hardware": f"{device.type}, {versions()}",
-                              "args": vars(args), "side": side, "bank_mib": settings.lora_cache_bytes >> 20,
+                              "args": vars(args), "side": side, "bank_mib": Settings().lora_cache_bytes >> 20,
                               "model": MODELS[args.model][1 if args.quick else 0], "parts": {}, "notes": []}
     signal.signal(signal.SIGTERM, lambda *_: _stop("SIGTERM"))  # a stage limit: keep what ran
     svc = None
     failed: list[str] = []
     try:
-        t0 = time.monotonic()
-        model_dir = save_model(args, work)
-        report["setup"] = {"model_save_s": time.monotonic() - t0}
-        store = LocalStore(work / "store")
-        adapters = Adapters(model_dir, work / "loras", store, args.rank, dtype=DTYPES[args.dtype], derive=True)
-        missing = lora_backend()
-        if missing:
-            report["notes"].append(f"LoRA parts not run: {missing}")
-            parts = [x for x in parts if x == "controlnet"]
-        t1 = time.monotonic()
-        ids = adapter_ids(args, parts) if {"latency", "trace"} & set(parts) else []
-        # Forked before this process touches CUDA; the adapters are made while the models load.
-        adapters_ready = adapters.prefill(ids, args.processes)
-        report["setup"]["first_adapter_s"] = time.monotonic() - t1
-        report["hardware"] = f"{hardware(device)}, {versions()}"  # CUDA from here on
-        svc = InProcess(model_dir, store, max_batch=args.max_batch, lora_cache_bytes=settings.lora_cache_bytes,
-                        controlnet_cache_bytes=settings.controlnet_cache_bytes, dtype=DTYPES[args.dtype],
-                        device=str(device))
-        bench = Bench(args, device, model_dir, work, store, svc, side, adapters, report["notes"])
-        if "latency" in parts or "trace" in parts:
-            bench.lora_stock  # noqa: B018 (loaded while the adapters are made)
-        report["setup"]["loads_s"] = time.monotonic() - t1
-        adapters_ready()
-        report["setup"].update(adapters=len(ids), adapters_s=time.monotonic() - t1)
-        report["setup_s"] = time.monotonic() - t0
+        bench = set_up(args, parts, device, work, side, report)
+        svc = bench.svc
+        parts = [x for x in parts if x == "controlnet" or not lora_backend()]
         for k, name in enumerate(parts):
             left = until - time.monotonic()
             if left < 5:
