@@ -10,6 +10,11 @@
 # .json and .log). Each stage has its own time limit (580 s together: the device allows 600 s a
 # command), so one that hangs or runs long leaves the others' results; GPU_CHECKS=tests,step,reuse,engine,e2e
 # selects stages.
+# The add-on benchmarks (ops.bench.addons_gpu: LoRA latency and long-tail trace against diffusers'
+# load_lora_weights path, one ControlNet against StableDiffusionControlNetInpaintPipeline) are stage
+# `addons`, not in the default list (no room left in one command): run them as a second command,
+#   device run (carry .gpu):  source .gpu/setup.sh && GPU_CHECKS=addons bash ops/gpu_checks.sh
+# which leaves summary.txt, addons_gpu.md and details.tar.gz in $OUT.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -46,6 +51,8 @@ stage reuse 40 bash -c "exec python3 -m ops.bench.gpu_step --parts reuse --model
 stage engine 110 bash -c "bench gpu_engine"
 # Its defaults are sized for this stage: SD 1.5 512 px bf16, a 185 s budget (model save, loads and warm-ups in it).
 stage e2e 210 bash -c "bench e2e_gpu"
+# Only when named (GPU_CHECKS=addons): a 150 s budget (model save, loads, adapters and ControlNet made in it).
+stage addons 200 bash -c "bench addons_gpu"
 (cd "$work" && shopt -s nullglob && files=(*.json *.log) && ((${#files[@]})) && tar -czf "$OUT/details.tar.gz" -- "${files[@]}")
 rm -rf "$work"
 cat "$summary"

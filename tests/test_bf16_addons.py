@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -232,3 +233,26 @@ def test_a_step_with_adapter_terms_leaves_no_layout_demand_behind(tmp_path: Path
     run_engine(runner, [(prep.tensors, dict(prep.meta, loras=[["a", 1.0]], cache_mode="full"))])
     assert lora.stats.steps_terms > 0
     assert not layout.wanted()
+
+
+def test_a_half_precision_patcher_stages_no_merge(tmp_path: Path) -> None:
+    """A routed job's adapters are staged (merged in the background) on an idle engine so its first
+    step swaps them in; a half-precision model never swaps a merged set in, so staging there would
+    only take device time from that job: ``stage`` declines and merges nothing."""
+    from workers.adapters.bank import AdapterBank
+    from workers.adapters.patcher import LoraPatcher
+
+    files = {"a": save_sd_lora(sd_pipe(SD_DIR), tmp_path / "a", rank=4, seed=1)}
+    world = World(files, SD_DIR)
+    bank = AdapterBank(world.read, budget_bytes=1 << 30)
+    for dtype, staged in ((BF16, False), (torch.float32, True)):
+        lora = LoraPatcher(copy.deepcopy(sd_pipe(SD_DIR, dtype).unet).eval(), "unet", bank.get)
+        try:
+            assert lora.stage((("a", 0.8),)) is staged, dtype
+            if staged:
+                while not lora.weights.ready((("a", 0.8),)):
+                    time.sleep(0.01)
+            assert (lora.weights.staged_seconds > 0) is staged, dtype
+        finally:
+            lora.weights.close()
+    bank.close()

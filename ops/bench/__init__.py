@@ -25,8 +25,9 @@ with the exact command line that produced it. ``--quick`` is a smoke run in seco
   ``mixing_cost`` (what one more image size in a step costs: a denoiser call per size),
   ``scheduler_cost`` (what an SLO-aware scheduling pass costs under a long queue);
 - add-ons: ``lora`` (adapters vs the stock per-request path), ``controlnet`` (ControlNets vs the stock
-  pipeline, overlapped with the UNet, the resident LRU), ``addon_fidelity`` (late patching, add-ons
-  with mask-aware caches).
+  pipeline, overlapped with the UNet, the resident LRU), ``addons_gpu`` (both on one GPU at true size:
+  latency fresh adapters add, a long-tail adapter trace, one ControlNet, against diffusers' own paths),
+  ``addon_fidelity`` (late patching, add-ons with mask-aware caches).
 - true-size deployment: ``placement`` (text encoders and VAE on the host CPU or the GPU: measured CPU
   costs at true sizes, published GPU costs, latency per placement), ``compiled`` (``torch.compile``
   vs eager denoising steps, full and mask-aware);

@@ -344,7 +344,11 @@ class LoraPatcher:
         log.debug("%s: switched to %s in %.4f s", self.component, adapters, took)
 
     def stage(self, adapters: AdapterSet) -> bool:
-        """Merge ``adapters`` in the background so a later switch to them is a swap."""
+        """Merge ``adapters`` in the background so a later switch to them is a swap. Not in half
+        precision: such a model never switches to a merged set, and the merge would take device
+        time from the very job that routed it (``stencil.prefetch_loras`` stages on an idle engine)."""
+        if not self.merge_allowed:
+            return False
         return self.weights.stage(adapters)
 
     def base_identical(self) -> bool:

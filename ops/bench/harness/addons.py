@@ -48,6 +48,30 @@ def save_sd_lora(pipe, out: Path, *, rank: int = 4, seed: int = 0, text_encoder:
     return out / "pytorch_lora_weights.safetensors"
 
 
+def derive_lora(source: Path, out: Path, *, seed: int, rank: int, std: float = 0.05) -> Path:
+    """Another adapter in ``source``'s format (a file ``save_sd_lora`` wrote): the same keys,
+    shapes, dtype and metadata, every factor redrawn from ``seed`` as ``lora_state`` draws it
+    (down/A: std 1/rank, up/B: ``std``). For benchmarks that need many distinct adapters of a
+    true-size model, where PEFT's injection per adapter costs seconds on the host."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    with safe_open(str(source), "pt") as fh:
+        metadata = fh.metadata()
+        for key in fh.keys():
+            t = fh.get_tensor(key)
+            if key.endswith(("lora.down.weight", "lora_A.weight")):
+                t = (torch.randn(t.shape, generator=gen) / rank).to(t.dtype)
+            elif key.endswith(("lora.up.weight", "lora_B.weight")):
+                t = (torch.randn(t.shape, generator=gen) * std).to(t.dtype)
+            tensors[key] = t
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / source.name), metadata=metadata)
+    return out / source.name
+
+
 def save_flux_lora(pipe, out: Path, *, rank: int = 4, seed: int = 0, std: float = 0.05,  # type: ignore[no-untyped-def]
                    targets: list[str] | None = None) -> Path:
     """A Flux transformer LoRA, saved with the pipeline's ``save_lora_weights``."""
@@ -59,11 +83,13 @@ def save_flux_lora(pipe, out: Path, *, rank: int = 4, seed: int = 0, std: float 
 def make_controlnet(unet: UNet2DConditionModel, seed: int, std: float = 0.02) -> ControlNetModel:
     """``ControlNetModel.from_unet`` with 4 latent input channels (what the ControlNet inpainting
     pipeline feeds it; a 9-channel inpainting UNet's first 4 input channels are the latents) and
-    random zero convolutions, so its residuals are not zero."""
-    base = ControlNetModel.from_unet(unet)
-    config = dict(base.config)
-    config["in_channels"] = 4
-    net = ControlNetModel.from_config(config)
+    random zero convolutions, so its residuals are not zero. Built on the UNet's device (seconds on
+    the host for a true-size one, a fraction of one on a GPU), in float32."""
+    with torch.device(unet.device):
+        base = ControlNetModel.from_unet(unet)
+        config = dict(base.config)
+        config["in_channels"] = 4
+        net = ControlNetModel.from_config(config)
     state = base.state_dict()
     state["conv_in.weight"] = state["conv_in.weight"][:, :4].clone()
     net.load_state_dict(state)
@@ -75,6 +101,11 @@ def make_controlnet(unet: UNet2DConditionModel, seed: int, std: float = 0.02) ->
     return net.eval()
 
 
-def save_controlnet(unet: UNet2DConditionModel, out: Path, seed: int, std: float = 0.02) -> Path:
-    make_controlnet(unet, seed, std).save_pretrained(out, safe_serialization=True)
+def save_controlnet(unet: UNet2DConditionModel, out: Path, seed: int, std: float = 0.02,
+                    dtype: torch.dtype = torch.float32) -> Path:
+    """``make_controlnet`` saved with ``save_pretrained`` in ``dtype`` (a true-size one in half
+    precision: half the bytes to write and load)."""
+    net = make_controlnet(unet, seed, std)
+    torch.nn.Module.to(net, dtype=dtype)  # not ModelMixin.to: it warns about its empty keep-in-float32 list
+    net.save_pretrained(out, safe_serialization=True)
     return out

@@ -32,10 +32,22 @@ def hardware(device: torch.device) -> str:
 
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        driver = torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") else "?"
-        return (f"{props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}, driver {driver}, "
-                f"torch {torch.__version__}, diffusers {diffusers.__version__}")
+        return (f"{props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}, "
+                f"driver {driver_version()}, torch {torch.__version__}, diffusers {diffusers.__version__}")
     return f"CPU ({torch.get_num_threads()} threads), torch {torch.__version__}, diffusers {diffusers.__version__}"
+
+
+def driver_version() -> str:
+    """The NVIDIA driver's version (``nvidia-smi``; torch does not expose it), '?' without it."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return "?"
+    try:
+        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    return out[0] if out else "?"
 
 
 def sync(device: torch.device) -> None:

@@ -5,7 +5,8 @@ and a GPU worker do, minus Redis and Celery (measured elsewhere: ``ops/bench/ove
 ControlNets; an idle engine merges the adapters in the background), ``prepare`` / ``decode`` the
 CPU worker's (the product's own functions), and the engine runs on its own thread with the
 product's LoRA patcher, adapter bank and ControlNet bank, reading add-ons from an object store as
-a GPU worker does.
+a GPU worker does. ``device``: where the UNet, the add-ons and the stages run (on a GPU, the GPU
+host's stage pool: ``STENCIL_STAGE_PLACEMENT=gpu_host``), in ``dtype``.
 """
 
 from __future__ import annotations
@@ -47,23 +48,25 @@ def add_lora(store: ObjectStore, model_dir: Path, lora_id: str, file: Path) -> L
 class InProcess:
     def __init__(self, model_dir: Path, store: ObjectStore, *, max_batch: int = 4, lora_cache_bytes: int = 1 << 30,
                  controlnet_cache_bytes: int = 1 << 32, controlnet_parallel: bool = True,
-                 merge_buffers: int = 2, mask_aware: bool = False, dtype: torch.dtype = torch.float32) -> None:
+                 merge_buffers: int = 2, mask_aware: bool = False, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu") -> None:
         self.model_dir = model_dir
         self.store = store
+        self.device = torch.device(device)
         self.cfg = scheduler_config(model_dir)
-        self.cpu = load_cpu_pipeline(model_dir, dtype=dtype)
-        unet = load_unet(model_dir, "cpu", dtype)
+        self.cpu = load_cpu_pipeline(model_dir, device, dtype=dtype)
+        unet = load_unet(model_dir, device, dtype)
         read = lambda i: LoraWeights.from_bytes(store.get(lora_weights_key(i)))  # noqa: E731
         self.bank = AdapterBank(read, lora_cache_bytes)
         self.text = LoraPatcher(self.cpu.text_encoder, "text_encoder", read)  # the CPU worker's text adapters
         self.lora = LoraPatcher(unet, "unet", self.bank.get, merge_buffers=merge_buffers)
-        self.controlnets = ControlNetBank(store_loader(store.get, "cpu", unet.dtype), controlnet_cache_bytes)
+        self.controlnets = ControlNetBank(store_loader(store.get, device, unet.dtype), controlnet_cache_bytes)
         caches: dict[str, Any] = {}
         if mask_aware:  # after the patcher (its forwards must be the ones the hooks wrap)
             activations = ActivationStore(store)
             caches = dict(maskaware=MaskAwareUNet(unet), caches=StepCacheProvider(activations, 1 << 31),
                           recorder=CacheRecorder(activations), prefetch_steps=64)
-        self.runner = SDRunner(unet, self.cfg, lora=self.lora, adapters=self.bank, controlnets=self.controlnets,
+        self.runner = SDRunner(unet, self.cfg, device, lora=self.lora, adapters=self.bank, controlnets=self.controlnets,
                                controlnet_parallel=controlnet_parallel, **caches)
         self.engine = Engine(self.runner, BatchScheduler(max_batch=max_batch)).start()
         self._n = 0
