@@ -14,7 +14,10 @@
 # load_lora_weights path, one ControlNet against StableDiffusionControlNetInpaintPipeline) are stage
 # `addons`, not in the default list (no room left in one command): run them as a second command,
 #   device run (carry .gpu):  source .gpu/setup.sh && GPU_CHECKS=addons bash ops/gpu_checks.sh
-# which leaves summary.txt, addons_gpu.md and details.tar.gz in $OUT.
+# which leaves summary.txt, addons_gpu.md and details.tar.gz in $OUT. Stage `profile` (also only when
+# named, about a minute: GPU_CHECKS=profile, or with the add-ons) fits the cost model of the true-size
+# SD 1.5 UNet on the card (`stencil profile --device cuda`: graph-replayed steps, pinned host copies):
+# sd15-inpaint--cuda.json in $OUT is the measured GPU cost model to ship in ops/sim/costmodels.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -53,6 +56,8 @@ stage engine 110 bash -c "bench gpu_engine"
 stage e2e 210 bash -c "bench e2e_gpu"
 # Only when named (GPU_CHECKS=addons): a 150 s budget (model save, loads, adapters and ControlNet made in it).
 stage addons 200 bash -c "bench addons_gpu"
+stage profile 120 bash -c "exec python3 -m ops.bench.profile --device cuda --model sd15-inpaint --points 48 --max-jobs 16 \
+  --out '$OUT/sd15-inpaint--cuda.json' --report '$OUT/profile.md' --raw '$work/profile.points.json' > '$work/profile.log' 2>&1"
 (cd "$work" && shopt -s nullglob && files=(*.json *.log) && ((${#files[@]})) && tar -czf "$OUT/details.tar.gz" -- "${files[@]}")
 rm -rf "$work"
 cat "$summary"

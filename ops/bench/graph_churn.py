@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--latent", type=int, default=32, help="latent side of the jobs (32: 1,024 tokens at the first level)")
+    p.add_argument("--latent", type=int, default=32, help="latent side of the jobs (32: 1,024 first-level tokens)")
     p.add_argument("--trace", default="spring")
     run_ = start(p, argv, __file__, quick=dict(patterns=["burst", "0.9"], jobs=8, max_batch=4, steps=8, latent=8))
     args = run_.args
