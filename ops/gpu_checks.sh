@@ -46,14 +46,14 @@ bench() {  # module [options]: its report into $OUT, its JSON and log into $work
 }
 export -f bench
 
-stage tests 90 bash -c "python3 -m pytest -m gpu -p no:xdist -q -rA tests/test_gpu.py > '$OUT/tests.log' 2>&1"
+stage tests 100 bash -c "python3 -m pytest -m gpu -p no:xdist -q -rA tests/test_gpu.py > '$OUT/tests.log' 2>&1"
 # 4 interleaved rounds (the benchmark's default is 10): its three models in the stage's time.
 stage step 130 bash -c "bench gpu_step --rounds 4"
 # temporal reuse (turbo) per step: SD 1.5 and Flux, its own report
 stage reuse 40 bash -c "exec python3 -m ops.bench.gpu_step --parts reuse --models sd15,flux --rounds 4 --out '$OUT/gpu_reuse.md' --json '$work/gpu_reuse.json' > '$work/gpu_reuse.log' 2>&1"
 stage engine 110 bash -c "bench gpu_engine"
-# Its defaults are sized for this stage: SD 1.5 512 px bf16, a 185 s budget (model save, loads and warm-ups in it).
-stage e2e 210 bash -c "bench e2e_gpu"
+# Its defaults are sized for this stage: SD 1.5 512 px bf16, a 178 s budget here (model save, loads and warm-ups in it).
+stage e2e 200 bash -c "bench e2e_gpu --budget-s 178"
 # Only when named (GPU_CHECKS=addons): a 150 s budget (model save, loads, adapters and ControlNet made in it).
 stage addons 200 bash -c "bench addons_gpu"
 stage profile 120 bash -c "exec python3 -m ops.bench.profile --device cuda --model sd15-inpaint --points 48 --max-jobs 16 \

@@ -81,6 +81,36 @@ def test_graph_replayed_steps_equal_eager_steps_on_cuda(warmed) -> None:  # type
         assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
 
 
+def test_refresh_steps_replay_cuda_graphs_and_equal_eager_steps(warmed) -> None:  # type: ignore[no-untyped-def]
+    """Refresh steps (jobs recording their activations) captured and replayed as CUDA graphs: three
+    identical batches, two jobs refreshing at step 2; the third replays every step and every batch
+    equals the eager runner's."""
+    from workers.engine.sd_runner import SDRunner
+
+    unet, ctrl, runner, caches, cfg, job, key, steps = warmed
+    graphed = SDRunner(unet, cfg, CUDA, maskaware=ctrl, caches=caches, prefetch_steps=0)
+    graphed.graphs.min_horizon = 1  # type: ignore[union-attr]
+    runner.bucket_tokens = True
+    latents: dict[str, list[torch.Tensor]] = {}
+    ran: list[str] = []
+    for name, r in (("eager", runner), ("graphed", graphed)):
+        latents[name] = []
+        for _ in range(3):
+            batch = [job(r, "masked", key, steps, seed=10 + i) for i in range(3)]
+            for j in batch[1:]:
+                j.state.refresh = frozenset({2})
+            ran = []
+            while not batch[0].finished:
+                r.step(batch)
+                ran.append(r.last_step_graph)
+                for j in batch:
+                    j.steps_done += 1
+            latents[name] += [j.state.latents for j in batch]
+    assert ran == ["replayed"] * steps, ran
+    for a, b in zip(latents["eager"], latents["graphed"]):
+        assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
+
+
 def test_a_steady_masked_forward_never_synchronises_and_a_step_once(warmed) -> None:  # type: ignore[no-untyped-def]
     from workers.maskaware import RowGroup
     from workers.maskaware.tokens import blob_mask
