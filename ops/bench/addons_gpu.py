@@ -36,7 +36,6 @@ transformers versions. ``--quick``: the tiny embedded model at 64 px on whatever
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import random
@@ -60,6 +59,7 @@ from ops.bench.e2e_gpu import MODELS, save_model
 from ops.bench.harness.addons_gpu_report import render
 from ops.bench.harness.cli import parser, start
 from ops.bench.harness.gpu import DTYPES, device_of, hardware, sync
+from ops.bench.harness.report import write_run
 from ops.bench.harness.service import InProcess
 from ops.bench.harness.timing import median
 from ops.bench.lora import Adapters, trace_jobs
@@ -377,12 +377,7 @@ def set_up(args: argparse.Namespace, parts: Sequence[str], device: torch.device,
 
 def write(report: dict[str, Any], args: argparse.Namespace) -> None:
     """The Markdown report and the JSON (after every part: a run cut short keeps what it measured)."""
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join(render(report)) + "\n")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1, default=float))
+    write_run(args.out, args.json, render(report), report)
 
 
 def _stop(reason: str) -> None:

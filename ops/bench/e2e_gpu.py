@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import math
 import signal
@@ -52,6 +51,7 @@ from ops.bench.harness.e2e_gpu_report import render
 from ops.bench.harness.gpu import DTYPES, UtilSampler, device_of, hardware
 from ops.bench.harness.openloop import Workload, busy_seconds, make_workload, run_rate, summarize
 from ops.bench.harness.phases import mean_phases
+from ops.bench.harness.report import write_run
 
 log = logging.getLogger(__name__)
 
@@ -198,13 +198,7 @@ def _brief(summary: dict[str, float]) -> str:
 
 def write(report: dict[str, Any], args: argparse.Namespace) -> None:
     """The Markdown report and the JSON (after every system: a run cut short keeps what it measured)."""
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join(render(report)) + "\n")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({k: v for k, v in report.items() if k != "ratios"}, indent=1,
-                                              default=float))
+    write_run(args.out, args.json, render(report), {k: v for k, v in report.items() if k != "ratios"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

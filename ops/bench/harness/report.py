@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+
+def write_run(out: str, json_path: str, lines: list[str], data: Any) -> None:
+    """A run's Markdown report (``lines``) and its JSON (``data``), each where given; benchmarks that
+    write them after every part, so that a run cut short keeps what it measured."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text("\n".join(lines) + "\n")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(data, indent=1, default=float))
 
 
 def replace_section(path: Path, name: str, text: str) -> None:
