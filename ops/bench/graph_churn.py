@@ -126,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     mut = load_model("tiny", args.latent, args.seed)
     rows = [run(mut, pattern, args) for pattern in args.patterns]
     lines = ["# Step graphs under continuous batching", "", f"Command: `{run_.command}`", "",
-             f"The embedded model, {args.jobs} edits of one warmed template per pattern, {args.steps} steps, max batch "
+             f"The embedded model at {args.latent * 8} px, {args.jobs} edits of one warmed template per pattern, "
+             f"{args.steps} steps, max batch "
              f"{args.max_batch}, policy `fast` (refresh steps {policy_schedule('fast', args.steps)}), mask ratios from "
              f"the {args.trace} trace; step graphs on (the CPU stand-in: the same signatures, captures and replays "
              "as on a GPU). Shares of the engine's steps by how their denoiser call ran; job steps replayed: the "
