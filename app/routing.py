@@ -58,6 +58,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from app.coldstart import ClusterLoad, cold_start
 from app.costmodel import CostModel, admission_profile, finish_after_admission
 
 _stamps = itertools.count(1)
@@ -313,6 +314,7 @@ class MaskAwareRouter:
         self._profiles: dict[str, tuple[int, tuple[float, list[tuple[float, int]]]]] = {}
         self._templates: dict[str, tuple[int, frozenset[str]]] = {}
         self._bounds: dict[str, tuple[int, int, float]] = {}  # worker -> (stamp, steps, work ahead)
+        self._rates: dict[str, tuple[int, float]] = {}  # worker -> (stamp, jobs it completes per second)
 
     def job_seconds(self, job: JobLoad) -> float:
         """A job's marginal step seconds, memoized per job (a job's cost is fixed for its life and
@@ -377,24 +379,76 @@ class MaskAwareRouter:
             return steps * self._step(mine_s + ahead / steps) * w.step_time_factor
         return (steps * (self.model.intercept + mine_s) + ahead) * w.step_time_factor
 
-    def cost(self, job: JobLoad, w: WorkerState, fetch_s: float, addon_bytes: dict[str, int] | None = None) -> float:
-        """Predicted seconds until ``job`` finishes on ``w``: compute at ``w``'s measured pace
-        (``step_time_factor``), + fetch if its template or add-ons are cold."""
+    def cost(self, job: JobLoad, w: WorkerState, fetch_s: float, addon_bytes: dict[str, int] | None = None,
+             load: ClusterLoad = ClusterLoad()) -> float:
+        """Predicted seconds until ``job`` finishes on ``w``, compute at ``w``'s measured pace
+        (``step_time_factor``); on a worker without its template, the cold start's price
+        (``cold_start_cost``, with the cluster's ``load``) instead; + the fetch of cold add-ons."""
         mine_s, mine_r = self.job_seconds(job), job.remaining
         t_admit, alive = self.profile(w)
-        t = finish_after_admission(t_admit, alive, mine_s, mine_r, self.model.intercept, self._step)
+        if self.is_cold(job, w, fetch_s):
+            t = self.cold_start_cost(job, w, t_admit, alive, fetch_s, load)
+        else:
+            t = finish_after_admission(t_admit, alive, mine_s, mine_r, self.model.intercept, self._step)
+            t *= w.step_time_factor  # compute runs at the worker's measured pace; fetches do not
         if self.externality:
             # Others' extra time while sharing steps with the new job.
-            t += self.externality * self._shared_extra(alive, mine_s, mine_r)
-        t *= w.step_time_factor  # compute runs at the worker's measured pace; fetches do not
-        if fetch_s and job.template_id and job.cached and w.templates is not None \
-                and job.template_id not in w.templates and job.template_id not in self._job_templates(w):
-            t += fetch_s
+            t += self.externality * self._shared_extra(alive, mine_s, mine_r) * w.step_time_factor
         if addon_bytes and job.addons:
             cold = sum(addon_bytes.get(a, 0) for a in w.missing_addons(job.addons))
             if cold:
                 t += self.model.load_seconds(cold, self.fetch_tier) if self.fetch_tier in self.model.tiers else 0.0
         return t
+
+    def is_cold(self, job: JobLoad, w: WorkerState, fetch_s: float) -> bool:
+        """Whether ``w`` would fetch the job's template cache: it publishes its resident templates, the
+        job's is not among them and no job of that template is at or on its way to it."""
+        return bool(fetch_s and job.template_id and job.cached and w.templates is not None
+                    and job.template_id not in w.templates and job.template_id not in self._job_templates(w))
+
+    def cold_start_cost(self, job: JobLoad, w: WorkerState, t_admit: float, alive: Sequence[tuple[float, int]],
+                        fetch_s: float, load: ClusterLoad) -> float:
+        """The price of a cold start on ``w`` (``app/coldstart.py``): the job's finish computing in
+        full until its cache lands (``fetch_s``), + the delay its full steps add to their batch-mates,
+        + the delay they add to the jobs that reach ``w`` later.
+
+        That last term is what makes the price depend on load. Jobs reach a worker at the cluster's
+        completion rate per worker (``cluster_load``: in steady state jobs leave as fast as they
+        come), and each lengthened step delays those that arrive before it ends. Those jobs pass the
+        delay on to the ones behind them for as long as the cluster has no room to absorb it: as in
+        an M/G/1 queue, where extra work ``x`` extends the busy period by ``x / (1 - rho)``, the delay
+        is multiplied by ``1 / (share of batch slots free)``, the dispatcher's view of ``1 - rho``
+        (jobs present, queued ones included, against ``max_batch`` slots per worker; at least one
+        slot). With slack (64 workers at 90% load: a fifth of the slots free) a cold start costs a
+        few batch-mates' delay and the router spreads a template over workers with free slots; near
+        saturation (every slot taken) it costs the delay of every later job, and the router keeps
+        jobs on workers that hold their template (docs/bench/dispatch_gpu.md). Charging the whole
+        fetch instead, as if the job waited for its cache, left each template on a few workers whose
+        queues made mask_aware's 64-worker P95 higher than least_requests'.
+        """
+        pace = w.step_time_factor  # compute runs at the worker's measured pace, the fetch does not
+        full_s = self.model.job_seconds(mask_ratio=job.mask_ratio, masked_tokens=job.masked_tokens, cached=False)
+        cs = cold_start(t_admit, alive, self.job_seconds(job), full_s, fetch_s / pace, job.remaining,
+                        self.model.intercept, self._step)
+        # exposure is (seconds added) x (time), both at the worker's pace
+        return (cs.finish + cs.mates_delay) * pace + cs.later_arrivals(load) * pace * pace
+
+    def cluster_load(self, workers: Sequence[WorkerState], steps: int) -> ClusterLoad:
+        """Jobs per second a worker completes, averaged over ``workers``, and the share of their batch
+        slots free. A worker completes its running jobs at ``jobs / (steps x its step seconds)``, jobs of
+        ``steps`` steps each; slots taken count every job ahead of a new one (queued ones too)."""
+        rate, free, slots = 0.0, 0, 0
+        for w in workers:
+            hit = self._rates.get(w.worker_id)
+            if hit is None or hit[0] != w.stamp:
+                run = [self.job_seconds(j) for j in w.running if j.remaining > 0][: w.max_batch]
+                sec = self.model.step_seconds(run) * w.step_time_factor if run else 0.0
+                hit = (w.stamp, len(run) / sec if sec > 0 else 0.0)
+                self._rates[w.worker_id] = hit
+            rate += hit[1]
+            free += max(0, w.max_batch - w.n_jobs)
+            slots += w.max_batch
+        return ClusterLoad(rate / (max(steps, 1) * len(workers)), max(free, 1) / slots)
 
     def _shared_extra(self, alive: Sequence[tuple[float, int]], mine_s: float, steps: int) -> float:
         """Seconds the new job adds to the steps of the alive jobs it runs with (summed over them)."""
@@ -429,7 +483,9 @@ class MaskAwareRouter:
         mine_s, steps = self.job_seconds(load), load.remaining
         fetch_s = self.template_fetch_s(job)
         addon_bytes = dict(zip(job.addons, job.addon_bytes)) if job.addons else None
-        order = self._rot.order(size_affine(view.candidates(), job, self.size_slack))
+        candidates = view.candidates()
+        load_now = self.cluster_load(candidates, steps)
+        order = self._rot.order(size_affine(candidates, job, self.size_slack))
         bounds: list[tuple[float, int]] = []
         for i, w in enumerate(order):
             hit = self._profiles.get(w.worker_id)
@@ -442,7 +498,7 @@ class MaskAwareRouter:
             if bound > best_cost * (1.0 + 1e-9):
                 break  # this bound and all later ones exceed the best exact cost
             w = order[i]
-            keys[i] = (self.cost(load, w, fetch_s, addon_bytes), w.n_jobs)
+            keys[i] = (self.cost(load, w, fetch_s, addon_bytes, load_now), w.n_jobs)
             best_cost = min(best_cost, keys[i][0])
         return order[min(keys, key=lambda i: (keys[i], i))].worker_id
 

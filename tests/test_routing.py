@@ -184,7 +184,8 @@ def test_mask_aware_pruned_choice_equals_evaluating_every_worker(policy: str) ->
         mine = JobLoad.from_demand(d)
         fetch_s = brute.template_fetch_s(d)
         order = brute._rot.order(v.candidates())
-        expected = min(order, key=lambda w: (brute.cost(mine, w, fetch_s), w.n_jobs)).worker_id
+        load = brute.cluster_load(v.candidates(), d.steps)
+        expected = min(order, key=lambda w: (brute.cost(mine, w, fetch_s, load=load), w.n_jobs)).worker_id
         got = router.choose(d, v)
         assert got == expected, step
         v.assign(got, d)
