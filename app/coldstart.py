@@ -21,6 +21,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from app.costmodel import finish_after_admission
+
 
 @dataclass(frozen=True)
 class ColdStart:
@@ -61,6 +63,8 @@ def cold_start(t_admit: float, alive: Sequence[tuple[float, int]], warm_s: float
     def seconds(work: float) -> float:
         return intercept + work if step is None else step(work)
 
+    if t_admit >= lands:  # the cache lands while the job waits for a slot: a warm start
+        return ColdStart(finish_after_admission(t_admit, alive, warm_s, steps, intercept, step), 0.0, 0.0, 0.0)
     t, done = t_admit, 0
     in_step = sum(g for g, _ in alive)
     mates = len(alive)
@@ -69,14 +73,17 @@ def cold_start(t_admit: float, alive: Sequence[tuple[float, int]], warm_s: float
         end = min(r, steps)
         if end > done:
             run = end - done
-            warm, cold = seconds(in_step + warm_s), seconds(in_step + cold_s)
-            full = min(run, max(0, math.ceil((lands - t) / cold))) if t < lands else 0
-            if full:
+            warm = seconds(in_step + warm_s)
+            if t < lands:
+                cold = seconds(in_step + cold_s)
+                full = min(run, math.ceil((lands - t) / cold))
                 added = cold - warm
                 extra += added * full
                 delay += added * full * mates
                 exposure += added * (full * t + cold * full * (full + 1) / 2)  # step i ends at t + i * cold
-            t += full * cold + (run - full) * warm
+                t += full * cold + (run - full) * warm
+            else:
+                t += run * warm
             done = end
         if done >= steps:
             break

@@ -314,7 +314,7 @@ class MaskAwareRouter:
         self._profiles: dict[str, tuple[int, tuple[float, list[tuple[float, int]]]]] = {}
         self._templates: dict[str, tuple[int, frozenset[str]]] = {}
         self._bounds: dict[str, tuple[int, int, float]] = {}  # worker -> (stamp, steps, work ahead)
-        self._rates: dict[str, tuple[int, float]] = {}  # worker -> (stamp, jobs it completes per second)
+        self._rates: dict[str, tuple[int, float, int]] = {}  # worker -> (stamp, jobs done per second, free slots)
 
     def job_seconds(self, job: JobLoad) -> float:
         """A job's marginal step seconds, memoized per job (a job's cost is fixed for its life and
@@ -443,10 +443,10 @@ class MaskAwareRouter:
             if hit is None or hit[0] != w.stamp:
                 run = [self.job_seconds(j) for j in w.running if j.remaining > 0][: w.max_batch]
                 sec = self.model.step_seconds(run) * w.step_time_factor if run else 0.0
-                hit = (w.stamp, len(run) / sec if sec > 0 else 0.0)
+                hit = (w.stamp, len(run) / sec if sec > 0 else 0.0, max(0, w.max_batch - w.n_jobs))
                 self._rates[w.worker_id] = hit
             rate += hit[1]
-            free += max(0, w.max_batch - w.n_jobs)
+            free += hit[2]
             slots += w.max_batch
         return ClusterLoad(rate / (max(steps, 1) * len(workers)), max(free, 1) / slots)
 
