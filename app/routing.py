@@ -15,12 +15,15 @@ tests and the cluster simulator (ops/bench/simulate.py) run the very same object
 - ``mask_aware``: the paper's Algorithm 2. For each worker, the fitted cost model predicts each
   step of its batch as ``intercept + sum(job step seconds)`` and the batch's future is integrated
   step by step (jobs leave when done, waiting jobs take free slots, the new job joins in order):
-  the cost is the time until the new job would finish there. A worker that already holds the
-  job's template in host RAM (or has a job of that template on the way) is cheaper by the
-  predicted fetch time (only for workers that publish their resident templates: residency that is
-  not known is not guessed); likewise for the job's add-ons, LoRA adapters and ControlNets (their
-  bytes at the fetch tier's bandwidth, unless resident or on the way with another job there:
-  add-on affinity).
+  the cost is the time until the new job would finish there. On a worker without the job's
+  template in host RAM (and no job of it on the way; only for workers that publish their resident
+  templates: residency that is not known is not guessed) the job starts cold: it computes in full
+  until the fetched cache lands, so its cost is that finish, plus the delay its full steps add to
+  their batch-mates and to the jobs that will reach that worker meanwhile, the last scaled by how
+  few batch slots the cluster has free (``MaskAwareRouter.cold_start_cost``, app/coldstart.py):
+  with slack it spreads a template's jobs over workers with free slots, near saturation it keeps
+  them where the template is. The job's add-ons, LoRA adapters and ControlNets, cost their bytes at
+  the fetch tier's bandwidth unless resident or on the way with another job there (add-on affinity).
   With a cost model that carries a batch-step curve (``app/costmodel.py``: a GPU step costs about
   the same for its first few jobs, then grows by a job's device time) each step is priced on the
   curve instead, so a job added to a worker costs ``t(W + w) - t(W)``: the router sees that a worker
@@ -45,9 +48,11 @@ it sent new jobs away from the workers that had given up on the most deadlines, 
 on-time queues (GPU-shaped simulator at 1.3x capacity, 10 seeds, least_requests: 93.2% -> 94.5% of
 deadlines kept with deadline order, 93.1% -> 94.0% with arrival order; ops/bench/mixed_sizes).
 
-Ablation (``make_policy`` only, not a setting): ``mask_aware_marginal`` adds the delay the new
+Ablations (``make_policy`` only, not settings): ``mask_aware_marginal`` adds the delay the new
 job inflicts on the jobs it shares steps with (a marginal cost); in the simulation it moved P95 by
--0.7% to +1.0% (docs/bench/dispatch.md).
+-0.7% to +1.0% (docs/bench/dispatch.md). ``mask_aware_fetch`` prices a cold start as the whole
+template fetch, as if the job waited for its cache; ``mask_aware_unloaded`` leaves out the delay to
+later arrivals, whatever the load (what each does: docs/bench/dispatch_gpu.md).
 """
 
 from __future__ import annotations
@@ -301,6 +306,7 @@ class MaskAwareRouter:
     name = "mask_aware"
 
     def __init__(self, model: CostModel, *, fetch_tier: str = "local", externality: float = 0.0,
+                 cold_price: str = "loaded",
                  size_slack: float = 0.0, cache_steps: int = 0) -> None:
         self.model = model
         self.size_slack = size_slack
@@ -309,6 +315,11 @@ class MaskAwareRouter:
         self._step = model.step_function()  # None: the linear step, intercept + sum(job seconds)
         # Weight of the delay the new job adds to the worker's other jobs (0 = the paper's cost).
         self.externality = externality
+        # How a cold start is priced (ablations, ``make_policy``): "loaded" (``cold_start_cost``), "unloaded"
+        # (without the later arrivals' delay) or "fetch" (the job's warm finish + the whole fetch).
+        if cold_price not in COLD_PRICES:
+            raise ValueError(f"cold_price must be one of {COLD_PRICES}, got {cold_price!r}")
+        self.cold_price = cold_price
         self._rot = _Rotation()
         self._by_job: dict[tuple[object, ...], float] = {}
         self._profiles: dict[str, tuple[int, tuple[float, list[tuple[float, int]]]]] = {}
@@ -386,11 +397,14 @@ class MaskAwareRouter:
         (``cold_start_cost``, with the cluster's ``load``) instead; + the fetch of cold add-ons."""
         mine_s, mine_r = self.job_seconds(job), job.remaining
         t_admit, alive = self.profile(w)
-        if self.is_cold(job, w, fetch_s):
-            t = self.cold_start_cost(job, w, t_admit, alive, fetch_s, load)
+        if self.is_cold(job, w, fetch_s) and self.cold_price != "fetch":
+            t = self.cold_start_cost(job, w, t_admit, alive, fetch_s,
+                                     load if self.cold_price == "loaded" else ClusterLoad())
         else:
             t = finish_after_admission(t_admit, alive, mine_s, mine_r, self.model.intercept, self._step)
             t *= w.step_time_factor  # compute runs at the worker's measured pace; fetches do not
+            if self.cold_price == "fetch" and self.is_cold(job, w, fetch_s):
+                t += fetch_s
         if self.externality:
             # Others' extra time while sharing steps with the new job.
             t += self.externality * self._shared_extra(alive, mine_s, mine_r) * w.step_time_factor
@@ -506,7 +520,10 @@ class MaskAwareRouter:
 POLICIES = ("round_robin", "least_requests", "least_masked_tokens", "mask_aware")
 # Ablations, not settings: ``mask_aware_marginal`` also charges the delay the new job inflicts on
 # the jobs it shares steps with (marginal cost = own finish time + others' extra time).
-POLICY_VARIANTS = ("mask_aware_marginal",)
+# ``mask_aware_fetch`` prices a cold start as the whole template fetch (as if the job waited for its
+# cache), ``mask_aware_unloaded`` without the delay to later arrivals (``MaskAwareRouter.cold_start_cost``).
+POLICY_VARIANTS = ("mask_aware_marginal", "mask_aware_fetch", "mask_aware_unloaded")
+COLD_PRICES = ("loaded", "unloaded", "fetch")
 
 
 def make_policy(name: str, model: CostModel | None = None, *, size_slack: float | None = None) -> RoutingPolicy:
@@ -522,10 +539,13 @@ def make_policy(name: str, model: CostModel | None = None, *, size_slack: float 
         if model is None:
             raise ValueError("mask_aware routing needs a cost model (run `python -m ops.bench.profile`)")
         return MaskAwareRouter(model, size_slack=slack, cache_steps=cache_steps_setting())
-    if name == "mask_aware_marginal":
+    if name in POLICY_VARIANTS:
         if model is None:
             raise ValueError("mask_aware routing needs a cost model (run `python -m ops.bench.profile`)")
-        router = MaskAwareRouter(model, externality=1.0, size_slack=slack, cache_steps=cache_steps_setting())
+        variant = name.removeprefix("mask_aware_")
+        router = MaskAwareRouter(model, externality=1.0 if variant == "marginal" else 0.0,
+                                 cold_price=variant if variant in COLD_PRICES else "loaded", size_slack=slack,
+                                 cache_steps=cache_steps_setting())
         router.name = name
         return router
     raise ValueError(f"unknown routing policy {name!r}; known: {list(POLICIES)}")

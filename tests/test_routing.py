@@ -192,8 +192,9 @@ def test_mask_aware_pruned_choice_equals_evaluating_every_worker(policy: str) ->
 
 
 def test_mask_aware_cache_affinity() -> None:
-    """Identical load: the worker that holds the template (or has a job of it coming) wins by the
-    predicted fetch time; without a template both tie and rotation spreads the choice."""
+    """Identical load: the worker that holds the template (or has a job of it coming) wins, the other
+    would compute the job in full until the cache lands; without a template both tie and rotation
+    spreads the choice."""
     model = small_model(fetch_bw=1e5)  # a slow link: the fetch dominates whatever steps a cache stores
     a = WorkerState("a", running=[job("1", 0.2)])
     b = WorkerState("b", running=[job("2", 0.2)], templates=frozenset({"tpl"}))

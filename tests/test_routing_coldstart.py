@@ -144,3 +144,26 @@ def test_cluster_load_is_the_completion_rate_and_the_free_slot_share() -> None:
     assert load.free_share == pytest.approx(8 / 16)  # the busy worker's queue fills its slots
     full = WorkerView([WorkerState(str(k), running=batch(f"{k}-", 8, "x")) for k in range(3)])
     assert router.cluster_load(full.candidates(), 30).free_share == pytest.approx(1 / 24)  # at least one slot
+
+
+def test_the_ablations_price_the_fetch_or_leave_out_the_load() -> None:
+    """``mask_aware_fetch``: a cold worker costs the warm finish + the whole fetch (the job waiting for
+    its cache); ``mask_aware_unloaded``: the cold price with no later arrivals; both pick ``warm`` and
+    ``cold`` where the default price picks the other (the tests above)."""
+    model = gpu_dispatch.load(H200, SD15_ARCH).model
+    job = JobDemand("new", 30, 0.2, template_id="tpl")
+    mine = JobLoad.from_demand(job)
+    fetch, unloaded = make_policy("mask_aware_fetch", model), make_policy("mask_aware_unloaded", model)
+    assert isinstance(fetch, MaskAwareRouter) and isinstance(unloaded, MaskAwareRouter)
+    saturated = cluster(saturated=True)
+    cold, warm = saturated.workers["cold"], saturated.workers["warm"]
+    fetch_s = fetch.template_fetch_s(job)
+    busy = fetch.cluster_load(saturated.candidates(), 30)
+    t_admit, alive = fetch.profile(cold)
+    assert fetch.cost(mine, cold, fetch_s, load=busy) == pytest.approx(
+        finish_after_admission(t_admit, alive, fetch.job_seconds(mine), 30, model.intercept, model.step_function())
+        + fetch_s)
+    assert fetch.cost(mine, warm, fetch_s, load=busy) == unloaded.cost(mine, warm, fetch_s, load=busy)
+    assert unloaded.cost(mine, cold, fetch_s, load=busy) == unloaded.cost(mine, cold, fetch_s)
+    assert fetch.choose(job, cluster(saturated=False)) == "warm"  # the fetch outweighs the queue
+    assert unloaded.choose(job, cluster(saturated=True)) == "cold"  # blind to the load
