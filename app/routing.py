@@ -424,21 +424,19 @@ class MaskAwareRouter:
                         fetch_s: float, load: ClusterLoad) -> float:
         """The price of a cold start on ``w`` (``app/coldstart.py``): the job's finish computing in
         full until its cache lands (``fetch_s``), + the delay its full steps add to their batch-mates,
-        + the delay they add to the jobs that reach ``w`` later.
+        + the delay they add to the jobs that reach ``w`` later (``ColdStart.later_arrivals``).
 
-        That last term is what makes the price depend on load. Jobs reach a worker at the cluster's
-        completion rate per worker (``cluster_load``: in steady state jobs leave as fast as they
-        come), and each lengthened step delays those that arrive before it ends. Those jobs pass the
-        delay on to the ones behind them for as long as the cluster has no room to absorb it: as in
-        an M/G/1 queue, where extra work ``x`` extends the busy period by ``x / (1 - rho)``, the delay
-        is multiplied by ``1 / (share of batch slots free)``, the dispatcher's view of ``1 - rho``
-        (jobs present, queued ones included, against ``max_batch`` slots per worker; at least one
-        slot). With slack (64 workers at 90% load: a fifth of the slots free) a cold start costs a
-        few batch-mates' delay and the router spreads a template over workers with free slots; near
-        saturation (every slot taken) it costs the delay of every later job, and the router keeps
-        jobs on workers that hold their template (docs/bench/dispatch_gpu.md). Charging the whole
-        fetch instead, as if the job waited for its cache, left each template on a few workers whose
-        queues made mask_aware's 64-worker P95 higher than least_requests'.
+        The last term makes the price depend on load. Jobs reach a worker at the rate the cluster
+        completes them per worker (``cluster_load``; in steady state they leave as fast as they come),
+        and each lengthened step delays the ones that arrive before it ends; they pass the delay on
+        for as long as the cluster has no room to absorb it, which multiplies it by ``1 / (1 - rho)``
+        as extra work does an M/G/1 busy period, ``1 - rho`` read as the share of batch slots free.
+        At 90% load (8 or 64 simulated H200 workers) about 15% of slots are free at a decision and a
+        cold start costs a few jobs' delay, so a template's jobs spread over workers with a free slot;
+        at saturation (load 1.0, 8 workers: 4% free) it costs far more and they stay on the workers
+        that hold the template. Charging the whole fetch instead (``mask_aware_fetch``), as if the
+        job waited for its cache, kept each template on a few workers whose queues made the 64-worker
+        P95 higher than least_requests' (docs/bench/dispatch_gpu.md).
         """
         pace = w.step_time_factor  # compute runs at the worker's measured pace, the fetch does not
         full_s = self.model.job_seconds(mask_ratio=job.mask_ratio, masked_tokens=job.masked_tokens, cached=False)

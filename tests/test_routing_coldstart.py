@@ -54,7 +54,8 @@ def test_cold_start_integrates_full_steps_until_the_cache_lands(shape: str) -> N
         lands = rnd.choice([0.0, 0.5, 3.0, 10.0, 100.0]) * g
         cs = cold_start(t_admit, alive, warm_s, cold_s, lands, steps, model.intercept, step)
         want = step_by_step(t_admit, alive, warm_s, cold_s, lands, steps, seconds)
-        assert (cs.finish, cs.extra_work, cs.mates_delay, cs.exposure) == pytest.approx(want, rel=1e-9, abs=1e-12), trial
+        got = (cs.finish, cs.extra_work, cs.mates_delay, cs.exposure)
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), trial
 
 
 def test_a_cache_that_lands_while_the_job_queues_costs_nothing() -> None:
