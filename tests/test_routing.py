@@ -145,7 +145,7 @@ def test_marginal_variant_charges_the_delay_inflicted_on_co_batched_jobs() -> No
     assert marginal.cost(mine, short, 0.0) == pytest.approx(25.0)
 
 
-@pytest.mark.parametrize("policy", ["mask_aware", "mask_aware_marginal"])
+@pytest.mark.parametrize("policy", ["mask_aware", "mask_aware_marginal", "mask_aware_fetch", "mask_aware_unloaded"])
 def test_mask_aware_pruned_choice_equals_evaluating_every_worker(policy: str) -> None:
     """``choose`` skips workers by a lower bound; it must pick exactly what evaluating ``cost`` on
     every worker in the rotating order picks (ties included), on random views with idle, busy and
