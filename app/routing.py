@@ -430,13 +430,14 @@ class MaskAwareRouter:
         completes them per worker (``cluster_load``; in steady state they leave as fast as they come),
         and each lengthened step delays the ones that arrive before it ends; they pass the delay on
         for as long as the cluster has no room to absorb it, which multiplies it by ``1 / (1 - rho)``
-        as extra work does an M/G/1 busy period, ``1 - rho`` read as the share of batch slots free.
-        At 90% load (8 or 64 simulated H200 workers) about 15% of slots are free at a decision and a
-        cold start costs a few jobs' delay, so a template's jobs spread over workers with a free slot;
-        at saturation (load 1.0, 8 workers: 4% free) it costs far more and they stay on the workers
-        that hold the template. Charging the whole fetch instead (``mask_aware_fetch``), as if the
-        job waited for its cache, kept each template on a few workers whose queues made the 64-worker
-        P95 higher than least_requests' (docs/bench/dispatch_gpu.md).
+        as extra work does an M/G/1 busy period, ``1 - rho`` read as the share of batch slots free
+        (at least one per worker: ``cluster_load``). At 90% load (8 or 64 simulated H200 workers)
+        about 15% of slots are free at a decision and a cold start costs a few jobs' delay, so a
+        template's jobs spread over workers with a free slot; at saturation (load 1.0, 8 workers) the
+        multiplier sits at its bound and they stay on the workers that hold the template. Charging
+        the whole fetch instead (``mask_aware_fetch``), as if the job waited for its cache, kept each
+        template on a few workers whose queues made the 64-worker P95 higher than least_requests'
+        (docs/bench/dispatch_gpu.md).
         """
         pace = w.step_time_factor  # compute runs at the worker's measured pace, the fetch does not
         full_s = self.model.job_seconds(mask_ratio=job.mask_ratio, masked_tokens=job.masked_tokens, cached=False)
@@ -448,7 +449,12 @@ class MaskAwareRouter:
     def cluster_load(self, workers: Sequence[WorkerState], steps: int) -> ClusterLoad:
         """Jobs per second a worker completes, averaged over ``workers``, and the share of their batch
         slots free. A worker completes its running jobs at ``jobs / (steps x its step seconds)``, jobs of
-        ``steps`` steps each; slots taken count every job ahead of a new one (queued ones too)."""
+        ``steps`` steps each; slots taken count every job ahead of a new one (queued ones too). The
+        share counts at least one slot per worker: it stands for the long-run ``1 - rho``, and a
+        snapshot taken in a burst shows every slot taken although each worker frees one within a few
+        steps; with no floor the cold price explodes in every burst and keeps jobs on the few warm
+        workers (8 simulated H200 workers at 90% load, seed 2: P95 1.67 s with the floor, 2.00 s
+        without; docs/bench/dispatch_gpu.md)."""
         rate, free, slots = 0.0, 0, 0
         for w in workers:
             hit = self._rates.get(w.worker_id)
@@ -460,7 +466,7 @@ class MaskAwareRouter:
             rate += hit[1]
             free += hit[2]
             slots += w.max_batch
-        return ClusterLoad(rate / (max(steps, 1) * len(workers)), max(free, 1) / slots)
+        return ClusterLoad(rate / (max(steps, 1) * len(workers)), max(free, len(workers)) / slots)
 
     def _shared_extra(self, alive: Sequence[tuple[float, int]], mine_s: float, steps: int) -> float:
         """Seconds the new job adds to the steps of the alive jobs it runs with (summed over them)."""

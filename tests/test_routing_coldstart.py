@@ -81,10 +81,10 @@ def batch(prefix: str, n: int, template: str, *, fresh: bool = False) -> list[Jo
 
 
 def cluster(saturated: bool) -> WorkerView:
-    """``warm``: the new job's template, a full batch of 8 and 5 queued; ``cold``: other templates and
+    """``warm``: the new job's template, a full batch of 8 and 2 queued; ``cold``: other templates and
     a free slot (3 under slack, 1 saturated); six more workers, 5 jobs each under slack, a full batch
     and 4 queued each when saturated (every slot in the cluster but the cold worker's taken)."""
-    warm = WorkerState("warm", running=batch("w", 8, "tpl"), waiting=batch("q", 5, "tpl", fresh=True),
+    warm = WorkerState("warm", running=batch("w", 8, "tpl"), waiting=batch("q", 2, "tpl", fresh=True),
                        templates=frozenset({"tpl"}))
     cold = WorkerState("cold", running=batch("c", 7 if saturated else 5, "x"), templates=frozenset({"x"}))
     others = [WorkerState(f"o{k}", running=batch(f"o{k}-", 8 if saturated else 5, "x"),
@@ -95,7 +95,7 @@ def cluster(saturated: bool) -> WorkerView:
 
 def test_with_free_slots_a_cold_worker_beats_a_warm_queue() -> None:
     """On the H200 curve a cold start costs a few full-compute steps (its 0.9 s fetch runs while the job
-    computes), less than queueing behind 5 jobs at the template's worker: the router spreads."""
+    computes), less than queueing behind 2 jobs at the template's worker: the router spreads."""
     router = h200_router()
     view = cluster(saturated=False)
     chosen = view.workers[router.choose(JobDemand("new", 30, 0.2, template_id="tpl"), view)]
@@ -104,8 +104,9 @@ def test_with_free_slots_a_cold_worker_beats_a_warm_queue() -> None:
 
 
 def test_with_every_slot_taken_the_warm_worker_wins() -> None:
-    """The same cold start near saturation: its extra work delays every later arrival the cluster has no
-    free slot for, so the job queues at the worker holding its template."""
+    """The same cold start near saturation: its extra work delays the later arrivals the cluster has no
+    free slot for (the price's multiplier at its bound, 8), so the job queues at the worker holding
+    its template."""
     router = h200_router()
     view = cluster(saturated=True)
     job = JobDemand("new", 30, 0.2, template_id="tpl")
@@ -144,7 +145,7 @@ def test_cluster_load_is_the_completion_rate_and_the_free_slot_share() -> None:
     assert load.arrivals_per_s == pytest.approx(4 / (30 * step) / 2)
     assert load.free_share == pytest.approx(8 / 16)  # the busy worker's queue fills its slots
     full = WorkerView([WorkerState(str(k), running=batch(f"{k}-", 8, "x")) for k in range(3)])
-    assert router.cluster_load(full.candidates(), 30).free_share == pytest.approx(1 / 24)  # at least one slot
+    assert router.cluster_load(full.candidates(), 30).free_share == pytest.approx(3 / 24)  # one slot per worker
 
 
 def test_the_ablations_price_the_fetch_or_leave_out_the_load() -> None:
