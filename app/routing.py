@@ -16,14 +16,11 @@ tests and the cluster simulator (ops/bench/simulate.py) run the very same object
   step of its batch as ``intercept + sum(job step seconds)`` and the batch's future is integrated
   step by step (jobs leave when done, waiting jobs take free slots, the new job joins in order):
   the cost is the time until the new job would finish there. On a worker without the job's
-  template in host RAM (and no job of it on the way; only for workers that publish their resident
-  templates: residency that is not known is not guessed) the job starts cold: it computes in full
-  until the fetched cache lands, so its cost is that finish, plus the delay its full steps add to
-  their batch-mates and to the jobs that will reach that worker meanwhile, the last scaled by how
-  few batch slots the cluster has free (``MaskAwareRouter.cold_start_cost``, app/coldstart.py):
-  with slack it spreads a template's jobs over workers with free slots, near saturation it keeps
-  them where the template is. The job's add-ons, LoRA adapters and ControlNets, cost their bytes at
-  the fetch tier's bandwidth unless resident or on the way with another job there (add-on affinity).
+  template in host RAM (none of it on the way; residency not published is not guessed) the job
+  computes in full until the cache lands: it costs that finish plus the delay its full steps add to
+  other jobs, now and, scaled by load, later (``MaskAwareRouter.cold_start_cost``). Add-ons (LoRA
+  adapters, ControlNets) cost their bytes at the fetch tier's bandwidth unless resident or on the
+  way with another job there (add-on affinity).
   With a cost model that carries a batch-step curve (``app/costmodel.py``: a GPU step costs about
   the same for its first few jobs, then grows by a job's device time) each step is priced on the
   curve instead, so a job added to a worker costs ``t(W + w) - t(W)``: the router sees that a worker
@@ -50,9 +47,8 @@ deadlines kept with deadline order, 93.1% -> 94.0% with arrival order; ops/bench
 
 Ablations (``make_policy`` only, not settings): ``mask_aware_marginal`` adds the delay the new
 job inflicts on the jobs it shares steps with (a marginal cost); in the simulation it moved P95 by
--0.7% to +1.0% (docs/bench/dispatch.md). ``mask_aware_fetch`` prices a cold start as the whole
-template fetch, as if the job waited for its cache; ``mask_aware_unloaded`` leaves out the delay to
-later arrivals, whatever the load (what each does: docs/bench/dispatch_gpu.md).
+-0.7% to +1.0% (docs/bench/dispatch.md). ``mask_aware_fetch`` / ``mask_aware_unloaded`` price a cold
+start as the whole fetch / without the later arrivals' delay (docs/bench/dispatch_gpu.md).
 """
 
 from __future__ import annotations
@@ -315,8 +311,8 @@ class MaskAwareRouter:
         self._step = model.step_function()  # None: the linear step, intercept + sum(job seconds)
         # Weight of the delay the new job adds to the worker's other jobs (0 = the paper's cost).
         self.externality = externality
-        # How a cold start is priced (ablations, ``make_policy``): "loaded" (``cold_start_cost``), "unloaded"
-        # (without the later arrivals' delay) or "fetch" (the job's warm finish + the whole fetch).
+        # Cold start priced (ablations: ``make_policy``) as ``cold_start_cost``, without its later
+        # arrivals' delay ("unloaded") or as the warm finish + the whole fetch ("fetch").
         if cold_price not in COLD_PRICES:
             raise ValueError(f"cold_price must be one of {COLD_PRICES}, got {cold_price!r}")
         self.cold_price = cold_price
@@ -415,30 +411,19 @@ class MaskAwareRouter:
         return t
 
     def is_cold(self, job: JobLoad, w: WorkerState, fetch_s: float) -> bool:
-        """Whether ``w`` would fetch the job's template cache: it publishes its resident templates, the
-        job's is not among them and no job of that template is at or on its way to it."""
+        """Whether ``w`` would fetch the job's template cache (module docstring)."""
         return bool(fetch_s and job.template_id and job.cached and w.templates is not None
                     and job.template_id not in w.templates and job.template_id not in self._job_templates(w))
 
     def cold_start_cost(self, job: JobLoad, w: WorkerState, t_admit: float, alive: Sequence[tuple[float, int]],
                         fetch_s: float, load: ClusterLoad) -> float:
-        """The price of a cold start on ``w`` (``app/coldstart.py``): the job's finish computing in
-        full until its cache lands (``fetch_s``), + the delay its full steps add to their batch-mates,
-        + the delay they add to the jobs that reach ``w`` later (``ColdStart.later_arrivals``).
-
-        The last term makes the price depend on load. Jobs reach a worker at the rate the cluster
-        completes them per worker (``cluster_load``; in steady state they leave as fast as they come),
-        and each lengthened step delays the ones that arrive before it ends; they pass the delay on
-        for as long as the cluster has no room to absorb it, which multiplies it by ``1 / (1 - rho)``
-        as extra work does an M/G/1 busy period, ``1 - rho`` read as the share of batch slots free
-        (at least one per worker: ``cluster_load``). On 8 or 64 simulated H200 workers that
-        multiplier averages 6.5-6.9 at 90% load and 7.8 at load 1.0 (its bound, 8, at 95% of the
-        decisions); a cold start with a free slot then costs less than a short queue at a warm worker
-        and more than a long one, and saturation raises the price through the rate and the fuller,
-        longer full steps as well. Charging the whole fetch instead (``mask_aware_fetch``), as if the
-        job waited for its cache, kept each template on a few workers whose queues made the 64-worker
-        P95 higher than least_requests' (docs/bench/dispatch_gpu.md).
-        """
+        """A cold start's price (``app/coldstart.py``): the job's finish computing in full until its
+        cache lands, + the delay its full steps add to their batch-mates, + the delay to later arrivals:
+        the completion rate per worker (``cluster_load``; in steady state jobs leave as fast as they
+        come) x each step's end, x ``1 / (1 - rho)`` as for an M/G/1 busy period, ``1 - rho`` read as
+        the share of slots free. Without that last term 64 workers win but 8 at saturation lose
+        deadlines; charging the whole fetch instead (``mask_aware_fetch``) kept each template on a few
+        queued workers (docs/bench/dispatch_gpu.md)."""
         pace = w.step_time_factor  # compute runs at the worker's measured pace, the fetch does not
         full_s = self.model.job_seconds(mask_ratio=job.mask_ratio, masked_tokens=job.masked_tokens, cached=False)
         cs = cold_start(t_admit, alive, self.job_seconds(job), full_s, fetch_s / pace, job.remaining,
@@ -447,14 +432,10 @@ class MaskAwareRouter:
         return (cs.finish + cs.mates_delay) * pace + cs.later_arrivals(load) * pace * pace
 
     def cluster_load(self, workers: Sequence[WorkerState], steps: int) -> ClusterLoad:
-        """Jobs per second a worker completes, averaged over ``workers``, and the share of their batch
-        slots free. A worker completes its running jobs at ``jobs / (steps x its step seconds)``, jobs of
-        ``steps`` steps each; slots taken count every job ahead of a new one (queued ones too). The
-        share counts at least one slot per worker: it stands for the long-run ``1 - rho``, and a
-        snapshot taken in a burst shows every slot taken although each worker frees one within a few
-        steps; with no floor the cold price explodes in every burst and keeps jobs on the few warm
-        workers (8 simulated H200 workers at 90% load, seed 2: P95 1.67 s with the floor, 2.00 s
-        without; docs/bench/dispatch_gpu.md)."""
+        """Jobs a worker completes per second (its running jobs / (``steps`` x its step), averaged) and
+        the share of slots free (queued jobs take slots). At least one slot per worker counts as free:
+        a snapshot in a burst shows none though each worker frees one within steps, and the price
+        would explode (8 H200 workers, 90% load, seed 2: P95 2.00 s unbounded, 1.67 s bounded)."""
         rate, free, slots = 0.0, 0, 0
         for w in workers:
             hit = self._rates.get(w.worker_id)
@@ -524,8 +505,6 @@ class MaskAwareRouter:
 POLICIES = ("round_robin", "least_requests", "least_masked_tokens", "mask_aware")
 # Ablations, not settings: ``mask_aware_marginal`` also charges the delay the new job inflicts on
 # the jobs it shares steps with (marginal cost = own finish time + others' extra time).
-# ``mask_aware_fetch`` prices a cold start as the whole template fetch (as if the job waited for its
-# cache), ``mask_aware_unloaded`` without the delay to later arrivals (``MaskAwareRouter.cold_start_cost``).
 POLICY_VARIANTS = ("mask_aware_marginal", "mask_aware_fetch", "mask_aware_unloaded")
 COLD_PRICES = ("loaded", "unloaded", "fetch")
 
