@@ -15,12 +15,12 @@ tests and the cluster simulator (ops/bench/simulate.py) run the very same object
 - ``mask_aware``: the paper's Algorithm 2. For each worker, the fitted cost model predicts each
   step of its batch as ``intercept + sum(job step seconds)`` and the batch's future is integrated
   step by step (jobs leave when done, waiting jobs take free slots, the new job joins in order):
-  the cost is the time until the new job would finish there. A worker that already holds the
-  job's template in host RAM (or has a job of that template on the way) is cheaper by the
-  predicted fetch time (only for workers that publish their resident templates: residency that is
-  not known is not guessed); likewise for the job's add-ons, LoRA adapters and ControlNets (their
-  bytes at the fetch tier's bandwidth, unless resident or on the way with another job there:
-  add-on affinity).
+  the cost is the time until the new job would finish there. On a worker without the job's
+  template in host RAM (none of it on the way; residency not published is not guessed) the job
+  computes in full until the cache lands: it costs that finish plus the delay its full steps add to
+  other jobs, now and, scaled by load, later (``MaskAwareRouter.cold_start_cost``). Add-ons (LoRA
+  adapters, ControlNets) cost their bytes at the fetch tier's bandwidth unless resident or on the
+  way with another job there (add-on affinity).
   With a cost model that carries a batch-step curve (``app/costmodel.py``: a GPU step costs about
   the same for its first few jobs, then grows by a job's device time) each step is priced on the
   curve instead, so a job added to a worker costs ``t(W + w) - t(W)``: the router sees that a worker
@@ -45,9 +45,10 @@ it sent new jobs away from the workers that had given up on the most deadlines, 
 on-time queues (GPU-shaped simulator at 1.3x capacity, 10 seeds, least_requests: 93.2% -> 94.5% of
 deadlines kept with deadline order, 93.1% -> 94.0% with arrival order; ops/bench/mixed_sizes).
 
-Ablation (``make_policy`` only, not a setting): ``mask_aware_marginal`` adds the delay the new
+Ablations (``make_policy`` only, not settings): ``mask_aware_marginal`` adds the delay the new
 job inflicts on the jobs it shares steps with (a marginal cost); in the simulation it moved P95 by
--0.7% to +1.0% (docs/bench/dispatch.md).
+-0.7% to +1.0% (docs/bench/dispatch.md). ``mask_aware_fetch`` / ``mask_aware_unloaded`` price a cold
+start as the whole fetch / without the later arrivals' delay (docs/bench/dispatch_gpu.md).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from app.coldstart import ClusterLoad, cold_start
 from app.costmodel import CostModel, admission_profile, finish_after_admission
 
 _stamps = itertools.count(1)
@@ -300,6 +302,7 @@ class MaskAwareRouter:
     name = "mask_aware"
 
     def __init__(self, model: CostModel, *, fetch_tier: str = "local", externality: float = 0.0,
+                 cold_price: str = "loaded",
                  size_slack: float = 0.0, cache_steps: int = 0) -> None:
         self.model = model
         self.size_slack = size_slack
@@ -308,11 +311,17 @@ class MaskAwareRouter:
         self._step = model.step_function()  # None: the linear step, intercept + sum(job seconds)
         # Weight of the delay the new job adds to the worker's other jobs (0 = the paper's cost).
         self.externality = externality
+        # Cold start priced (ablations: ``make_policy``) as ``cold_start_cost``, without its later
+        # arrivals' delay ("unloaded") or as the warm finish + the whole fetch ("fetch").
+        if cold_price not in COLD_PRICES:
+            raise ValueError(f"cold_price must be one of {COLD_PRICES}, got {cold_price!r}")
+        self.cold_price = cold_price
         self._rot = _Rotation()
         self._by_job: dict[tuple[object, ...], float] = {}
         self._profiles: dict[str, tuple[int, tuple[float, list[tuple[float, int]]]]] = {}
         self._templates: dict[str, tuple[int, frozenset[str]]] = {}
         self._bounds: dict[str, tuple[int, int, float]] = {}  # worker -> (stamp, steps, work ahead)
+        self._rates: dict[str, tuple[int, float, int]] = {}  # worker -> (stamp, jobs done per second, free slots)
 
     def job_seconds(self, job: JobLoad) -> float:
         """A job's marginal step seconds, memoized per job (a job's cost is fixed for its life and
@@ -377,24 +386,68 @@ class MaskAwareRouter:
             return steps * self._step(mine_s + ahead / steps) * w.step_time_factor
         return (steps * (self.model.intercept + mine_s) + ahead) * w.step_time_factor
 
-    def cost(self, job: JobLoad, w: WorkerState, fetch_s: float, addon_bytes: dict[str, int] | None = None) -> float:
-        """Predicted seconds until ``job`` finishes on ``w``: compute at ``w``'s measured pace
-        (``step_time_factor``), + fetch if its template or add-ons are cold."""
+    def cost(self, job: JobLoad, w: WorkerState, fetch_s: float, addon_bytes: dict[str, int] | None = None,
+             load: ClusterLoad = ClusterLoad()) -> float:
+        """Predicted seconds until ``job`` finishes on ``w``, compute at ``w``'s measured pace
+        (``step_time_factor``); on a worker without its template, the cold start's price
+        (``cold_start_cost``, with the cluster's ``load``) instead; + the fetch of cold add-ons."""
         mine_s, mine_r = self.job_seconds(job), job.remaining
         t_admit, alive = self.profile(w)
-        t = finish_after_admission(t_admit, alive, mine_s, mine_r, self.model.intercept, self._step)
+        if self.is_cold(job, w, fetch_s) and self.cold_price != "fetch":
+            t = self.cold_start_cost(job, w, t_admit, alive, fetch_s,
+                                     load if self.cold_price == "loaded" else ClusterLoad())
+        else:
+            t = finish_after_admission(t_admit, alive, mine_s, mine_r, self.model.intercept, self._step)
+            t *= w.step_time_factor  # compute runs at the worker's measured pace; fetches do not
+            if self.cold_price == "fetch" and self.is_cold(job, w, fetch_s):
+                t += fetch_s
         if self.externality:
             # Others' extra time while sharing steps with the new job.
-            t += self.externality * self._shared_extra(alive, mine_s, mine_r)
-        t *= w.step_time_factor  # compute runs at the worker's measured pace; fetches do not
-        if fetch_s and job.template_id and job.cached and w.templates is not None \
-                and job.template_id not in w.templates and job.template_id not in self._job_templates(w):
-            t += fetch_s
+            t += self.externality * self._shared_extra(alive, mine_s, mine_r) * w.step_time_factor
         if addon_bytes and job.addons:
             cold = sum(addon_bytes.get(a, 0) for a in w.missing_addons(job.addons))
             if cold:
                 t += self.model.load_seconds(cold, self.fetch_tier) if self.fetch_tier in self.model.tiers else 0.0
         return t
+
+    def is_cold(self, job: JobLoad, w: WorkerState, fetch_s: float) -> bool:
+        """Whether ``w`` would fetch the job's template cache (module docstring)."""
+        return bool(fetch_s and job.template_id and job.cached and w.templates is not None
+                    and job.template_id not in w.templates and job.template_id not in self._job_templates(w))
+
+    def cold_start_cost(self, job: JobLoad, w: WorkerState, t_admit: float, alive: Sequence[tuple[float, int]],
+                        fetch_s: float, load: ClusterLoad) -> float:
+        """A cold start's price (``app/coldstart.py``): the job's finish computing in full until its
+        cache lands, + the delay its full steps add to their batch-mates, + the delay to later arrivals:
+        the completion rate per worker (``cluster_load``; in steady state jobs leave as fast as they
+        come) x each step's end, x ``1 / (1 - rho)`` as for an M/G/1 busy period, ``1 - rho`` read as
+        the share of slots free. Without that last term 64 workers win but 8 at saturation lose
+        deadlines; charging the whole fetch instead (``mask_aware_fetch``) kept each template on a few
+        queued workers (docs/bench/dispatch_gpu.md)."""
+        pace = w.step_time_factor  # compute runs at the worker's measured pace, the fetch does not
+        full_s = self.model.job_seconds(mask_ratio=job.mask_ratio, masked_tokens=job.masked_tokens, cached=False)
+        cs = cold_start(t_admit, alive, self.job_seconds(job), full_s, fetch_s / pace, job.remaining,
+                        self.model.intercept, self._step)
+        # exposure is (seconds added) x (time), both at the worker's pace
+        return (cs.finish + cs.mates_delay) * pace + cs.later_arrivals(load) * pace * pace
+
+    def cluster_load(self, workers: Sequence[WorkerState], steps: int) -> ClusterLoad:
+        """Jobs a worker completes per second (its running jobs / (``steps`` x its step), averaged) and
+        the share of slots free (queued jobs take slots). At least one slot per worker counts as free:
+        a snapshot in a burst shows none though each worker frees one within steps, and the price
+        would explode (8 H200 workers, 90% load, seed 2: P95 2.00 s unbounded, 1.67 s bounded)."""
+        rate, free, slots = 0.0, 0, 0
+        for w in workers:
+            hit = self._rates.get(w.worker_id)
+            if hit is None or hit[0] != w.stamp:
+                run = [self.job_seconds(j) for j in w.running if j.remaining > 0][: w.max_batch]
+                sec = self.model.step_seconds(run) * w.step_time_factor if run else 0.0
+                hit = (w.stamp, len(run) / sec if sec > 0 else 0.0, max(0, w.max_batch - w.n_jobs))
+                self._rates[w.worker_id] = hit
+            rate += hit[1]
+            free += hit[2]
+            slots += w.max_batch
+        return ClusterLoad(rate / (max(steps, 1) * len(workers)), max(free, len(workers)) / slots)
 
     def _shared_extra(self, alive: Sequence[tuple[float, int]], mine_s: float, steps: int) -> float:
         """Seconds the new job adds to the steps of the alive jobs it runs with (summed over them)."""
@@ -429,7 +482,9 @@ class MaskAwareRouter:
         mine_s, steps = self.job_seconds(load), load.remaining
         fetch_s = self.template_fetch_s(job)
         addon_bytes = dict(zip(job.addons, job.addon_bytes)) if job.addons else None
-        order = self._rot.order(size_affine(view.candidates(), job, self.size_slack))
+        candidates = view.candidates()
+        load_now = self.cluster_load(candidates, steps)
+        order = self._rot.order(size_affine(candidates, job, self.size_slack))
         bounds: list[tuple[float, int]] = []
         for i, w in enumerate(order):
             hit = self._profiles.get(w.worker_id)
@@ -442,7 +497,7 @@ class MaskAwareRouter:
             if bound > best_cost * (1.0 + 1e-9):
                 break  # this bound and all later ones exceed the best exact cost
             w = order[i]
-            keys[i] = (self.cost(load, w, fetch_s, addon_bytes), w.n_jobs)
+            keys[i] = (self.cost(load, w, fetch_s, addon_bytes, load_now), w.n_jobs)
             best_cost = min(best_cost, keys[i][0])
         return order[min(keys, key=lambda i: (keys[i], i))].worker_id
 
@@ -450,7 +505,8 @@ class MaskAwareRouter:
 POLICIES = ("round_robin", "least_requests", "least_masked_tokens", "mask_aware")
 # Ablations, not settings: ``mask_aware_marginal`` also charges the delay the new job inflicts on
 # the jobs it shares steps with (marginal cost = own finish time + others' extra time).
-POLICY_VARIANTS = ("mask_aware_marginal",)
+POLICY_VARIANTS = ("mask_aware_marginal", "mask_aware_fetch", "mask_aware_unloaded")
+COLD_PRICES = ("loaded", "unloaded", "fetch")
 
 
 def make_policy(name: str, model: CostModel | None = None, *, size_slack: float | None = None) -> RoutingPolicy:
@@ -466,10 +522,13 @@ def make_policy(name: str, model: CostModel | None = None, *, size_slack: float 
         if model is None:
             raise ValueError("mask_aware routing needs a cost model (run `python -m ops.bench.profile`)")
         return MaskAwareRouter(model, size_slack=slack, cache_steps=cache_steps_setting())
-    if name == "mask_aware_marginal":
+    if name in POLICY_VARIANTS:
         if model is None:
             raise ValueError("mask_aware routing needs a cost model (run `python -m ops.bench.profile`)")
-        router = MaskAwareRouter(model, externality=1.0, size_slack=slack, cache_steps=cache_steps_setting())
+        variant = name.removeprefix("mask_aware_")
+        router = MaskAwareRouter(model, externality=1.0 if variant == "marginal" else 0.0,
+                                 cold_price=variant if variant in COLD_PRICES else "loaded", size_slack=slack,
+                                 cache_steps=cache_steps_setting())
         router.name = name
         return router
     raise ValueError(f"unknown routing policy {name!r}; known: {list(POLICIES)}")

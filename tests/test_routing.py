@@ -145,7 +145,7 @@ def test_marginal_variant_charges_the_delay_inflicted_on_co_batched_jobs() -> No
     assert marginal.cost(mine, short, 0.0) == pytest.approx(25.0)
 
 
-@pytest.mark.parametrize("policy", ["mask_aware", "mask_aware_marginal"])
+@pytest.mark.parametrize("policy", ["mask_aware", "mask_aware_marginal", "mask_aware_fetch", "mask_aware_unloaded"])
 def test_mask_aware_pruned_choice_equals_evaluating_every_worker(policy: str) -> None:
     """``choose`` skips workers by a lower bound; it must pick exactly what evaluating ``cost`` on
     every worker in the rotating order picks (ties included), on random views with idle, busy and
@@ -184,15 +184,17 @@ def test_mask_aware_pruned_choice_equals_evaluating_every_worker(policy: str) ->
         mine = JobLoad.from_demand(d)
         fetch_s = brute.template_fetch_s(d)
         order = brute._rot.order(v.candidates())
-        expected = min(order, key=lambda w: (brute.cost(mine, w, fetch_s), w.n_jobs)).worker_id
+        load = brute.cluster_load(v.candidates(), d.steps)
+        expected = min(order, key=lambda w: (brute.cost(mine, w, fetch_s, load=load), w.n_jobs)).worker_id
         got = router.choose(d, v)
         assert got == expected, step
         v.assign(got, d)
 
 
 def test_mask_aware_cache_affinity() -> None:
-    """Identical load: the worker that holds the template (or has a job of it coming) wins by the
-    predicted fetch time; without a template both tie and rotation spreads the choice."""
+    """Identical load: the worker that holds the template (or has a job of it coming) wins, the other
+    would compute the job in full until the cache lands; without a template both tie and rotation
+    spreads the choice."""
     model = small_model(fetch_bw=1e5)  # a slow link: the fetch dominates whatever steps a cache stores
     a = WorkerState("a", running=[job("1", 0.2)])
     b = WorkerState("b", running=[job("2", 0.2)], templates=frozenset({"tpl"}))

@@ -136,7 +136,7 @@ def test_with_a_curve_the_router_prefers_the_worker_below_the_knee() -> None:
             assert router.choose(new, workers()) == want, (model.curve, first)
 
 
-@pytest.mark.parametrize("policy", ["mask_aware", "mask_aware_marginal"])
+@pytest.mark.parametrize("policy", ["mask_aware", "mask_aware_marginal", "mask_aware_fetch", "mask_aware_unloaded"])
 def test_pruned_choice_equals_evaluating_every_worker_with_a_curve(policy: str) -> None:
     rnd = random.Random(11)
     model = curved(small_model(fetch_bw=1e6), 3.0, 1.0, 3.0)
