@@ -52,19 +52,19 @@ import torch
 from app.jobs import JobParams
 from app.settings import Settings
 from app.storage import LocalStore
-from ops.bench.controlnet import Stock as ControlNetStock
-from ops.bench.controlnet import _inputs as controlnet_inputs
-from ops.bench.controlnet import add_controlnets
-from ops.bench.e2e_gpu import MODELS, save_model
 from ops.bench.harness.addons_gpu_report import render
 from ops.bench.harness.cli import parser, start
+from ops.bench.harness.controlnet_paths import Stock as ControlNetStock
+from ops.bench.harness.controlnet_paths import add_controlnets
+from ops.bench.harness.controlnet_paths import job_inputs as controlnet_inputs
 from ops.bench.harness.gpu import DTYPES, device_of, hardware, sync
+from ops.bench.harness.lora_paths import Adapters, trace_jobs
+from ops.bench.harness.lora_paths import Stock as LoraStock
+from ops.bench.harness.lora_paths import job_inputs as lora_inputs
 from ops.bench.harness.report import write_run
+from ops.bench.harness.saved_models import MODELS, save_model
 from ops.bench.harness.service import InProcess
 from ops.bench.harness.timing import median
-from ops.bench.lora import Adapters, trace_jobs
-from ops.bench.lora import Stock as LoraStock
-from ops.bench.lora import _inputs as lora_inputs
 
 log = logging.getLogger(__name__)
 

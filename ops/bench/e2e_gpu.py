@@ -52,11 +52,10 @@ from ops.bench.harness.gpu import DTYPES, UtilSampler, device_of, hardware
 from ops.bench.harness.openloop import Workload, busy_seconds, make_workload, run_rate, summarize
 from ops.bench.harness.phases import mean_phases
 from ops.bench.harness.report import write_run
+from ops.bench.harness.saved_models import MODELS, save_model
 
 log = logging.getLogger(__name__)
 
-# --model: (true-size model, the tiny one --quick uses, image side in px)
-MODELS = {"sd15": ("sd15-inpaint", "tiny-sd-inpaint", 512), "sdxl": ("sdxl-inpaint", "tiny-sdxl-inpaint", 1024)}
 # What each system runs: a stack (stock worker or Stencil with these settings), the burst, the rates.
 SYSTEMS: dict[str, dict[str, Any]] = {
     "stock-inprocess": {},
@@ -67,20 +66,6 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 }
 # Shares of the time left that each system may take (the stock and Stencil run several rates).
 SHARE = {"stock-inprocess": 1.0, "stencil-full": 1.5, "stock": 2.0, "stock-compiled": 2.0, "stencil": 2.0}
-
-
-def save_model(args: argparse.Namespace, workdir: Path) -> Path:
-    """The benchmark's model, written by ``stencil model save`` (once per workdir)."""
-    from app.cli import main as stencil
-
-    true_size, tiny, _ = MODELS[args.model]
-    model_id = tiny if args.quick else true_size
-    out = workdir / model_id
-    if not (out / "model_index.json").is_file():
-        argv = ["model", "save", str(out), "--model", model_id] + ([] if args.quick else ["--dtype", args.dtype])
-        if stencil(argv) != 0:
-            raise RuntimeError(f"stencil {' '.join(argv)} failed")
-    return out
 
 
 def burst_workload(edits: Edits) -> Workload:
