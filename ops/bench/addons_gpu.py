@@ -39,7 +39,6 @@ import argparse
 import logging
 import os
 import random
-import signal
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -61,7 +60,7 @@ from ops.bench.harness.gpu import DTYPES, device_of, hardware, sync
 from ops.bench.harness.lora_paths import Adapters, trace_jobs
 from ops.bench.harness.lora_paths import Stock as LoraStock
 from ops.bench.harness.lora_paths import job_inputs as lora_inputs
-from ops.bench.harness.report import write_run
+from ops.bench.harness.report import Stopped, stop_on_sigterm, write_run
 from ops.bench.harness.saved_models import MODELS, save_model
 from ops.bench.harness.service import InProcess
 from ops.bench.harness.timing import median
@@ -71,10 +70,6 @@ log = logging.getLogger(__name__)
 PARTS = ("latency", "trace", "controlnet")
 SHARE = {"latency": 1.0, "trace": 1.4, "controlnet": 1.0}  # of the time left after set-up
 CONTROLNET = "edges"
-
-
-class Stopped(BaseException):
-    """A signal ended the run (a BaseException: no ``except Exception`` on the way swallows it)."""
 
 
 @dataclass
@@ -380,10 +375,6 @@ def write(report: dict[str, Any], args: argparse.Namespace) -> None:
     write_run(args.out, args.json, render(report), report)
 
 
-def _stop(reason: str) -> None:
-    raise Stopped(reason)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__, out="docs/bench/addons_gpu.md", threads=0)
     p.add_argument("--device", default="auto", help="auto = cuda if available, else cpu")
@@ -420,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {"command": run.command, "hardware": f"{device.type}, {versions()}",
                               "args": vars(args), "side": side, "bank_mib": Settings().lora_cache_bytes >> 20,
                               "model": MODELS[args.model][1 if args.quick else 0], "parts": {}, "notes": []}
-    signal.signal(signal.SIGTERM, lambda *_: _stop("SIGTERM"))  # a stage limit: keep what ran
+    stop_on_sigterm()  # a stage limit: keep what ran
     svc = None
     failed: list[str] = []
     try:

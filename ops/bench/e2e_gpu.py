@@ -34,7 +34,6 @@ import argparse
 import gc
 import logging
 import math
-import signal
 import tempfile
 import time
 from collections.abc import Sequence
@@ -51,7 +50,7 @@ from ops.bench.harness.e2e_gpu_report import render
 from ops.bench.harness.gpu import DTYPES, UtilSampler, device_of, hardware
 from ops.bench.harness.openloop import Workload, busy_seconds, make_workload, run_rate, summarize
 from ops.bench.harness.phases import mean_phases
-from ops.bench.harness.report import write_run
+from ops.bench.harness.report import Stopped, stop_on_sigterm, write_run
 from ops.bench.harness.saved_models import MODELS, save_model
 
 log = logging.getLogger(__name__)
@@ -169,14 +168,6 @@ def run_inprocess(out: dict[str, Any], args: argparse.Namespace, device: torch.d
     log.info("stock in process: %.3f jobs/s", row["jobs_per_s"])
 
 
-class Stopped(BaseException):
-    """A signal ended the run (a BaseException: no ``except Exception`` on the way swallows it)."""
-
-
-def _stop(reason: str) -> None:
-    raise Stopped(reason)
-
-
 def _brief(summary: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.3f}" for k, v in summary.items())
 
@@ -236,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sampler = UtilSampler(device)
     # A stage limit's SIGTERM (ops/gpu_checks.sh) unwinds like Ctrl-C: the stacks stop their
     # processes (their own sessions, out of the signal's reach) and the report keeps what ran.
-    signal.signal(signal.SIGTERM, lambda *_: _stop("SIGTERM"))
+    stop_on_sigterm()
     try:
         for k, name in enumerate(systems):
             left = until - time.monotonic()

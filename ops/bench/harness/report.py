@@ -5,10 +5,23 @@ from __future__ import annotations
 import json
 import logging
 import re
+import signal
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+
+class Stopped(BaseException):
+    """A signal ended the run (a BaseException: no ``except Exception`` on the way swallows it)."""
+
+
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM (a stage's time limit) into ``Stopped``, so that the run writes what it measured."""
+    def stop(*_: Any) -> None:
+        raise Stopped("SIGTERM")
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def write_run(out: str, json_path: str, lines: list[str], data: Any) -> None:
