@@ -307,6 +307,8 @@ class SDRunner(BaseRunner):
         if self.graphs is not None and not lockstep and self._graphable(groups, kwargs):
             out, recorded = unet_call(self.graphs, self.unet, self.maskaware, args, kwargs, groups, self.device,
                                       horizon=min(job.total_steps - job.steps_done for job in batch))
+            if self.graphs.last == "eager":  # the call ran eagerly: its tensors are its own
+                return out, recorded
             # the graph's buffers: a refresh's activations outlive the step (its anchor, the cache)
             return out, [None if r is None else {k: v.clone() for k, v in r.items()} for r in recorded]
         try:

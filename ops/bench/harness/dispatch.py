@@ -99,17 +99,16 @@ class _FusedAttention(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            q = args[0] if args else kwargs["query"]
-            v = args[2] if len(args) > 2 else kwargs["value"]
-        if func is F.scaled_dot_product_attention and q.device.type == "meta":
-            self.counter.ops[FUSED_ATTENTION] += 1
-            self.counter._paused = True
-            try:
-                return q.new_empty((*q.shape[:-1], v.shape[-1]))
-            finally:
-                self.counter._paused = False
-        return func(*args, **kwargs)
+        q = (args[0] if args else kwargs["query"]) if func is F.scaled_dot_product_attention else None
+        if q is None or q.device.type != "meta":
+            return func(*args, **kwargs)
+        v = args[2] if len(args) > 2 else kwargs["value"]
+        self.counter.ops[FUSED_ATTENTION] += 1
+        self.counter._paused = True
+        try:
+            return q.new_empty((*q.shape[:-1], v.shape[-1]))
+        finally:
+            self.counter._paused = False
 
 
 def _bool_index(args: tuple) -> bool:
