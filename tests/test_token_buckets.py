@@ -130,8 +130,8 @@ def test_bucketed_flux_steps_equal_exact_ones(tmp_path: Path) -> None:
 def test_jobs_of_one_bucket_attend_to_their_text_in_one_call_as_they_would_alone(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Masked jobs whose counts share buckets are adjacent runs of one token count: their
-    cross-attention is one call. Stepped together they give what each gives alone."""
-    import workers.maskaware.unet as unet_module
+    attention is one call per level (the step's batch index, ``workers/maskaware/batched.py``).
+    Stepped together they give what each gives alone."""
     from workers.engine.sd_runner import SDRunner
 
     steps = 4
@@ -145,19 +145,21 @@ def test_jobs_of_one_bucket_attend_to_their_text_in_one_call_as_they_would_alone
         batch = [_job(bucketed, "masked", key, steps, seed=s) for s in seeds]
         counts = [j.state.token_masks.counts() for j in batch]
         assert counts[0] == counts[1]  # the twin: one run per level
-        calls, original = [], unet_module._runs
+        indices, original = [], ctrl.batch_index
 
-        def counted(segs):  # type: ignore[no-untyped-def]
-            calls.append((len(segs), len(original(segs))))
-            return original(segs)
+        def recorded(groups, device):  # type: ignore[no-untyped-def]
+            indices.append(original(groups, device))
+            return indices[-1]
 
-        monkeypatch.setattr(unet_module, "_runs", counted)
+        monkeypatch.setattr(ctrl, "batch_index", recorded)
         while not batch[0].finished:
             bucketed.step(batch)
             for j in batch:
                 j.steps_done += 1
         monkeypatch.undo()
-        assert any(runs < segs for segs, runs in calls)
+        runs = [(len(level.members), len(level.runs)) for index in indices if index is not None
+                for level in index.levels.values()]
+        assert runs and any(n_runs < members for members, n_runs in runs)
         for s, together in zip(seeds, batch):
             alone = _run(bucketed, _job(bucketed, "masked", key, steps, seed=s))["latents"]
             torch.testing.assert_close(together.state.latents, alone, rtol=1e-5, atol=1e-4)

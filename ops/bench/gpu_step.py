@@ -97,7 +97,7 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
         unet(x, t, **kwargs)
     caches = ctx.recorded
     stager = CacheStager(device)
-    staged = [stager.take(f"j{j}", 0, caches[j]) for j in range(jobs)]
+    staged = stager.take_batch([(f"j{j}", 0, caches[j], None) for j in range(jobs)])  # one buffer, as the engine
     graphs = StepGraphs(device, repeats=1)
     case = Case(key, f"{MODELS[key]} {latent * 8} px", notes={
         "params_b": sum(p.numel() for p in unet.parameters()) / 1e9, "build_s": time.perf_counter() - t0,
@@ -120,15 +120,34 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
     for r in ratios:
         masks = [ctrl.token_masks(pixel_mask(latent * 8, r, ("blob", "rect")[j % 2], args.seed + j),
                                   (latent, latent)) for j in range(jobs)]
+        masks.sort(key=lambda m: tuple(-c for c in m.counts()))  # the engine's order (``_step_order``)
         groups = [RowGroup(2, "masked", token_mask=m.prepare(device), cache=s) for m, s in zip(masks, staged)]
         # graphed steps compute token counts rounded up to their buckets, as the engine's do
         buckets = [RowGroup(2, "masked", token_mask=m.with_buckets().prepare(device), cache=s)
                    for m, s in zip(masks, staged)]
         case.calls[f"masked {r:g} eager"], case.calls[f"masked {r:g} graph"] = eager(groups), graphed(buckets)
         case.notes[f"level_share {r:g}"] = [round(float(lv.float().mean()), 3) for lv in masks[0].levels]
+        case.notes[f"padding {r:g}"] = padding(ctrl, groups, device)
         if turbo:
             with_turbo(case, ctrl, groups, lambda gs: eager(gs)())
     return case
+
+
+def padding(ctrl: Any, groups: list[Any], device: torch.device) -> float:
+    """Token rows the transformer blocks compute over the masked ones, with the batch index's runs
+    (jobs padded to their run's count, ``workers/maskaware/batched.py``): 1.0 = no padding."""
+    index = ctrl.batch_index(groups, device)
+    if index is None:
+        return 1.0
+    used = real = 0
+    for unit, blocks in ctrl._units.items():
+        n = groups[0].token_mask.levels[blocks[0].level].numel()
+        level = index.levels.get((n, frozenset()))
+        if level is None:
+            continue
+        used += len(blocks) * sum(rows * m for _g, _s, rows, m in level.members)
+        real += len(blocks) * sum(rows * groups[g].token_mask.count(n) for g, _s, rows, _m in level.members)
+    return round(used / real, 4) if real else 1.0
 
 
 def flux_case(args: Any, device: torch.device, ratios: Sequence[float], turbo: bool = False) -> Case:
@@ -313,19 +332,23 @@ def part_dispatch(args: Any, device: torch.device) -> list[str]:
     """Operators and host-sync operators of one step, counted by dispatch on the meta device: the
     true-size models at their true sizes with no memory and no compute (what holds without a GPU).
     Attention counts as the one fused kernel it is on a GPU (``DispatchCounter``). The UNets also
-    with 8 CFG jobs at different masks (one template cache each): what a batch adds per job."""
+    with 8 CFG jobs at different masks (one template cache each, staged together as the engine
+    stages a step): what a batch adds per job. Each count is a steady call (the second: the
+    first call of a batch composition builds its token indices on the host)."""
     from ops.bench.harness.dispatch import DispatchCounter
 
     meta = torch.device("meta")
     lines = ["## Operators per step at true size (dispatch counts on the meta device; ratio 0.2)", "",
              "| model | jobs | full: operators / kernel-launching | mask-aware: operators / kernel-launching | ratio | "
-             "host-sync operators (mask-aware) |", "|---|---|---|---|---|---|"]
+             "host-sync operators (mask-aware) | token rows computed / masked |", "|---|---|---|---|---|---|---|"]
     for key in args.models:
         for jobs in [1] if key == "flux" else DISPATCH_JOBS:
             case = (flux_case(args, meta, [0.2]) if key == "flux"
                     else unet_case(key, args, meta, jobs=jobs, ratios=[0.2]))
             counts = {}
             for name in ("full eager", "masked 0.2 eager"):
+                with torch.no_grad():  # a steady step: the first call of a batch builds its index on the host
+                    case.calls[name]()
                 counts[name] = DispatchCounter()
                 with torch.no_grad(), counts[name]:
                     case.calls[name]()
@@ -333,10 +356,12 @@ def part_dispatch(args: Any, device: torch.device) -> list[str]:
             args.results.setdefault("dispatch", {})[key if jobs == 1 else f"{key} x{jobs}"] = {
                 "jobs": jobs, "full": [full.total, full.kernels], "masked": [masked.total, masked.kernels],
                 "syncs": masked.syncs}
+            pad = case.notes.get("padding 0.2", 1.0)
+            args.results["dispatch"][key if jobs == 1 else f"{key} x{jobs}"]["padding"] = pad
             lines.append(f"| {case.label} | {jobs} | {full.total} / {full.kernels} | "
                          f"{masked.total} / {masked.kernels} | "
                          f"{masked.total / full.total:.3f} / {masked.kernels / full.kernels:.3f} | "
-                         f"{sum(masked.syncs.values())} |")
+                         f"{sum(masked.syncs.values())} | {pad:.3f} |")
     return lines + [""]
 
 

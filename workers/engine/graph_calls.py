@@ -1,13 +1,15 @@
 """A denoiser call as a graph's inputs (``workers/engine/graphs.py``): what it reads that changes
 from step to step, and a function that runs it on any tensors of that structure.
 
-Inputs are the step's model arguments (latents, timesteps, text, ...), then for each masked job
-its staged cache (one flat buffer, ``workers/engine/staging.py``) and its token indices. The
-signature holds what fixes the call's shapes and control flow: the arguments' shapes and dtypes
-and each job's mode, rows, token counts (rounded up to token buckets where steps are graphed,
-``workers/maskaware/buckets.py``, so one graph serves every mask of its buckets), index shapes and
-cache layout. The function rebuilds the row groups
-over the tensors it is given (static buffers when captured), so a replay reads the step's data.
+Inputs are the step's model arguments (latents, timesteps, text, ...), then the masked jobs'
+staged caches (each staged buffer once: the jobs of a step share one, ``workers/engine/staging.py``)
+and their token indices: the call's batch index where the model has one (``workers/maskaware/
+batched.py``), else each job's. The signature holds what fixes the call's shapes and control flow:
+the arguments' shapes and dtypes and each job's mode, rows, token counts (rounded up to token
+buckets where steps are graphed, ``workers/maskaware/buckets.py``, so one graph serves every mask
+of its buckets), index shapes, cache layout and place in its buffer, and the batch index's layout.
+The function rebuilds the row groups over the tensors it is given (static buffers when captured),
+so a replay reads the step's data.
 """
 
 from __future__ import annotations
@@ -42,31 +44,39 @@ Describe = Callable[[Any], tuple[list[torch.Tensor], tuple[Any, ...]]]
 
 def _job_inputs(groups: Sequence[Any] | None,
                 describe: Describe) -> tuple[bool, list[torch.Tensor], list[tuple[Any, ...]]]:
-    """(whether a job is masked, each masked job's staged cache and index tensors, the groups'
-    signature). ``describe(group)``: a masked job's index tensors and what else fixes its shapes."""
+    """(whether a job is masked, the staged buffers then each masked job's index tensors, the
+    groups' signature). ``describe(group)``: a masked job's index tensors and what else fixes its
+    shapes. A masked job's signature ends with its buffer's number and its first row there."""
     masked = groups is not None and any(g.mode in ("masked", "record") for g in groups)
-    inputs: list[torch.Tensor] = []
+    buffers: dict[int, int] = {}
+    flats: list[torch.Tensor] = []
+    parts_of: list[torch.Tensor] = []
     spec: list[tuple[Any, ...]] = []
     for g in (groups or []) if masked else []:
         if g.mode != "masked":
             spec.append((g.mode, g.rows))  # full, or record
             continue
         parts, shape = describe(g)
-        inputs += [g.cache.flat, *parts]
-        spec.append(("masked", g.rows, len(parts), g.cache.layout, *shape, tuple(p.shape for p in parts)))
-    return masked, inputs, spec
+        ordinal = buffers.setdefault(id(g.cache.flat), len(buffers))
+        if ordinal == len(flats):
+            flats.append(g.cache.flat)
+        parts_of += parts
+        spec.append(("masked", g.rows, len(parts), g.cache.layout, *shape, tuple(p.shape for p in parts),
+                     ordinal, g.cache.row0))
+    return masked, flats + parts_of, spec
 
 
 def _replayed(groups: Sequence[Any], spec: list[tuple[Any, ...]], tensors: Sequence[torch.Tensor],
               full: Callable[[Any], Any], masked: Callable[[Any, tuple[Any, ...], StagedCache, list[torch.Tensor]], Any]
               ) -> list[Any]:
-    """The row groups rebuilt over ``tensors`` (a graph's static buffers: staged caches and indices)."""
-    rest, out = iter(tensors), []
+    """The row groups rebuilt over ``tensors`` (a graph's static buffers: staged caches, then indices)."""
+    count = len({sp[-2] for sp in spec if sp[0] == "masked"})
+    flats, rest, out = tensors[:count], iter(tensors[count:]), []
     for g, sp in zip(groups, spec):
         if sp[0] != "masked":
             out.append(full(g))
             continue
-        cache = StagedCache.over(next(rest), sp[3])
+        cache = StagedCache.over(flats[sp[-2]], sp[3], sp[-1])
         out.append(masked(g, sp, cache, [next(rest) for _ in range(sp[2])]))
     return out
 
@@ -84,11 +94,15 @@ def unet_call(graphs: StepGraphs, unet: Any, ctrl: Any, args: tuple[torch.Tensor
     if added is not None:
         head += [added["text_embeds"], added["time_ids"]]
 
+    index = ctrl.batch_index(list(groups), device) if groups is not None else None
+
     def describe(g: Any) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
-        indices = g.token_mask.device_indices(device)
+        indices = () if index is not None else g.token_mask.device_indices(device)
         return [t for _, t in indices], (g.token_mask.counts(), tuple(n for n, _ in indices), frozenset(g.full_units))
 
     masked, jobs, spec = _job_inputs(groups, describe)
+    if index is not None:
+        jobs.append(index.data)
 
     def forward(ts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[Any]]:
         kw: dict[str, Any] = {"encoder_hidden_states": ts[2], "return_dict": False}
@@ -96,14 +110,17 @@ def unet_call(graphs: StepGraphs, unet: Any, ctrl: Any, args: tuple[torch.Tensor
             kw["added_cond_kwargs"] = {"text_embeds": ts[3], "time_ids": ts[4]}
         if not masked:
             return unet(ts[0], ts[1], **kw)[0], [None] * len(groups or ())
-        replayed = _replayed(groups, spec, ts[len(head):],  # type: ignore[arg-type]
+        rest = ts[len(head):len(ts) - (index is not None)]
+        replayed = _replayed(groups, spec, rest,  # type: ignore[arg-type]
                              lambda g: RowGroup(g.rows, g.mode),
                              lambda g, sp, cache, parts: RowGroup(
                                  g.rows, "masked", cache=cache, full_units=g.full_units,
                                  token_mask=g.token_mask.with_indices(dict(zip(sp[5], parts)), device)))
-        return _untimed(ctrl, replayed, lambda: unet(ts[0], ts[1], **kw)[0], recorded=True)
+        return _untimed(ctrl, replayed, lambda: unet(ts[0], ts[1], **kw)[0], recorded=True,
+                        batch={"index": None if index is None else index.over(ts[-1]), "build_index": False})
 
-    return graphs.run(("unet", _signature(head), tuple(spec)), head + jobs, forward, horizon)
+    structure = None if index is None else index.structure
+    return graphs.run(("unet", _signature(head), tuple(spec), structure), head + jobs, forward, horizon)
 
 
 _FLUX_ARGS = ("hidden_states", "timestep", "guidance", "pooled_projections", "encoder_hidden_states", "txt_ids",
@@ -139,14 +156,15 @@ def flux_call(graphs: StepGraphs, transformer: Any, ctrl: Any, kwargs: dict[str,
     return graphs.run(("flux", tuple(names), _signature(head), tuple(spec)), head + jobs, forward, horizon)
 
 
-def _untimed(ctrl: Any, groups: list[Any], call: Any, recorded: bool = False) -> Any:
-    """``call()`` inside ``ctrl.batch(groups)`` without the controller's unit timings (no events
-    inside a captured call); ``recorded``: with what the groups recorded."""
+def _untimed(ctrl: Any, groups: list[Any], call: Any, recorded: bool = False,
+             batch: dict[str, Any] | None = None) -> Any:
+    """``call()`` inside ``ctrl.batch(groups, **batch)`` without the controller's unit timings (no
+    events inside a captured call); ``recorded``: with what the groups recorded."""
     timing = getattr(ctrl, "timing", None)
     if timing is not None:
         ctrl.timing = False
     try:
-        with ctrl.batch(groups) as ctx:
+        with ctrl.batch(groups, **(batch or {})) as ctx:
             out = call()
         return (out, list(ctx.recorded)) if recorded else out
     finally:

@@ -480,10 +480,22 @@ class BaseRunner(ABC):
             # completion (``_plan_groups``), so the copy stream is not raced for the first unit.
             cache = self.caches.ready(st.cache_key, job.steps_done, fetch=not self._units_on)
             if cache is not None:
-                staged = self.stager.take(job.job_id, job.steps_done, cache, st.delta)
-                return self._row_group(st.rows, "masked", st.token_masks, staged)
+                return _ToStage(cache)
             st.extra["fallback_pending"] = True
         return self._row_group(st.rows, "full")
+
+    def _groups(self, batch: list[EngineJob]) -> list[Any]:
+        """Each job's row group; the masked jobs' caches staged together, in the order the step
+        runs them (``_step_order``), so that adjacent jobs share slabs (``staging``)."""
+        groups = [self._group(job) for job in batch]
+        pending = sorted((i for i, g in enumerate(groups) if isinstance(g, _ToStage)),
+                         key=lambda i: _count_key(batch[i].state.token_masks))
+        staged = self.stager.take_batch([(batch[i].job_id, batch[i].steps_done, groups[i].cache, batch[i].state.delta)
+                                         for i in pending])
+        for i, cache in zip(pending, staged):
+            st = batch[i].state
+            groups[i] = self._row_group(st.rows, "masked", st.token_masks, cache)
+        return groups
 
     def _plan_groups(self, batch: list[EngineJob], groups: list[Any]) -> list[Any]:
         """Per-unit plan for masked jobs whose step is not wholly resident (module doc)."""
@@ -657,7 +669,7 @@ class BaseRunner(ABC):
         started = time.monotonic()
         self._step_plan = None
         batch = self._apply_adapters(batch)
-        groups = [self._group(job) for job in batch] if self.maskaware is not None else None
+        groups = self._groups(batch) if self.maskaware is not None else None
         if groups is not None and self._units_on:
             groups = self._plan_groups(batch, groups)
             self._plan_ahead(batch, started)
@@ -672,8 +684,8 @@ class BaseRunner(ABC):
         graphs = getattr(self, "graphs", None)
         if graphs is not None:
             graphs.last = "eager"  # a step that never reaches the graphs (not graphable) runs eagerly
-            if groups is not None:
-                batch, groups = _full_first(batch, groups)
+        if groups is not None:
+            batch, groups = _step_order(batch, groups)
         layout.set_invariant(self.batch_invariant and len(batch) > 1)
         rows = layout.rows((g, job.state.rows) for g, job in enumerate(batch)) if layout.wanted() else None
         try:
@@ -720,7 +732,8 @@ class BaseRunner(ABC):
         """While this step computes, stage each masked job's next step whose cache is resident
         (a side stream: the copy and decode overlap with the step; ``staging``)."""
         self.stager.reset()
-        for job in batch:
+        entries = []
+        for job in batch:  # in step order: the next step keeps it (``_step_order``), so slabs line up
             st: JobState = job.state
             nxt = job.steps_done + 1
             if (st.mode != "masked" or st.cache_key is None or nxt >= len(st.timesteps) or nxt in st.refresh
@@ -728,7 +741,8 @@ class BaseRunner(ABC):
                 continue
             cache = self.caches.peek(st.cache_key, nxt)  # type: ignore[union-attr]
             if cache is not None:
-                self.stager.ahead(job.job_id, nxt, cache, st.delta)
+                entries.append((job.job_id, nxt, cache, st.delta))
+        self.stager.ahead_batch(entries)
 
     def _after_step(self, batch: list[EngineJob], recorded: list[Any]) -> None:
         for i, job in enumerate(batch):
@@ -865,12 +879,33 @@ class OffsetCache(Mapping[str, torch.Tensor]):
         return len(self.base)
 
 
-def _full_first(batch: list[EngineJob], groups: list[Any]) -> tuple[list[EngineJob], list[Any]]:
-    """The step's jobs with those computing fully (refresh steps, records, fallbacks) first, each
-    kind in batch order: a graph's signature then depends on how many jobs compute fully, not on
-    where they sit (every job's results are its own rows, whatever their position)."""
-    order = sorted(range(len(batch)), key=lambda i: getattr(groups[i], "mode", "full") == "masked")
+def _step_order(batch: list[EngineJob], groups: list[Any]) -> tuple[list[EngineJob], list[Any]]:
+    """The step's jobs with those computing fully (refresh steps, records, fallbacks) first, then
+    the masked ones by token counts, largest first (the order their caches were staged in,
+    ``_groups``). A graph's signature then depends on how many jobs compute fully, not on where they
+    sit, and jobs of similar counts are adjacent: the model runs them as one padded run
+    (``MaskAwareUNet``). Every job's results are its own rows, whatever their position."""
+    def key(i: int) -> tuple[int, tuple[int, ...]]:
+        group = groups[i]
+        if getattr(group, "mode", "full") != "masked":
+            return (0, ())
+        return (1, _count_key(group.token_mask))
+    order = sorted(range(len(batch)), key=key)
     return [batch[i] for i in order], [groups[i] for i in order]
+
+
+def _count_key(token_mask: Any) -> tuple[int, ...]:
+    """Sort key of a masked job: its computed tokens per level, largest first (SD token masks;
+    other models' masks sort as equal)."""
+    counts = getattr(token_mask, "counts", None)
+    return tuple(-c for c in counts()) if callable(counts) else ()
+
+
+class _ToStage:
+    """A masked job whose step cache is ready, to be staged with the step's other masked jobs."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
 
 
 def _one_shape(batch: list[EngineJob]) -> bool:

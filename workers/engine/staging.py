@@ -15,36 +15,63 @@ stager makes that copy:
 
 ``writable``: the copies are private (fresh, contiguous tensors the model may write); without it
 (Flux reads its cache only) tensors are decoded onto the device and handed over as they are.
+
+Batch-wide: the masked jobs of a step are staged together (``stage_batch``, ``ahead_batch``,
+``take_batch``) into one buffer laid out name-major: for each cached tensor, the rows of every job
+one after another. A tensor of several adjacent jobs is then one ``[rows, N, C]`` slab, so the
+model writes every job's fresh tokens with one scatter and runs one attention call for jobs of
+equal token counts (``MaskAwareUNet``), instead of a few kernels per job and block.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from workers.engine import cache_codec
 
+Layout = tuple[tuple[str, int, tuple[int, ...]], ...]
+
 
 class StagedCache(dict):  # type: ignore[type-arg]
     """A job's step cache on the compute device: ``writable`` when its tensors are private copies.
     Writable caches keep every tensor in one ``flat`` buffer (``layout``: name, offset, shape), so
-    that a graph-replayed step copies a job's cache into its static input with one copy."""
+    that a graph-replayed step copies the caches into its static inputs with one copy per buffer.
+    ``row0``: the job's first row in the buffer's name-major slabs; jobs of one buffer whose rows
+    follow each other (``adjacent``) form one slab per tensor (``slab``)."""
 
     writable = False
     flat: torch.Tensor | None = None
-    layout: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
+    layout: Layout = ()
+    row0 = 0
 
     @classmethod
-    def over(cls, flat: torch.Tensor, layout: tuple[tuple[str, int, tuple[int, ...]], ...]) -> "StagedCache":
+    def over(cls, flat: torch.Tensor, layout: Layout, row0: int = 0) -> "StagedCache":
         """The writable cache whose tensors are views of ``flat`` at ``layout``."""
         out = cls()
-        out.writable, out.flat, out.layout = True, flat, layout
+        out.writable, out.flat, out.layout, out.row0 = True, flat, layout, row0
         for name, offset, shape in layout:
             out[name] = flat[offset:offset + _numel(shape)].view(shape)
         return out
+
+    def adjacent(self, other: Any) -> bool:
+        """Whether ``other``'s rows follow this cache's rows in every slab of one buffer."""
+        if not (isinstance(other, StagedCache) and other.flat is not None and other.flat is self.flat):
+            return False
+        rows = self.layout[0][2][0] if self.layout else 0
+        return other.row0 == self.row0 + rows and len(other.layout) == len(self.layout)
+
+    def slab(self, name: str, rows: int) -> torch.Tensor:
+        """Tensor ``name`` of this job and the jobs adjacent after it, ``rows`` rows in all."""
+        t = self[name]
+        if rows == t.shape[0]:
+            return t
+        offset = t.storage_offset() - self.flat.storage_offset()  # type: ignore[union-attr]
+        per_row = t.numel() // t.shape[0]
+        return self.flat.narrow(0, offset, rows * per_row).view(rows, *t.shape[1:])  # type: ignore[union-attr]
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -71,16 +98,25 @@ class CacheStager:
               ) -> tuple[StagedCache, Any]:
         """Every tensor of ``cache`` on the device (decoded; plus the job's ``delta``), and the event
         after which they are there (None when staged inline)."""
-        stored, dtype, rows = _stored_view(cache)
+        outs, event = self.stage_batch([(cache, delta)])
+        return outs[0], event
+
+    def stage_batch(self, items: Sequence[tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor] | None]]
+                    ) -> tuple[list[StagedCache], Any]:
+        """``stage`` for several jobs' caches (cache, delta), in order: writable caches of one
+        layout share one name-major buffer (module doc)."""
         scope = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with scope:
-            build = self._writable if self.writable else self._decoded
-            out = build(stored, dtype, rows, delta)
+            views = [(_stored_view(cache), delta) for cache, delta in items]
+            if self.writable:
+                outs = self._writable_batch(views)
+            else:
+                outs = [self._decoded(stored, dtype, rows, delta) for (stored, dtype, rows), delta in views]
             event = None
             if self.stream is not None:
                 event = torch.cuda.Event()
                 event.record(self.stream)
-        return out, event
+        return outs, event
 
     def _decoded(self, stored: Mapping[str, torch.Tensor], dtype: torch.dtype | None, rows: int,
                  delta: Mapping[str, torch.Tensor] | None) -> StagedCache:
@@ -91,44 +127,85 @@ class CacheStager:
             out[name] = t if d is None else d + t.to(d)  # the job's offset (``OffsetCache``'s expression)
         return out
 
-    def _writable(self, stored: Mapping[str, torch.Tensor], dtype: torch.dtype | None, rows: int,
-                  delta: Mapping[str, torch.Tensor] | None) -> StagedCache:
-        """Private copies in one flat buffer: stored bytes go straight into their slot (moved,
-        converted, shared rows broadcast by the copy); int8 tensors are dequantized first."""
-        layout, offset = [], 0
-        for name, src in stored.items():
-            shape = cache_codec.decoded_shape(src, rows)
-            layout.append((name, offset, shape))
-            offset += _numel(shape)
-        dtype = dtype or (next(iter(stored.values())).dtype if stored else torch.float32)
-        out = StagedCache.over(torch.empty(offset, dtype=dtype, device=self.device), tuple(layout))
-        for name, src in stored.items():
-            view, d = out[name], delta.get(name) if delta else None
-            if src.dtype == torch.int8 or d is not None:
-                t = cache_codec.decode_tensor(src, dtype, self.device, rows)
-                if d is None:
-                    view.copy_(t)
-                else:
-                    torch.add(d, t.to(d), out=view)  # the job's offset (``OffsetCache``'s expression)
-            else:
-                view.copy_(cache_codec.expand_rows(src, rows), non_blocking=True)
-        return out
+    def _writable_batch(self, views: list[tuple[tuple[Mapping[str, torch.Tensor], torch.dtype | None, int],
+                                                Mapping[str, torch.Tensor] | None]]) -> list[StagedCache]:
+        """Private copies, jobs of one layout (names, shapes, dtype) in one name-major buffer:
+        stored bytes go straight into their slot (moved, converted, shared rows broadcast by the
+        copy); int8 tensors are dequantized first."""
+        kinds: dict[tuple[Any, ...], list[int]] = {}
+        shapes: list[list[tuple[str, tuple[int, ...]]]] = []
+        for i, ((stored, dtype, rows), _delta) in enumerate(views):
+            named = [(name, cache_codec.decoded_shape(src, rows)) for name, src in stored.items()]
+            dtype = dtype or (next(iter(stored.values())).dtype if stored else torch.float32)
+            shapes.append(named)
+            kinds.setdefault((dtype, tuple(named)), []).append(i)
+        outs: list[StagedCache | None] = [None] * len(views)
+        for (dtype, named), members in kinds.items():
+            layouts: list[list[tuple[str, int, tuple[int, ...]]]] = [[] for _ in members]
+            row0s, row0 = [], 0
+            for i in members:
+                row0s.append(row0)
+                row0 += named[0][1][0] if named else 0
+            offset = 0
+            for name, shape in named:  # name-major: every job's rows of a tensor, one after another
+                for k in range(len(members)):
+                    layouts[k].append((name, offset, shape))
+                    offset += _numel(shape)
+            flat = torch.empty(offset, dtype=dtype, device=self.device)
+            for k, i in enumerate(members):
+                out = outs[i] = StagedCache.over(flat, tuple(layouts[k]), row0s[k])
+                (stored, _dtype, rows), delta = views[i]
+                for name, src in stored.items():
+                    view, d = out[name], delta.get(name) if delta else None
+                    if src.dtype == torch.int8 or d is not None:
+                        t = cache_codec.decode_tensor(src, dtype, self.device, rows)
+                        if d is None:
+                            view.copy_(t)
+                        else:
+                            torch.add(d, t.to(d), out=view)  # the job's offset (``OffsetCache``'s expression)
+                    else:
+                        view.copy_(cache_codec.expand_rows(src, rows), non_blocking=True)
+        return outs  # type: ignore[return-value]
 
     def ahead(self, job_id: str, step: int, cache: Mapping[str, torch.Tensor],
               delta: Mapping[str, torch.Tensor] | None = None) -> None:
         """Start staging a job's next step now (a side stream: it overlaps the current step)."""
-        self._ahead[(job_id, step, id(delta))] = self.stage(cache, delta)
+        self.ahead_batch([(job_id, step, cache, delta)])
+
+    def ahead_batch(self, entries: Sequence[tuple[str, int, Mapping[str, torch.Tensor],
+                                                  Mapping[str, torch.Tensor] | None]]) -> None:
+        """``ahead`` for several jobs (job id, step, cache, delta), staged together (``stage_batch``)."""
+        if not entries:
+            return
+        outs, event = self.stage_batch([(cache, delta) for _j, _s, cache, delta in entries])
+        for (job_id, step, _cache, delta), out in zip(entries, outs):
+            self._ahead[(job_id, step, id(delta))] = (out, event)
+
+    def take_batch(self, entries: Sequence[tuple[str, int, Mapping[str, torch.Tensor],
+                                                 Mapping[str, torch.Tensor] | None]]) -> list[StagedCache]:
+        """``take`` for several jobs (job id, step, cache, delta): those not staged ahead are
+        staged now, together."""
+        found = [self._ahead.pop((job_id, step, id(delta)), None) for job_id, step, _cache, delta in entries]
+        missing = [i for i, staged in enumerate(found) if staged is None]
+        if missing:
+            outs, event = self.stage_batch([(entries[i][2], entries[i][3]) for i in missing])
+            for i, out in zip(missing, outs):
+                found[i] = (out, event)
+        return [self._on_compute_stream(*staged) for staged in found]  # type: ignore[misc]
 
     def take(self, job_id: str, step: int, cache: Mapping[str, torch.Tensor],
              delta: Mapping[str, torch.Tensor] | None = None) -> StagedCache:
         """The job's staged step (staged ahead, else now); the compute stream waits for its copy."""
         staged = self._ahead.pop((job_id, step, id(delta)), None)
-        out, event = staged if staged is not None else self.stage(cache, delta)
+        return self._on_compute_stream(*(staged if staged is not None else self.stage(cache, delta)))
+
+    def _on_compute_stream(self, out: StagedCache, event: Any) -> StagedCache:
+        """``out`` once the compute stream has waited for its copy (``event``; None: staged inline)."""
         if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
             for t in ([out.flat] if out.flat is not None else out.values()):
-                t.record_stream(current)
+                t.record_stream(current)  # once per job: a shared buffer is recorded again, harmlessly
         return out
 
     def reset(self) -> None:

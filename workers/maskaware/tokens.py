@@ -122,9 +122,12 @@ class TokenMasks:
         """Sorted int64 indices of masked tokens at the level with ``n`` tokens (memoized)."""
         key = (n, _device_key(device))
         if key not in self._idx:
-            host = self.flat(n).cpu().nonzero().reshape(-1)
-            if self.bucketed and host.numel():
-                host = padded(host, self.count(n))
+            host = self._idx.get((n, "cpu"))
+            if host is None:
+                host = self.flat(n).cpu().nonzero().reshape(-1)
+                if self.bucketed and host.numel():
+                    host = padded(host, self.count(n))
+                self._idx[(n, "cpu")] = host  # also the batch index's source (``batched.py``)
             self._idx[key] = host if key[1] == "cpu" else host.to(device)
         return self._idx[key]
 

@@ -93,6 +93,7 @@ from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from workers.adapters import layout
 from workers.adapters.patcher import install as install_row_aware
 from workers.compiled import BlockKernels
+from workers.maskaware.batched import BatchIndex, IndexMemo, LevelIndex, Member
 from workers.maskaware.lockstep import Lockstep
 from workers.maskaware.reuse import UnitReuse
 from workers.maskaware.tokens import TokenMasks, build_token_masks, row_index
@@ -134,7 +135,7 @@ class _MaskedGroup:
     g: int
     start: int
     rows: int
-    idx: torch.Tensor
+    idx: torch.Tensor | None  # None where the call's batch index serves the level
     m: int
 
 
@@ -147,6 +148,7 @@ class _Plan:
     record: list[tuple[int, int, int]]  # (group, position in the full sub-batch, rows)
     masked: list[_MaskedGroup]
     empty: list[tuple[int, int, int]]  # (group, start, rows) with no masked token at this level
+    batched: LevelIndex | None = None  # the masked groups' batch-wide indices (``batched.py``)
 
 
 @dataclass
@@ -165,6 +167,7 @@ class BatchContext:
     unit_gap: dict[str, float] = field(default_factory=dict)  # other compute before each unit
     carry: dict[str, "_Carry"] = field(default_factory=dict)  # unit -> packed tokens between its blocks
     device_timed: bool = False  # timestamps are CUDA events, turned into seconds by ``resolve_timings``
+    index: BatchIndex | None = None  # batch-wide token indices of every level (``batched.py``)
     _unit_t0: dict[str, Any] = field(default_factory=dict)
     _last_end: Any = None
     _spans: list[tuple[dict[str, float], str, Any, Any]] = field(default_factory=list)  # pending (CUDA)
@@ -222,6 +225,8 @@ class BatchContext:
         record: list[tuple[int, int, int]] = []
         masked: list[_MaskedGroup] = []
         empty: list[tuple[int, int, int]] = []
+        level = self.index.levels.get((n, forced)) if self.index is not None else None
+        padded_m = iter(m for _g, _s, _r, m in level.members) if level is not None else None
         for g, (grp, s) in enumerate(zip(self.groups, self.starts)):
             if grp.mode == "masked" and g not in forced:
                 assert grp.token_mask is not None
@@ -230,7 +235,10 @@ class BatchContext:
                     empty.append((g, s, grp.rows))
                     continue
                 if m < n:
-                    masked.append(_MaskedGroup(g, s, grp.rows, grp.token_mask.indices(n, device), m))
+                    if padded_m is not None:  # the batch index's count: padded to its run
+                        masked.append(_MaskedGroup(g, s, grp.rows, None, next(padded_m)))
+                    else:
+                        masked.append(_MaskedGroup(g, s, grp.rows, grp.token_mask.indices(n, device), m))
                     continue
             if grp.mode == "record":
                 record.append((g, len(full), grp.rows))
@@ -238,7 +246,9 @@ class BatchContext:
             full_groups.append((g, grp.rows))
         all_full = len(full) == self.total_rows
         rows = None if all_full else row_index(tuple(full), device)
-        return _Plan(rows, full_groups, record, masked, empty)
+        if level is not None and [mg.g for mg in masked] != [g for g, *_ in level.members]:
+            raise RuntimeError(f"batch index of level {n} does not match the call's masked groups")
+        return _Plan(rows, full_groups, record, masked, empty, level)
 
     def computed_tokens(self, plan: _Plan, n: int) -> int:
         """Token rows that enter the token-wise layers of a block under ``plan``."""
@@ -395,6 +405,7 @@ class MaskAwareUNet:
         # (read after the step completes: ``BatchContext.resolve_timings``).
         self._device_timed = next(unet.parameters()).device.type == "cuda"
         self.timing = True  # off while a call is captured into a CUDA graph (``workers/engine/graphs.py``)
+        self._index_memo = IndexMemo()
         self._timers: list[Any] = [unet.register_forward_pre_hook(self._model_pre)]
         modules = dict(unet.named_modules())
         for unit in self._units:
@@ -532,8 +543,11 @@ class MaskAwareUNet:
         return steps * self._dtype_nbytes(self._blocks, hw, rows, dtype, shared)
 
     @contextlib.contextmanager
-    def batch(self, groups: list[RowGroup]) -> Iterator[BatchContext]:
-        """Activate a row-group layout for one UNet call."""
+    def batch(self, groups: list[RowGroup], index: BatchIndex | None = None,
+              build_index: bool = True) -> Iterator[BatchContext]:
+        """Activate a row-group layout for one UNet call. ``index``: its batch index (``batched.py``),
+        built here when omitted and ``build_index``; a captured step passes the one it takes as an
+        input, or none (nothing may be built and copied to the device while a graph is captured)."""
         if self._ctx is not None:
             raise RuntimeError("a mask-aware batch is already active")
         self._validate(groups)
@@ -542,12 +556,67 @@ class MaskAwareUNet:
             starts.append(s)
             s += grp.rows
         recorded = [{} if g.mode == "record" else None for g in groups]
-        self._ctx = BatchContext(groups, starts, s, recorded, device_timed=self._device_timed)
+        if index is None and build_index and Lockstep.current() is None:
+            index = self.batch_index(groups, next(self.unet.parameters()).device)
+        self._ctx = BatchContext(groups, starts, s, recorded, device_timed=self._device_timed, index=index)
         try:
             yield self._ctx
         finally:
             self._ctx = None
             self._capture = None
+
+    def batch_index(self, groups: list[RowGroup], device: torch.device) -> BatchIndex | None:
+        """The batch-wide token indices of every level for ``groups`` (``batched.py``), or None
+        where a masked group takes the per-group path: K/V recomputed, a cache that is not a
+        writable staged buffer (read-only, loaded unit by unit), temporal reuse. Built once per
+        composition: what fixes them is each masked job's mask, rows, position, staged-buffer
+        adjacency and fully computed units."""
+        from workers.engine.staging import StagedCache
+
+        if self.kv_source != "cache":
+            return None
+        masked = [(g, grp) for g, grp in enumerate(groups) if grp.mode == "masked"]
+        if not masked or any(not (isinstance(grp.cache, StagedCache) and grp.cache.writable)
+                             or grp.reuse is not None or grp.token_mask is None for _g, grp in masked):
+            return None
+        pad = not layout.wanted()
+        starts = [0]
+        for grp in groups[:-1]:
+            starts.append(starts[-1] + grp.rows)
+        buffers: dict[int, int] = {}
+        parts = []
+        for g, grp in enumerate(groups):
+            if grp.mode != "masked":
+                parts.append((grp.mode, grp.rows))
+                continue
+            ordinal = buffers.setdefault(id(grp.cache.flat), len(buffers))  # type: ignore[union-attr]
+            parts.append(("masked", grp.rows, id(grp.token_mask), ordinal, grp.cache.row0,  # type: ignore[union-attr]
+                          tuple(sorted(grp.full_units))))
+        key = (str(device), pad, tuple(parts))
+
+        def levels() -> dict[Any, tuple[int, list[Member], bool]]:
+            out: dict[Any, tuple[int, list[Member], bool]] = {}
+            token_levels = masked[0][1].token_mask.levels  # type: ignore[union-attr]
+            for unit, blocks in self._units.items():
+                if blocks[0].level >= len(token_levels):
+                    continue
+                n = token_levels[blocks[0].level].numel()
+                forced = frozenset(g for g, grp in masked if unit in grp.full_units)
+                if (n, forced) in out:
+                    continue
+                members, prev = [], None
+                for g, grp in masked:
+                    m = grp.token_mask.count(n)  # type: ignore[union-attr]
+                    if g in forced or m == 0 or m >= n:
+                        continue
+                    adjacent = prev is not None and prev.cache.adjacent(grp.cache)
+                    members.append(Member(g, starts[g], grp.rows, grp.token_mask.indices(n, "cpu"), adjacent))  # type: ignore[union-attr]
+                    prev = grp
+                if members:
+                    out[(n, forced)] = (n, members, pad)
+            return out
+
+        return self._index_memo.get(key, levels, torch.device(device), keep=[grp.token_mask for _g, grp in masked])
 
     def remove(self) -> None:
         """Uninstall every hook this controller added."""
@@ -623,6 +692,8 @@ class MaskAwareUNet:
                 out[s:s + r] = self._cached(ctx, g, info.name, "y", (r, n, h.shape[2]))
         if not plan.masked:
             return out
+        if plan.batched is not None:
+            return self._batched_forward(info, h, arguments, plan, ctx, out)
         return self._masked_forward(info, h, arguments, plan, ctx, out)
 
     def _full_forward(self, info: _BlockInfo, original: Any, arguments: dict, plan: _Plan,
@@ -702,6 +773,82 @@ class MaskAwareUNet:
         out = out.clone() if out is h else out
         for sg, y in zip(segs, ys):
             out[sg.start:sg.start + sg.rows] = y
+        return out
+
+    def _batched_forward(self, info: _BlockInfo, h: torch.Tensor, arguments: dict, plan: _Plan,
+                         ctx: BatchContext, out: torch.Tensor) -> torch.Tensor:
+        """``_masked_forward`` with the batch index (``batched.py``): one gather of every masked
+        job's tokens, one scatter per cached tensor and slab, one attention call per run."""
+        _check_arguments(arguments)
+        level, index = plan.batched, ctx.index
+        assert level is not None and index is not None
+        blk = info.module
+        a1, a2 = blk.attn1, blk.attn2
+        n = h.shape[1]
+        want = layout.wanted()
+        kern = self.kernels if not want else _EAGER
+        carry = ctx.carry.pop(info.unit, None)
+        if carry is not None and carry.ret is h and carry.plan is plan:
+            x = carry.x
+        else:
+            rows, tokens = index.gather(level)
+            x = h[rows, tokens]  # one kernel over the (often strided) block input
+        members = level.members
+
+        def slab_of(slab: Any, kind: str, width: int) -> torch.Tensor:
+            g = members[slab.first][0]
+            first = self._cached(ctx, g, info.name, kind, (members[slab.first][2], n, width))
+            assert first is not None
+            return ctx.groups[g].cache.slab(f"{info.name}.{kind}", slab.rows)  # type: ignore[union-attr]
+
+        def write(slab: Any, kind: str, fresh: torch.Tensor) -> torch.Tensor:
+            width = fresh.shape[-1]
+            target = slab_of(slab, kind, width)
+            target.view(-1, width).index_copy_(0, index.scatter(slab), _part(fresh, slab.packed, slab.tokens))
+            return target
+
+        gids = [ctx.groups[g].gid if ctx.groups[g].gid >= 0 else g for g, *_ in members]
+        runs_in = [[r for r in level.runs if s.first <= r.first < s.first + s.count] for s in level.slabs]
+        packed = layout.flat((gid, rows * m) for gid, (_g, _s, rows, m) in zip(gids, members)) if want else None
+        with layout.use(packed):
+            # 1. self-attention: fresh K/V written into each slab, queries of a run against its rows
+            q, k, v = kern.self_qkv(blk, x)
+            outs = []
+            for slab, runs in zip(level.slabs, runs_in):
+                ks, vs = write(slab, "k", k), write(slab, "v", v)
+                for run in runs:
+                    outs.append(_sdpa(_part(q, run.packed, run.rows * run.m), _part(ks, run.row, run.rows),
+                                      _part(vs, run.row, run.rows), run.rows, a1.heads))
+            x = kern.attn_out(a1, _cat(outs), x)
+            # 2. cross-attention: each run's queries against its rows' text
+            if a2 is not None:
+                ehs = arguments.get("encoder_hidden_states")
+                if ehs is None:  # attn2 without text is self-attention over the input
+                    raise NotImplementedError("attn2 without encoder_hidden_states is not supported")
+                q2 = kern.cross_q(blk, x)
+                with layout.use(layout.rows((gid, rows) for gid, (_g, _s, rows, _m) in zip(gids, members))
+                                if want else None):
+                    k2, v2 = kern.text_kv(a2, _cat([_part(ehs, s.start, s.rows) for s in level.slabs]))
+                outs, text_row = [], 0
+                for slab, runs in zip(level.slabs, runs_in):
+                    for run in runs:
+                        row = text_row + run.row
+                        outs.append(_sdpa(_part(q2, run.packed, run.rows * run.m), _part(k2, row, run.rows),
+                                          _part(v2, row, run.rows), run.rows, a2.heads))
+                    text_row += slab.rows
+                x = kern.attn_out(a2, _cat(outs), x)
+            # 3. feed-forward
+            x = kern.ff(blk, x)
+        if not info.needs_y:
+            ctx.carry[info.unit] = _Carry(out, x, plan)
+            return out
+        ys = [write(slab, "y", x) for slab in level.slabs]
+        only = level.slabs[0]
+        if out is h and not plan.empty and len(ys) == 1 and only.start == 0 and only.rows == h.shape[0]:
+            return ys[0]  # every row is masked: the slab is the block's output
+        out = out.clone() if out is h else out
+        for slab, y in zip(level.slabs, ys):
+            out[slab.start:slab.start + slab.rows] = y
         return out
 
     def _seg(self, info: _BlockInfo, ctx: BatchContext, mg: _MaskedGroup, h: torch.Tensor,
@@ -877,6 +1024,12 @@ def _runs(segs: list["_Seg"]) -> list[tuple[int, int]]:
         else:
             out.append((sg.rows, sg.m))
     return out
+
+
+def _part(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Rows ``[start, start + length)`` of ``t``: ``t`` itself when that is all of it (no view
+    operator dispatched)."""
+    return t if start == 0 and length == t.shape[0] else t.narrow(0, start, length)
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:

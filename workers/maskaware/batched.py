@@ -1,0 +1,250 @@
+"""Batch-wide token indices of one UNet level: the masked jobs of a call gathered, written into
+their caches and attended with a few kernels per block, not a few per job.
+
+Why: on a GPU a diffusion step at service batch sizes is bound by the host's kernel launches.
+Job by job, a masked block gathers each job's tokens, writes its fresh K, V and output into its
+cache and runs its two attention calls: about six launches per job and block, so at 8 jobs the
+mask-aware step launched 2.4x the kernels of the full step it was meant to undercut.
+
+How: the masked jobs of a step are staged into one name-major buffer (``workers/engine/staging``),
+so a cached tensor of adjacent jobs is one ``[rows, N, C]`` slab. Per level this module builds,
+once per batch composition and on the host, the integer indices that serve every block of the
+level:
+
+- ``gather``: every masked job's token rows in the packed order, as (batch row, token) pairs of
+  the block input ``[B, N, C]`` (one indexing kernel; the input is often a strided view);
+- per *slab* (consecutive jobs whose caches are adjacent in one buffer and whose rows are adjacent
+  in the batch): the same tokens as flat positions in the slab ``[R * N, C]`` (one ``index_copy_``
+  per cached tensor writes every job's fresh tokens);
+- *runs*: consecutive jobs of a slab computing one token count, one attention call each.
+
+Runs form where jobs' counts are close: a job is padded up to its run's largest count (its last
+token index repeated, as ``buckets.padded`` does: a repeated token computes the same values from
+the same inputs, and writing them twice writes the same values) as long as the run's padded token
+rows stay within ``buckets.GROWTH`` of its real ones, or add at most ``FREE_PAD_ROWS`` (at the
+coarse levels a few dozen token rows cost the GPU less than the launches of another run). The engine orders masked jobs by their counts
+(``runner_base._step_order``), so similar jobs are adjacent. Padding changes which GEMM shapes a job
+meets, so a step that keeps each job's arithmetic its own (``adapters.layout.wanted``: adapter terms
+or batch invariance) pads nothing and runs only jobs of equal counts together.
+
+The indices of every level go to the device in one copy; a steady batch reuses them (the memo is
+keyed by the composition), and a graph-captured step takes them as one of its inputs
+(``workers/engine/graph_calls``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.maskaware.buckets import GROWTH, padded
+
+# Padded token rows a run may add whatever its size: a few microseconds of a block's GEMMs at the
+# widest SD/SDXL level (C = 1280), less than the two launches (attention, its output copy) per
+# block that a separate run costs.
+FREE_PAD_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Member:
+    """A masked group of one level as the index builder sees it."""
+
+    g: int  # group index in the call
+    start: int  # first batch row
+    rows: int
+    indices: torch.Tensor  # host int64, sorted: the tokens it computes at this level
+    adjacent: bool  # its cache's rows follow the previous member's in one staged buffer
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive members of a slab computing ``m`` tokens per row: one attention call."""
+
+    first: int  # member index
+    count: int
+    rows: int
+    row: int  # first row in its slab
+    m: int
+    packed: int  # first packed token row
+
+
+@dataclass(frozen=True)
+class Slab:
+    """Consecutive members whose caches are one slab and whose batch rows are adjacent."""
+
+    first: int
+    count: int
+    start: int  # first batch row
+    rows: int
+    packed: int  # first packed token row
+    tokens: int  # packed token rows
+    scatter: int  # offset of its flat slab positions in the index tensor
+
+
+@dataclass(frozen=True)
+class LevelIndex:
+    """Where a level's indices sit in the index tensor, and how its members group."""
+
+    n: int
+    members: tuple[tuple[int, int, int, int], ...]  # (group, start, rows, m) in packed order
+    slabs: tuple[Slab, ...]
+    runs: tuple[Run, ...]
+    tokens: int  # packed token rows (the gather's length)
+    gather: int  # offset of the gather's batch rows, then its tokens, in the index tensor
+
+    @property
+    def structure(self) -> Hashable:
+        """What fixes the level's shapes and control flow (a graph signature's part)."""
+        return (self.n, self.members, self.slabs, self.runs, self.tokens, self.gather)
+
+
+def build(n: int, members: Sequence[Member], pad: bool, offset: int = 0) -> tuple[LevelIndex, list[torch.Tensor]]:
+    """A level's index layout and its host index pieces (to be concatenated in order, starting at
+    ``offset`` in the index tensor). ``pad``: jobs of different counts may share a run."""
+    slabs_of: list[list[int]] = []
+    for i, mem in enumerate(members):
+        prev = members[i - 1] if i else None
+        if prev is not None and mem.adjacent and mem.start == prev.start + prev.rows:
+            slabs_of[-1].append(i)
+        else:
+            slabs_of.append([i])
+    m_of = [int(mem.indices.numel()) for mem in members]
+    runs_of: list[list[int]] = []  # member indices per run, within slabs
+    for slab in slabs_of:
+        run: list[int] = []
+        for i in slab:
+            if run and _joins(members, m_of, run, i, pad):
+                run.append(i)
+            else:
+                run = [i]
+                runs_of.append(run)
+    padded_m = list(m_of)
+    for run in runs_of:
+        top = max(m_of[i] for i in run)
+        for i in run:
+            padded_m[i] = top
+    pieces: list[torch.Tensor] = []
+    rows_idx = [padded(mem.indices, padded_m[i]) for i, mem in enumerate(members)]
+    gather_rows, gather_tokens = [], []
+    for i, mem in enumerate(members):
+        for r in range(mem.rows):
+            gather_rows.append(torch.full((padded_m[i],), mem.start + r, dtype=torch.long))
+            gather_tokens.append(rows_idx[i])
+    tokens = sum(int(t.numel()) for t in gather_tokens)
+    pieces += gather_rows + gather_tokens
+    cursor = offset + 2 * tokens
+    packed_at, p = [], 0
+    for i, mem in enumerate(members):
+        packed_at.append(p)
+        p += mem.rows * padded_m[i]
+    slabs: list[Slab] = []
+    slab_row: dict[int, int] = {}
+    for slab in slabs_of:
+        row = 0
+        scatter = []
+        for i in slab:
+            slab_row[i] = row
+            scatter += [(row + r) * n + rows_idx[i] for r in range(members[i].rows)]
+            row += members[i].rows
+        size = sum(int(t.numel()) for t in scatter)
+        first = members[slab[0]]
+        slabs.append(Slab(slab[0], len(slab), first.start, row, packed_at[slab[0]], size, cursor))
+        pieces += scatter
+        cursor += size
+    runs = tuple(Run(run[0], len(run), sum(members[i].rows for i in run), slab_row[run[0]], padded_m[run[0]],
+                     packed_at[run[0]]) for run in runs_of)
+    level = LevelIndex(n, tuple((mem.g, mem.start, mem.rows, padded_m[i]) for i, mem in enumerate(members)),
+                       tuple(slabs), runs, tokens, offset)
+    return level, pieces
+
+
+def _joins(members: Sequence[Member], m_of: list[int], run: list[int], i: int, pad: bool) -> bool:
+    """Whether member ``i`` joins ``run``: equal counts, or (``pad``) the run's padded token rows
+    stay within ``GROWTH`` of its real ones or add at most ``FREE_PAD_ROWS``."""
+    if m_of[i] == m_of[run[-1]] and all(m_of[j] == m_of[i] for j in run):
+        return True
+    if not pad:
+        return False
+    idx = [*run, i]
+    real = sum(members[j].rows * m_of[j] for j in idx)
+    top = max(m_of[j] for j in idx)
+    used = top * sum(members[j].rows for j in idx)
+    return used <= GROWTH * real or used - real <= FREE_PAD_ROWS
+
+
+@dataclass
+class BatchIndex:
+    """Every level's ``LevelIndex`` of one call and the device tensor holding their positions."""
+
+    levels: dict[Hashable, LevelIndex]
+    data: torch.Tensor
+    _views: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def _view(self, offset: int, length: int) -> torch.Tensor:
+        """A slice of ``data``, made once (a steady step dispatches no view operators for it)."""
+        view = self._views.get((offset, length))
+        if view is None:
+            view = self._views[(offset, length)] = self.data.narrow(0, offset, length)
+        return view
+
+    def gather(self, level: LevelIndex) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch rows, tokens) of the level's packed token rows."""
+        return self._view(level.gather, level.tokens), self._view(level.gather + level.tokens, level.tokens)
+
+    def scatter(self, slab: Slab) -> torch.Tensor:
+        return self._view(slab.scatter, slab.tokens)
+
+    def over(self, data: torch.Tensor) -> "BatchIndex":
+        """The same layout reading positions from ``data`` (a captured step's static buffer)."""
+        return BatchIndex(self.levels, data)
+
+    @property
+    def structure(self) -> Hashable:
+        return tuple((key, level.structure) for key, level in self.levels.items())
+
+
+def assemble(levels: dict[Hashable, tuple[int, Sequence[Member], bool]], device: torch.device) -> BatchIndex:
+    """The ``BatchIndex`` of ``levels`` (key -> (tokens per row, members, pad)), uploaded in one copy."""
+    layout: dict[Hashable, LevelIndex] = {}
+    pieces: list[torch.Tensor] = []
+    offset = 0
+    for key, (n, members, pad) in levels.items():
+        level, parts = build(n, members, pad, offset)
+        layout[key] = level
+        pieces += parts
+        offset += sum(int(t.numel()) for t in parts)
+    host = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+    if device.type == "cuda" and host.numel():
+        data = host.pin_memory().to(device, non_blocking=True)
+    else:
+        data = host.to(device)
+    return BatchIndex(layout, data)
+
+
+class IndexMemo:
+    """Built ``BatchIndex`` es by composition (an LRU): a steady batch builds its indices once."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self._memo: OrderedDict[Hashable, tuple[BatchIndex, object]] = OrderedDict()
+        self.builds = 0
+
+    def get(self, key: Hashable, build_levels: "callable", device: torch.device, keep: object = None) -> BatchIndex:
+        """The memoized index of ``key``, else ``assemble(build_levels())`` (``keep``: objects whose
+        identity ``key`` names, held so that no other object takes their identity meanwhile)."""
+        hit = self._memo.get(key)
+        if hit is not None:
+            self._memo.move_to_end(key)
+            return hit[0]
+        index = assemble(build_levels(), device)
+        self.builds += 1
+        self._memo[key] = (index, keep)
+        while len(self._memo) > self.capacity:
+            self._memo.popitem(last=False)
+        return index
+
+
+__all__ = ["FREE_PAD_ROWS", "BatchIndex", "IndexMemo", "LevelIndex", "Member", "Run", "Slab", "assemble", "build"]
