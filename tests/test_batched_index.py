@@ -55,7 +55,8 @@ def _staged_jobs(unet: torch.nn.Module, ctrl: MaskAwareUNet, masks: list[TokenMa
                  ) -> tuple[tuple[torch.Tensor, ...], list[dict[str, torch.Tensor]], CacheStager]:
     jobs = len(masks)
     x, t, e = _one_forward(unet)
-    args = (x.repeat(jobs, 1, 1, 1) + 0.1 * torch.arange(2 * jobs).view(-1, 1, 1, 1), t.repeat(jobs), e.repeat(jobs, 1, 1))
+    rows = 0.1 * torch.arange(2 * jobs).view(-1, 1, 1, 1)  # every row its own input
+    args = (x.repeat(jobs, 1, 1, 1) + rows, t.repeat(jobs), e.repeat(jobs, 1, 1))
     with torch.no_grad(), ctrl.batch([RowGroup(2, "record") for _ in range(jobs)]) as ctx:
         unet(*args)
     return args, [dict(r) for r in ctx.recorded], CacheStager("cpu")

@@ -52,7 +52,7 @@ from workers.sd_inputs import decode_latents, prepare_job_tensors
 log = logging.getLogger(__name__)
 
 MODELS = {"sd15": ("sd15-inpaint", 512), "sdxl": ("sdxl-inpaint", 1024)}
-PHASES = ("_plan_groups", "_group", "_forward", "_after_step")
+PHASES = ("_groups", "_plan_groups", "_forward", "_stage_ahead", "_after_step")  # staging: _groups, _stage_ahead
 
 
 def save_model(key: str, quick: bool, dtype: str, workdir: Path) -> Path:

@@ -125,12 +125,30 @@ def quantize(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([q, packed_scale], dim=-2).contiguous()
 
 
-def dequantize(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of ``quantize`` (values within half a quantization step per channel)."""
+def dequantize(t: torch.Tensor, dtype: torch.dtype = torch.float32, rows: int = 0,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of ``quantize`` (values within half a quantization step per channel), in one kernel:
+    the int8 values times their float32 scales, rounded once to ``dtype`` (what
+    ``(q.float() * scale).to(dtype)`` gives, bit for bit). ``rows``: a shared row is expanded to
+    the cache's rows; ``out``: written there (the staged slot), else into a new tensor."""
+    q, scale = _quantized_parts(t)
+    if is_shared(t, rows):
+        q, scale = q.expand(rows, *q.shape[1:]), scale.expand(rows, *scale.shape[1:])
+    if out is None:
+        out = torch.empty(q.shape, dtype=dtype, device=t.device)
+    return torch.mul(q, scale, out=out)
+
+
+def _quantized_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values ``[..., N, C]``, float32 scales ``[..., 1, C]``) of a quantized tensor: views
+    where the scale rows' bytes allow one (no copy), else a copy of the scales."""
     c = t.shape[-1]
-    q = t[..., :-SCALE_ROWS, :]
-    scale = t[..., -SCALE_ROWS:, :].contiguous().reshape(*t.shape[:-2], 1, SCALE_ROWS * c).view(torch.float32)
-    return (q.to(torch.float32) * scale).to(dtype)
+    packed = t[..., -SCALE_ROWS:, :].reshape(*t.shape[:-2], 1, SCALE_ROWS * c)
+    try:
+        scale = packed.view(torch.float32)
+    except RuntimeError:  # not 4-byte aligned or not contiguous along the channels
+        scale = packed.contiguous().view(torch.float32)
+    return t[..., :-SCALE_ROWS, :], scale
 
 
 def encode_tensor(name: str, t: torch.Tensor, codec: str) -> torch.Tensor:
@@ -160,6 +178,20 @@ def decode_tensor(t: torch.Tensor, dtype: torch.dtype = torch.float32,
     if t.dtype == torch.int8:
         return expand_rows(dequantize(t, dtype), rows)
     return expand_rows(t.to(dtype), rows)
+
+
+def decode_into(out: torch.Tensor, t: torch.Tensor, rows: int = 0) -> torch.Tensor:
+    """``decode_tensor(t)`` written into ``out`` (its device and dtype; a staged cache's slot): the
+    copy to the device, and for int8 one dequantizing kernel."""
+    if t.dtype == torch.int8:
+        return dequantize(t.to(out.device, non_blocking=True), out.dtype, rows, out=out)
+    if is_shared(t, rows) and t.device != out.device:
+        # the stored row to the device, then broadcast there: an expanded host tensor would be
+        # made contiguous in pageable host memory first, and its copy would block the host
+        out[:1].copy_(t, non_blocking=True)
+        out[1:].copy_(out[:1].expand(rows - 1, *out.shape[1:]))
+        return out
+    return out.copy_(expand_rows(t, rows), non_blocking=True)
 
 
 def decoded_shape(t: torch.Tensor, rows: int = 0) -> tuple[int, ...]:

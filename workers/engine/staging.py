@@ -152,19 +152,23 @@ class CacheStager:
                     layouts[k].append((name, offset, shape))
                     offset += _numel(shape)
             flat = torch.empty(offset, dtype=dtype, device=self.device)
+            offset_views: list[torch.Tensor] = []
+            offsets: list[torch.Tensor] = []
             for k, i in enumerate(members):
                 out = outs[i] = StagedCache.over(flat, tuple(layouts[k]), row0s[k])
                 (stored, _dtype, rows), delta = views[i]
                 for name, src in stored.items():
                     view, d = out[name], delta.get(name) if delta else None
-                    if src.dtype == torch.int8 or d is not None:
-                        t = cache_codec.decode_tensor(src, dtype, self.device, rows)
-                        if d is None:
-                            view.copy_(t)
-                        else:
-                            torch.add(d, t.to(d), out=view)  # the job's offset (``OffsetCache``'s expression)
+                    if d is None or d.dtype == view.dtype:
+                        cache_codec.decode_into(view, src, rows)  # int8: the copy and one kernel
+                        if d is not None:
+                            offset_views.append(view)
+                            offsets.append(d)
                     else:
-                        view.copy_(cache_codec.expand_rows(src, rows), non_blocking=True)
+                        t = cache_codec.decode_tensor(src, dtype, self.device, rows)
+                        torch.add(d, t.to(d), out=view)
+            if offsets:  # the jobs' offsets (``OffsetCache``'s d + t, bit for bit) in one multi-tensor op
+                torch._foreach_add_(offset_views, offsets)
         return outs  # type: ignore[return-value]
 
     def ahead(self, job_id: str, step: int, cache: Mapping[str, torch.Tensor],

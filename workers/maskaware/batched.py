@@ -22,8 +22,8 @@ Runs form where jobs' counts are close: a job is padded up to its run's largest 
 token index repeated, as ``buckets.padded`` does: a repeated token computes the same values from
 the same inputs, and writing them twice writes the same values) as long as the run's padded token
 rows stay within ``buckets.GROWTH`` of its real ones, or add at most ``FREE_PAD_ROWS`` (at the
-coarse levels a few dozen token rows cost the GPU less than the launches of another run). The engine orders masked jobs by their counts
-(``runner_base._step_order``), so similar jobs are adjacent. Padding changes which GEMM shapes a job
+coarse levels a few dozen token rows cost the GPU less than the launches of another run). The
+engine orders masked jobs by their counts (``runner_base._step_order``), so similar jobs are adjacent. Padding changes which GEMM shapes a job
 meets, so a step that keeps each job's arithmetic its own (``adapters.layout.wanted``: adapter terms
 or batch invariance) pads nothing and runs only jobs of equal counts together.
 

@@ -32,7 +32,7 @@ VIEW_OPS = frozenset({
     "aten.squeeze.dim", "aten.squeeze.default", "aten.squeeze.dims", "aten.expand.default",
     "aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.alias.default",
     "aten.detach.default", "aten.unbind.int", "aten.as_strided.default", "aten.view_as_real.default",
-    "aten.view_as_complex.default", "aten.unflatten.int", "aten.lift_fresh.default",
+    "aten.view_as_complex.default", "aten.unflatten.int", "aten.lift_fresh.default", "aten.view.dtype",
 })
 
 

@@ -1,0 +1,51 @@
+"""Staging a step's caches (``workers/engine/staging.py``): few kernels per job, since a GPU step's
+host issues every one of them. An int8 tensor is its copy to the device and one dequantizing
+kernel into its slot, a 16-bit one its copy, and every job's offset is added by one multi-tensor
+operation; the staged values equal ``decode_tensor``'s (plus the job's offset), bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ops.bench.harness.dispatch import DispatchCounter
+from workers.engine import cache_codec
+from workers.engine.staging import CacheStager
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _step(seed: int, shared: bool) -> cache_codec.DecodedStep:
+    g = torch.Generator().manual_seed(seed)
+    stored = {}
+    for b in range(6):
+        n, c = (64, 32) if b % 2 else (16, 64)
+        for kind in ("k", "v", "y"):
+            t = torch.randn(1 if shared else 2, n, c, generator=g)
+            stored[f"blk{b}.{kind}"] = cache_codec.encode_tensor(f"blk{b}.{kind}", t, "int8")
+    return cache_codec.DecodedStep(stored, torch.bfloat16, None, 2)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_staging_int8_caches_costs_a_copy_and_one_kernel_per_tensor_and_equals_decoding(
+        shared: bool, with_delta: bool) -> None:
+    jobs = 3
+    steps = [_step(s, shared) for s in range(jobs)]
+    deltas = [{k: torch.randn(2, *cache_codec.decoded_shape(v, 2)[1:], dtype=torch.bfloat16,
+                              generator=torch.Generator().manual_seed(9 + i)) for k, v in st.stored.items()}
+              if with_delta else None for i, st in enumerate(steps)]
+    counter = DispatchCounter()
+    with counter:
+        staged, _event = CacheStager("cpu").stage_batch(list(zip(steps, deltas)))
+    kv = sum(1 for n in steps[0].stored if cache_codec.is_kv(n))
+    other = len(steps[0].stored) - kv
+    per_job = 2 * kv + other  # the copy, and dequantizing for int8
+    # + the buffer, + one multi-tensor add of every job's offsets
+    assert counter.kernels <= jobs * per_job + 1 + with_delta, (counter.kernels, jobs * per_job)
+    for out, st, d in zip(staged, steps, deltas):
+        for name, src in st.stored.items():
+            want = cache_codec.decode_tensor(src, torch.bfloat16, None, 2)
+            if d is not None:
+                want = d[name] + want.to(d[name])
+            assert torch.equal(out[name], want), name
