@@ -49,3 +49,27 @@ def test_staging_int8_caches_costs_a_copy_and_one_kernel_per_tensor_and_equals_d
             if d is not None:
                 want = d[name] + want.to(d[name])
             assert torch.equal(out[name], want), name
+
+
+def test_jobs_reading_one_template_step_decode_it_once() -> None:
+    """Edits of one template at one step (a burst, a catalog): the stored tensors are copied and
+    decoded for the first job and broadcast to the others (one kernel per tensor), each job's
+    offset added after; the values equal staging each job on its own."""
+    step = _step(0, shared=True)
+    other = _step(1, shared=True)
+    deltas = [None, {k: torch.randn(2, *cache_codec.decoded_shape(v, 2)[1:], dtype=torch.bfloat16,
+                                    generator=torch.Generator().manual_seed(3)) for k, v in step.stored.items()},
+              None, None]
+    items = [(step, deltas[0]), (step, deltas[1]), (step, deltas[2]), (other, deltas[3])]
+    counter = DispatchCounter()
+    with counter:
+        staged, _event = CacheStager("cpu").stage_batch(items)
+    kv = sum(1 for n in step.stored if cache_codec.is_kv(n))
+    other_names = len(step.stored) - kv
+    decoded_twice = 2 * (2 * kv + other_names)  # the template step once, the other step once
+    broadcasts = len(step.stored)  # the three jobs of the first step: one broadcast per tensor
+    assert counter.kernels <= decoded_twice + broadcasts + 1 + 1, counter.kernels  # + buffer, + offsets
+    alone = [CacheStager("cpu").stage(cache, delta)[0] for cache, delta in items]
+    for got, want in zip(staged, alone):
+        for name in want:
+            assert torch.equal(got[name], want[name]), name

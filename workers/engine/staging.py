@@ -74,6 +74,13 @@ class StagedCache(dict):  # type: ignore[type-arg]
         return self.flat.narrow(0, offset, rows * per_row).view(rows, *t.shape[1:])  # type: ignore[union-attr]
 
 
+def _broadcast(flat: torch.Tensor, offset: int, numel: int, count: int) -> None:
+    """Copy the slot at ``offset`` on to the ``count - 1`` slots after it (one kernel)."""
+    if count > 1:
+        block = flat.narrow(0, offset, count * numel).view(count, numel)
+        block[1:].copy_(block[:1].expand(count - 1, numel))
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -131,13 +138,13 @@ class CacheStager:
                                                 Mapping[str, torch.Tensor] | None]]) -> list[StagedCache]:
         """Private copies, jobs of one layout (names, shapes, dtype) in one name-major buffer:
         stored bytes go straight into their slot (moved, converted, shared rows broadcast by the
-        copy); int8 tensors are dequantized first."""
+        copy); int8 tensors are dequantized on the way. Adjacent jobs reading the same stored
+        tensor (edits of one template at one step: a burst, a catalog) decode it once and copy it
+        on to the others' slots with one broadcast; each job's offset is added afterwards."""
         kinds: dict[tuple[Any, ...], list[int]] = {}
-        shapes: list[list[tuple[str, tuple[int, ...]]]] = []
         for i, ((stored, dtype, rows), _delta) in enumerate(views):
             named = [(name, cache_codec.decoded_shape(src, rows)) for name, src in stored.items()]
             dtype = dtype or (next(iter(stored.values())).dtype if stored else torch.float32)
-            shapes.append(named)
             kinds.setdefault((dtype, tuple(named)), []).append(i)
         outs: list[StagedCache | None] = [None] * len(views)
         for (dtype, named), members in kinds.items():
@@ -152,23 +159,32 @@ class CacheStager:
                     layouts[k].append((name, offset, shape))
                     offset += _numel(shape)
             flat = torch.empty(offset, dtype=dtype, device=self.device)
+            staged = [StagedCache.over(flat, tuple(layouts[k]), row0s[k]) for k in range(len(members))]
+            for k, i in enumerate(members):
+                outs[i] = staged[k]
             offset_views: list[torch.Tensor] = []
             offsets: list[torch.Tensor] = []
-            for k, i in enumerate(members):
-                out = outs[i] = StagedCache.over(flat, tuple(layouts[k]), row0s[k])
-                (stored, _dtype, rows), delta = views[i]
-                for name, src in stored.items():
-                    view, d = out[name], delta.get(name) if delta else None
-                    if d is None or d.dtype == view.dtype:
-                        cache_codec.decode_into(view, src, rows)  # int8: the copy and one kernel
-                        if d is not None:
-                            offset_views.append(view)
-                            offsets.append(d)
-                    else:
-                        t = cache_codec.decode_tensor(src, dtype, self.device, rows)
-                        torch.add(d, t.to(d), out=view)
-            if offsets:  # the jobs' offsets (``OffsetCache``'s d + t, bit for bit) in one multi-tensor op
-                torch._foreach_add_(offset_views, offsets)
+            for j, (name, shape) in enumerate(named):
+                first = 0  # the run of adjacent jobs reading one stored tensor begins here
+                for k, i in enumerate(members):
+                    (stored, _dtype, rows), delta = views[i]
+                    src = stored[name]
+                    before = views[members[k - 1]][0] if k else None
+                    if before is None or before[0][name] is not src or before[2] != rows:
+                        _broadcast(flat, layouts[first][j][1], _numel(shape), k - first)
+                        first = k
+                        cache_codec.decode_into(staged[k][name], src, rows)  # int8: the copy and one kernel
+                    d = delta.get(name) if delta else None
+                    if d is not None:
+                        offset_views.append(staged[k][name])
+                        offsets.append(d)
+                _broadcast(flat, layouts[first][j][1], _numel(shape), len(members) - first)
+            same = [(v, d) for v, d in zip(offset_views, offsets) if d.dtype == v.dtype]
+            if same:  # the jobs' offsets (``OffsetCache``'s d + t, bit for bit) in one multi-tensor op
+                torch._foreach_add_([v for v, _ in same], [d for _, d in same])
+            for view, d in zip(offset_views, offsets):
+                if d.dtype != view.dtype:
+                    torch.add(d, view.to(d), out=view)
         return outs  # type: ignore[return-value]
 
     def ahead(self, job_id: str, step: int, cache: Mapping[str, torch.Tensor],
