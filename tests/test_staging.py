@@ -10,7 +10,7 @@ import torch
 
 from ops.bench.harness.dispatch import DispatchCounter
 from workers.engine import cache_codec
-from workers.engine.staging import CacheStager
+from workers.engine.staging import CacheStager, pack
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -73,3 +73,20 @@ def test_jobs_reading_one_template_step_decode_it_once() -> None:
     for got, want in zip(staged, alone):
         for name in want:
             assert torch.equal(got[name], want[name]), name
+
+
+def test_a_packed_step_is_staged_from_one_buffer_and_equals_its_tensors() -> None:
+    """The host tier keeps a step read for a GPU in one page-locked buffer (``pack``): staging
+    moves it with one copy and decodes from views of it, to the same values as the tensors."""
+    step = _step(0, shared=True)
+    packed = pack(step.stored, pin=False)
+    assert all(torch.equal(packed[n], t) for n, t in step.stored.items())
+    assert all(packed[n].untyped_storage().data_ptr() == packed.buffer.untyped_storage().data_ptr() for n in packed)
+    stager = CacheStager("meta")  # another device than the buffer's: the step moves as one copy
+    counter = DispatchCounter()
+    with counter:
+        stager.stage_batch([(cache_codec.DecodedStep(packed, torch.bfloat16, None, 2), None)])
+    assert counter.ops["aten._to_copy.default"] == 1, counter.ops  # the buffer; nothing tensor by tensor
+    on_cpu, _ = CacheStager("cpu").stage_batch([(cache_codec.DecodedStep(packed, torch.bfloat16, None, 2), None)])
+    alone, _ = CacheStager("cpu").stage_batch([(step, None)])
+    assert all(torch.equal(on_cpu[0][n], alone[0][n]) for n in alone[0])

@@ -71,6 +71,7 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
     """Full and mask-aware calls of a true-size UNet (``jobs`` CFG jobs, one template cache each),
     and ``stage int8``: staging every job's step from the int8 codec."""
     from workers.engine import cache_codec
+    from workers.engine.staging import pack
     from workers.maskaware.unet import MaskAwareUNet, RowGroup
 
     dtype = DTYPES[args.dtype]
@@ -109,11 +110,11 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
     if device.type == "meta":  # counted by ``part_dispatch``
         # What a template warm-up stores (int8 K/V, 16-bit outputs, one row for both CFG rows),
         # staged for every job as the engine stages a step.
-        def stored() -> cache_codec.DecodedStep:  # in host memory, as the host tier holds them (values unread)
-            return cache_codec.DecodedStep(
-                {name: torch.empty((1, t.shape[1] + cache_codec.SCALE_ROWS, t.shape[2]), dtype=torch.int8)
-                 if cache_codec.is_kv(name) else torch.empty((1, *t.shape[1:]), dtype=torch.bfloat16)
-                 for name, t in caches[0].items()}, dtype, None, 2)
+        def stored() -> cache_codec.DecodedStep:  # one host buffer, as a GPU host's tier holds a step
+            return cache_codec.DecodedStep(pack(
+                {name: torch.zeros((1, t.shape[1] + cache_codec.SCALE_ROWS, t.shape[2]), dtype=torch.int8)
+                 if cache_codec.is_kv(name) else torch.zeros((1, *t.shape[1:]), dtype=torch.bfloat16)
+                 for name, t in caches[0].items()}, pin=False), dtype, None, 2)
 
         steps, burst = [stored() for _ in range(jobs)], stored()
         case.calls["stage int8"] = lambda: stager.stage_batch([(st, None) for st in steps])  # other steps

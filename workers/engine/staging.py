@@ -34,6 +34,40 @@ import torch
 from workers.engine import cache_codec
 
 Layout = tuple[tuple[str, int, tuple[int, ...]], ...]
+_ALIGN = 64  # bytes: every packed tensor starts at a multiple (any dtype's view, vectorised copies)
+
+
+class PackedStep(dict):  # type: ignore[type-arg]
+    """A step's stored tensors as views of one host buffer (``pack``; page-locked on a GPU host):
+    staging copies the whole step to the device at once (``on``), not tensor by tensor."""
+
+    buffer: torch.Tensor
+    places: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]]  # name -> (offset, bytes, dtype, shape)
+
+    def on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The step's tensors on ``device``: one copy of the buffer (asynchronous from pinned
+        memory), then views of it."""
+        data = self.buffer.to(device, non_blocking=True)
+        return {name: data.narrow(0, offset, nbytes).view(dtype).view(shape)
+                for name, (offset, nbytes, dtype, shape) in self.places.items()}
+
+
+def pack(tensors: Mapping[str, torch.Tensor], pin: bool) -> PackedStep:
+    """``tensors`` copied into one host buffer (``pin``: page-locked), as a ``PackedStep``."""
+    places, offset = {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        places[name] = (offset, nbytes, t.dtype, tuple(t.shape))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    out = PackedStep()
+    out.buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
+    out.places = places
+    for name, t in tensors.items():
+        o, nbytes, dtype, shape = places[name]
+        view = out.buffer.narrow(0, o, nbytes).view(dtype).view(shape)
+        view.copy_(t)
+        out[name] = view
+    return out
 
 
 class StagedCache(dict):  # type: ignore[type-arg]
@@ -164,6 +198,11 @@ class CacheStager:
                 outs[i] = staged[k]
             offset_views: list[torch.Tensor] = []
             offsets: list[torch.Tensor] = []
+            sources: dict[int, Mapping[str, torch.Tensor]] = {}  # each packed step on the device, once
+            for i in members:
+                stored = views[i][0][0]
+                if isinstance(stored, PackedStep) and stored.buffer.device != self.device and id(stored) not in sources:
+                    sources[id(stored)] = stored.on(self.device)
             for j, (name, shape) in enumerate(named):
                 first = 0  # the run of adjacent jobs reading one stored tensor begins here
                 for k, i in enumerate(members):
@@ -173,6 +212,7 @@ class CacheStager:
                     if before is None or before[0][name] is not src or before[2] != rows:
                         _broadcast(flat, layouts[first][j][1], _numel(shape), k - first)
                         first = k
+                        src = sources.get(id(stored), stored)[name]
                         cache_codec.decode_into(staged[k][name], src, rows)  # int8: the copy and one kernel
                     d = delta.get(name) if delta else None
                     if d is not None:
@@ -241,4 +281,4 @@ def _stored_view(cache: Mapping[str, torch.Tensor]) -> tuple[Mapping[str, torch.
     return cache, None, 0
 
 
-__all__ = ["CacheStager", "StagedCache"]
+__all__ = ["CacheStager", "PackedStep", "StagedCache", "pack"]

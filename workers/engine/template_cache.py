@@ -85,6 +85,7 @@ from app.storage.hostcache import HostCache
 from app.storage.tensorfile import TensorHeader
 from workers.engine import cache_codec
 from workers.engine.plan import Tier
+from workers.engine.staging import pack
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class _Fill:
     claimed: set[str] = field(default_factory=set)  # queued on the copy stream, not started yet
     error: BaseException | None = None
     header_lock: threading.Lock = field(default_factory=threading.Lock)
+    whole: StepTensors | None = None  # the step read in one piece (packed in one buffer on a GPU host)
 
 
 class StepCacheProvider:
@@ -473,9 +475,9 @@ class StepCacheProvider:
         return tensors, t0, t1, nbytes
 
     def _land(self, fill: _Fill, slot: Slot, units: list[str],
-              read: Callable[[], tuple[StepTensors, float, float, int]]) -> None:
+              read: Callable[[], tuple[StepTensors, float, float, int]], whole: bool = False) -> None:
         """Run one read of ``units`` (already marked loading) and make them visible, or unmark
-        them if the read fails; either way waiters are woken."""
+        them if the read fails; either way waiters are woken. ``whole``: the read is the step."""
         assert self._units is not None
         try:
             tensors, t0, t1, nbytes = read()
@@ -486,6 +488,8 @@ class StepCacheProvider:
             raise
         with self._cond:
             fill.loading.difference_update(units)
+            if whole:
+                fill.whole = tensors
             for u in units:
                 fill.units[u] = {n: tensors[n] for n in self._units[u]}
             self.load_log.append((slot, "+".join(units) if len(units) < 3 else f"{len(units)} units", t0, t1, nbytes))
@@ -526,7 +530,7 @@ class StepCacheProvider:
             metrics.observe_cache("store", True, nbytes)
             return tensors, t0, t1, nbytes
 
-        self._land(fill, slot, units, read)
+        self._land(fill, slot, units, read, whole=True)
         return True
 
     def _fill_all(self, key: TemplateCacheKey, step: int, slot: Slot) -> None:
@@ -544,6 +548,8 @@ class StepCacheProvider:
             if fill.error is not None:
                 raise fill.error
             tensors = {n: t for unit in self._present(key) for n, t in fill.units[unit].items()}
+            if fill.whole is not None and fill.whole.keys() == tensors.keys():
+                tensors = fill.whole  # as read: one buffer, staged in one copy
         self.host.put(slot, tensors)
         with self._cond:
             self._fills.pop(slot, None)
@@ -698,11 +704,12 @@ class StepCacheProvider:
         return None if value is None else self._decoded(value, key)
 
     def _pinned(self, tensors: StepTensors) -> StepTensors:
-        """Host tensors page-locked when steps are read by a GPU, so that copies to it are
-        asynchronous (``workers/engine/staging.py``); as they are otherwise."""
+        """Host tensors page-locked in one buffer when steps are read by a GPU, so that a step's
+        copy to it is one asynchronous transfer (``workers/engine/staging.py``); as they are
+        otherwise."""
         if self.device is None or torch.device(self.device).type != "cuda" or not torch.cuda.is_available():
             return tensors
-        return {n: t if t.is_pinned() else t.pin_memory() for n, t in tensors.items()}
+        return pack(tensors, pin=True)  # one buffer: staging copies the step in one transfer
 
     def _decoded(self, stored: StepTensors, key: TemplateCacheKey) -> Mapping[str, torch.Tensor]:
         """Stored tensors as the model reads them (decoded lazily, shared rows expanded; as they
