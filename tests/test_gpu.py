@@ -60,6 +60,32 @@ def warmed(tmp_path: Path):  # type: ignore[no-untyped-def]
         caches.close(wait=True)
 
 
+def test_a_packed_pinned_step_stages_on_cuda_as_decoding_each_tensor_does() -> None:
+    """A GPU host's tier keeps a step in one pinned buffer: staging it (one copy, then a kernel per
+    tensor, shared rows broadcast on the device, offsets in one multi-tensor add) gives what
+    decoding each tensor on the GPU gives, bit for bit."""
+    from workers.engine import cache_codec
+    from workers.engine.staging import CacheStager, pack
+
+    g = torch.Generator().manual_seed(0)
+    stored = {}
+    for b in range(4):
+        for kind in ("k", "v", "y"):
+            rows = 1 if b % 2 else 2  # shared and per-row tensors
+            stored[f"b{b}.{kind}"] = cache_codec.encode_tensor(f"b{b}.{kind}", torch.randn(rows, 64, 32, generator=g),
+                                                               "int8")
+    packed = pack(stored, pin=True)
+    assert packed.buffer.is_pinned()
+    delta = {k: torch.randn(2, 64, 32, generator=g).to(CUDA, torch.bfloat16) for k in stored}
+    steps = [cache_codec.DecodedStep(packed, torch.bfloat16, None, 2)] * 2
+    staged = CacheStager(CUDA).take_batch([("a", 0, steps[0], None), ("b", 0, steps[1], delta)])
+    torch.cuda.synchronize()
+    for name, src in stored.items():
+        want = cache_codec.decode_tensor(src, torch.bfloat16, CUDA, 2)
+        assert torch.equal(staged[0][name], want), name
+        assert torch.equal(staged[1][name], delta[name] + want), name
+
+
 def test_graph_replayed_steps_equal_eager_steps_on_cuda(warmed) -> None:  # type: ignore[no-untyped-def]
     from workers.engine.graphs import CudaGraphCall
     from workers.engine.sd_runner import SDRunner
