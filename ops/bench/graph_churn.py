@@ -11,8 +11,12 @@ captures and replays as on a GPU), on the embedded model at 256 px (1,024 tokens
 Arrivals are counted in engine steps: a burst (every job at once, as ``ops.bench.gpu_engine`` runs)
 and Poisson arrivals at ``--loads`` x the batch's capacity (``max_batch / steps`` jobs per step).
 Jobs are edits of one warmed template, mask ratios from ``--trace``, the ``fast`` policy's refresh
-steps. Reported per arrival pattern: engine steps, and the shares of steps replayed, captured and
-run eagerly.
+steps. Reported per arrival pattern: engine steps, the shares of steps replayed, captured and run
+eagerly, and the jobs' mean latency in steps (arrival to result).
+
+``--admit-every K`` (an ablation, not an engine setting): the scheduler admits waiting jobs only
+every K steps (or into an empty batch), so jobs join, and finish, together; what that buys in
+replays and costs in latency.
 
     python -m ops.bench.graph_churn --out docs/bench/graph_churn.md
 """
@@ -40,6 +44,20 @@ from workers.maskaware.unet import MaskAwareUNet
 log = logging.getLogger(__name__)
 
 
+class GatedAdmission(BatchScheduler):
+    """Admits waiting jobs only every ``every`` steps, or into an empty batch (the ablation above)."""
+
+    def __init__(self, max_batch: int, every: int) -> None:
+        super().__init__(max_batch=max_batch)
+        self.every = every
+        self._calls = 0
+
+    def schedule(self) -> tuple[list[Any], list[Any]]:
+        gated = self.every > 1 and bool(self.running) and self._calls % self.every != 0
+        self._calls += 1
+        return (self._batch(), []) if gated else super().schedule()
+
+
 class _Caches(RecordedCaches):
     """The recorded template, resident (no object store behind it)."""
 
@@ -56,16 +74,16 @@ def arrivals(pattern: str, jobs: int, max_batch: int, steps: int, rng: np.random
     return np.cumsum(rng.exponential(1.0 / rate, jobs))
 
 
-def run(mut: ModelUnderTest, pattern: str, args: Any) -> dict[str, Any]:
+def run(mut: ModelUnderTest, pattern: str, every: int, args: Any) -> dict[str, Any]:
     """One arrival pattern on a fresh engine (its own mask-aware hooks, removed after)."""
     ctrl = MaskAwareUNet(mut.unet)
     try:
-        return _run(mut, ctrl, pattern, args)
+        return _run(mut, ctrl, pattern, every, args)
     finally:
         ctrl.remove()
 
 
-def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, args: Any) -> dict[str, Any]:
+def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, every: int, args: Any) -> dict[str, Any]:
     """Step counts by how the denoiser call ran."""
     hw = (mut.latent, mut.latent)
     caches = _Caches()
@@ -74,7 +92,7 @@ def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, args: Any) -> d
     key = TemplateCacheKey(model_id=mut.model_id, template_id="t", height=hw[0] * 8, width=hw[1] * 8,
                            scheduler=str(mut.scheduler_config["_class_name"]), steps=args.steps, strength=1.0,
                            guidance="cfg2", layout=ctrl.cache_layout).to_dict()
-    engine = Engine(runner, BatchScheduler(max_batch=args.max_batch))
+    engine = Engine(runner, GatedAdmission(args.max_batch, every))
     text = (mut.text_len, mut.cross_dim)
     tensors, meta = cfg_job(pixel_mask(hw[0] * 8, 0.0, "blob", 7), hw, args.steps, text, 1, mode="record",
                             cache_key=key)
@@ -90,6 +108,7 @@ def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, args: Any) -> d
     at = arrivals(pattern, args.jobs, args.max_batch, args.steps, rng)
     counts = {"replayed": 0, "captured": 0, "eager": 0}
     handles: list[Any] = []
+    done_at: dict[int, int] = {}
     step = submitted = 0
     while submitted < args.jobs or not all(h.future.done() for h in handles):
         while submitted < args.jobs and at[submitted] <= step:
@@ -103,12 +122,17 @@ def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, args: Any) -> d
         if engine.step_once():
             counts[runner.last_step_graph] += 1
         step += 1
+        for i, h in enumerate(handles):
+            if i not in done_at and h.future.done():
+                done_at[i] = step
     ran = sum(counts.values())
     results = [h.future.result() for h in handles]
     replayed_job_steps = sum(r["graph_replayed_steps"] for r in results) / (len(results) * args.steps)
-    log.info("%s: %d engine steps %s, job steps replayed %.3f", pattern, ran, counts, replayed_job_steps)
-    return {"pattern": pattern, "steps": ran, **{k: v / ran for k, v in counts.items()},
-            "captures": graphs.captures, "job_steps_replayed": replayed_job_steps}
+    latency = float(np.mean([done_at[i] - at[i] for i in range(len(handles))]))
+    log.info("%s, admit every %d: %d engine steps %s, job steps replayed %.3f, latency %.1f steps", pattern, every,
+             ran, counts, replayed_job_steps, latency)
+    return {"pattern": pattern, "admit_every": every, "steps": ran, **{k: v / ran for k, v in counts.items()},
+            "captures": graphs.captures, "job_steps_replayed": replayed_job_steps, "latency_steps": latency}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -120,11 +144,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--latent", type=int, default=32, help="latent side of the jobs (32: 1,024 first-level tokens)")
     p.add_argument("--trace", default="spring")
+    p.add_argument("--admit-every", type=lambda s: [int(v) for v in s.split(",")], default=[1],
+                   help="ablation: admit waiting jobs only every K steps (1 = every step, the engine's way)")
     run_ = start(p, argv, __file__, quick=dict(patterns=["burst", "0.9"], jobs=8, max_batch=4, steps=8, latent=8))
     args = run_.args
     torch.manual_seed(args.seed)
     mut = load_model("tiny", args.latent, args.seed)
-    rows = [run(mut, pattern, args) for pattern in args.patterns]
+    rows = [run(mut, pattern, every, args) for pattern in args.patterns for every in args.admit_every]
     lines = ["# Step graphs under continuous batching", "", f"Command: `{run_.command}`", "",
              f"The embedded model at {args.latent * 8} px, {args.jobs} edits of one warmed template per pattern, "
              f"{args.steps} steps, max batch "
@@ -132,12 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"the {args.trace} trace; step graphs on (the CPU stand-in: the same signatures, captures and replays "
              "as on a GPU). Shares of the engine's steps by how their denoiser call ran; job steps replayed: the "
              "share of the jobs' steps that a replay computed.", "",
-             "| arrivals | engine steps | replayed | captured | eager | job steps replayed |",
-             "|---|---|---|---|---|---|"]
+             "| arrivals | admit every | engine steps | replayed | captured | eager | job steps replayed | "
+             "mean latency (steps) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = "burst (all at once)" if r["pattern"] == "burst" else f"Poisson, load {float(r['pattern']):g}"
-        lines.append(f"| {name} | {r['steps']} | {r['replayed']:.1%} | {r['captured']:.1%} | {r['eager']:.1%} | "
-                     f"{r['job_steps_replayed']:.1%} |")
+        lines.append(f"| {name} | {r['admit_every']} | {r['steps']} | {r['replayed']:.1%} | {r['captured']:.1%} | "
+                     f"{r['eager']:.1%} | {r['job_steps_replayed']:.1%} | {r['latency_steps']:.1f} |")
     run_.write(lines + [""])
     return 0
 
