@@ -227,14 +227,10 @@ class CacheStager:
                     torch.add(d, view.to(d), out=view)
         return outs  # type: ignore[return-value]
 
-    def ahead(self, job_id: str, step: int, cache: Mapping[str, torch.Tensor],
-              delta: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Start staging a job's next step now (a side stream: it overlaps the current step)."""
-        self.ahead_batch([(job_id, step, cache, delta)])
-
     def ahead_batch(self, entries: Sequence[tuple[str, int, Mapping[str, torch.Tensor],
                                                   Mapping[str, torch.Tensor] | None]]) -> None:
-        """``ahead`` for several jobs (job id, step, cache, delta), staged together (``stage_batch``)."""
+        """Start staging these jobs' next steps now (job id, step, cache, delta), together
+        (``stage_batch``; a side stream: it overlaps the current step)."""
         if not entries:
             return
         outs, event = self.stage_batch([(cache, delta) for _j, _s, cache, delta in entries])

@@ -23,9 +23,10 @@ token index repeated, as ``buckets.padded`` does: a repeated token computes the 
 the same inputs, and writing them twice writes the same values) as long as the run's padded token
 rows stay within ``buckets.GROWTH`` of its real ones, or add at most ``FREE_PAD_ROWS`` (at the
 coarse levels a few dozen token rows cost the GPU less than the launches of another run). The
-engine orders masked jobs by their counts (``runner_base._step_order``), so similar jobs are adjacent. Padding changes which GEMM shapes a job
-meets, so a step that keeps each job's arithmetic its own (``adapters.layout.wanted``: adapter terms
-or batch invariance) pads nothing and runs only jobs of equal counts together.
+engine orders masked jobs by their counts (``runner_base._step_order``), so similar jobs are
+adjacent. Padding changes which GEMM shapes a job meets, so a step that keeps each job's
+arithmetic its own (``adapters.layout.wanted``: adapter terms or batch invariance) pads nothing and
+runs only jobs of equal counts together.
 
 The indices of every level go to the device in one copy; a steady batch reuses them (the memo is
 keyed by the composition), and a graph-captured step takes them as one of its inputs
@@ -34,6 +35,7 @@ keyed by the composition), and a graph-captured step takes them as one of its in
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -99,6 +101,11 @@ class LevelIndex:
     def structure(self) -> Hashable:
         """What fixes the level's shapes and control flow (a graph signature's part)."""
         return (self.n, self.members, self.slabs, self.runs, self.tokens, self.gather)
+
+    @functools.cached_property
+    def slab_runs(self) -> tuple[tuple[Slab, tuple[Run, ...]], ...]:
+        """Each slab with its runs (derived once: every block of the level reads it)."""
+        return tuple((s, tuple(r for r in self.runs if s.first <= r.first < s.first + s.count)) for s in self.slabs)
 
 
 def build(n: int, members: Sequence[Member], pad: bool, offset: int = 0) -> tuple[LevelIndex, list[torch.Tensor]]:

@@ -795,26 +795,21 @@ class MaskAwareUNet:
             x = h[rows, tokens]  # one kernel over the (often strided) block input
         members = level.members
 
-        def slab_of(slab: Any, kind: str, width: int) -> torch.Tensor:
-            g = members[slab.first][0]
-            first = self._cached(ctx, g, info.name, kind, (members[slab.first][2], n, width))
-            assert first is not None
-            return ctx.groups[g].cache.slab(f"{info.name}.{kind}", slab.rows)  # type: ignore[union-attr]
-
         def write(slab: Any, kind: str, fresh: torch.Tensor) -> torch.Tensor:
-            width = fresh.shape[-1]
-            target = slab_of(slab, kind, width)
+            """The slab of ``kind`` (its first job's cache checked) with ``fresh`` written in."""
+            width, g = fresh.shape[-1], members[slab.first][0]
+            self._cached(ctx, g, info.name, kind, (members[slab.first][2], n, width))
+            target = ctx.groups[g].cache.slab(f"{info.name}.{kind}", slab.rows)  # type: ignore[union-attr]
             target.view(-1, width).index_copy_(0, index.scatter(slab), _part(fresh, slab.packed, slab.tokens))
             return target
 
         gids = [ctx.groups[g].gid if ctx.groups[g].gid >= 0 else g for g, *_ in members]
-        runs_in = [[r for r in level.runs if s.first <= r.first < s.first + s.count] for s in level.slabs]
         packed = layout.flat((gid, rows * m) for gid, (_g, _s, rows, m) in zip(gids, members)) if want else None
         with layout.use(packed):
             # 1. self-attention: fresh K/V written into each slab, queries of a run against its rows
             q, k, v = kern.self_qkv(blk, x)
             outs = []
-            for slab, runs in zip(level.slabs, runs_in):
+            for slab, runs in level.slab_runs:
                 ks, vs = write(slab, "k", k), write(slab, "v", v)
                 for run in runs:
                     outs.append(_sdpa(_part(q, run.packed, run.rows * run.m), _part(ks, run.row, run.rows),
@@ -830,7 +825,7 @@ class MaskAwareUNet:
                                 if want else None):
                     k2, v2 = kern.text_kv(a2, _cat([_part(ehs, s.start, s.rows) for s in level.slabs]))
                 outs, text_row = [], 0
-                for slab, runs in zip(level.slabs, runs_in):
+                for slab, runs in level.slab_runs:
                     for run in runs:
                         row = text_row + run.row
                         outs.append(_sdpa(_part(q2, run.packed, run.rows * run.m), _part(k2, row, run.rows),
