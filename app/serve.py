@@ -66,7 +66,10 @@ class Supervisor:
     def _write_children(self) -> None:
         if self.children_file is not None:
             pids = {name: proc.pid for name, proc in self.stack.procs.items()}
-            self.children_file.write_text(json.dumps({"pids": pids, "restarts": self.restarts}))
+            # Written aside and renamed: a reader polling the file never sees it half written.
+            tmp = self.children_file.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps({"pids": pids, "restarts": self.restarts}))
+            os.replace(tmp, self.children_file)
 
 
 def device_plan(device: str, gpu_workers: int,
