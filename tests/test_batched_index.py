@@ -62,6 +62,21 @@ def _staged_jobs(unet: torch.nn.Module, ctrl: MaskAwareUNet, masks: list[TokenMa
     return args, [dict(r) for r in ctx.recorded], CacheStager("cpu")
 
 
+def _masked_call(unet: torch.nn.Module, ctrl: MaskAwareUNet, args: tuple[torch.Tensor, ...],
+                 recorded: list[dict[str, torch.Tensor]], stager: CacheStager, masks: list[TokenMasks], tag: str,
+                 graphs: StepGraphs | None = None, build_index: bool = True) -> torch.Tensor:
+    """One call of CFG jobs at ``masks``, their recorded caches staged afresh into one buffer:
+    through ``graphs`` (``unet_call``) or eagerly (with the batch index, or the per-group path)."""
+    staged = stager.take_batch([(f"{tag}-{i}", 0, r, None) for i, r in enumerate(recorded)])
+    groups = [RowGroup(2, "masked", token_mask=m, cache=s) for m, s in zip(masks, staged)]
+    with torch.no_grad():
+        if graphs is not None:
+            return unet_call(graphs, unet, ctrl, (args[0], args[1]), {"encoder_hidden_states": args[2]},
+                             groups, torch.device("cpu"))[0].clone()
+        with ctrl.batch(groups, build_index=build_index):
+            return unet(*args).sample
+
+
 @pytest.mark.parametrize("model", ["tiny", "sdxl_style"])
 def test_batched_step_equals_the_per_group_path_and_leaves_its_inputs(model: str) -> None:
     """Four CFG jobs at different masks (a run padded across jobs, one job alone at some levels),
@@ -132,14 +147,7 @@ def test_a_replayed_step_reads_the_batch_index_of_its_own_masks() -> None:
     args, recorded, stager = _staged_jobs(unet, ctrl, layouts[0])
     graphs = StepGraphs("cpu", repeats=2)
     for step, masks in enumerate(layouts):
-        staged = stager.take_batch([(f"j{i}", step, r, None) for i, r in enumerate(recorded)])
-        groups = [RowGroup(2, "masked", token_mask=m, cache=s) for m, s in zip(masks, staged)]
-        with torch.no_grad():
-            out, _ = unet_call(graphs, unet, ctrl, (args[0], args[1]), {"encoder_hidden_states": args[2]},
-                               groups, torch.device("cpu"))
-            out = out.clone()
-            staged = stager.take_batch([(f"e{i}", step, r, None) for i, r in enumerate(recorded)])
-            with ctrl.batch([RowGroup(2, "masked", token_mask=m, cache=s) for m, s in zip(masks, staged)]):
-                eager = unet(*args).sample
+        out = _masked_call(unet, ctrl, args, recorded, stager, masks, f"j{step}", graphs=graphs)
+        eager = _masked_call(unet, ctrl, args, recorded, stager, masks, f"e{step}")
         assert graphs.last == ("eager", "captured", "replayed")[step]
         assert torch.equal(out, eager), (step, float((out - eager).abs().max()))

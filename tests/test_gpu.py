@@ -93,7 +93,8 @@ def test_graph_replayed_steps_equal_eager_steps_on_cuda(warmed) -> None:  # type
     unet, ctrl, runner, caches, cfg, job, key, steps = warmed
     graphed = SDRunner(unet, cfg, CUDA, maskaware=ctrl, caches=caches, prefetch_steps=0)
     assert graphed.graphs is not None and graphed.graphs.capture is CudaGraphCall  # on by default on CUDA
-    runner.bucket_tokens = True  # the graphed runner's token buckets, computed eagerly
+    assert ctrl.ragged_on(CUDA) and not graphed.bucket_tokens  # ragged indices: no per-job token buckets
+    runner.bucket_tokens = graphed.bucket_tokens  # the graphed runner's computation, eagerly
     latents = {}
     for name, r in (("eager", runner), ("graphed", graphed)):
         batch = [job(r, "masked", key, steps, seed=10 + i) for i in range(3)] + [job(r, "full", None, steps, seed=20)]
@@ -116,7 +117,7 @@ def test_refresh_steps_replay_cuda_graphs_and_equal_eager_steps(warmed) -> None:
     unet, ctrl, runner, caches, cfg, job, key, steps = warmed
     graphed = SDRunner(unet, cfg, CUDA, maskaware=ctrl, caches=caches, prefetch_steps=0)
     graphed.graphs.min_horizon = 1  # type: ignore[union-attr]
-    runner.bucket_tokens = True
+    runner.bucket_tokens = graphed.bucket_tokens
     latents: dict[str, list[torch.Tensor]] = {}
     ran: list[str] = []
     for name, r in (("eager", runner), ("graphed", graphed)):
@@ -135,6 +136,57 @@ def test_refresh_steps_replay_cuda_graphs_and_equal_eager_steps(warmed) -> None:
     assert ran == ["replayed"] * steps, ran
     for a, b in zip(latents["eager"], latents["graphed"]):
         assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
+
+
+def test_a_ragged_graph_replays_other_counts_on_cuda_and_equals_the_per_group_path() -> None:
+    """Ragged batch indices on CUDA (the variable-length attention kernel): steps whose jobs' counts
+    differ but whose totals share a bucket replay one CUDA graph, and each replay equals the eager
+    ragged step bit for bit and the per-group path (SDPA per job) to bfloat16 rounding."""
+    from tests.test_maskaware_unet import LATENT, tiny_unet
+    from workers.engine.graph_calls import unet_call
+    from workers.engine.graphs import CudaGraphCall, StepGraphs
+    from workers.engine.staging import CacheStager
+    from workers.maskaware import MaskAwareUNet, RowGroup
+
+    unet = tiny_unet(0).to(CUDA, torch.bfloat16)
+    ctrl = MaskAwareUNet(unet)
+    assert ctrl.ragged_on(CUDA)
+
+    def blocks(spans: list[tuple[int, int]]):  # type: ignore[no-untyped-def]
+        latent = torch.zeros(LATENT, dtype=torch.bool)
+        for by, bx in spans:
+            latent[4 * by:4 * by + 4, 4 * bx:4 * bx + 4] = True
+        return ctrl.token_masks(latent, LATENT).prepare(CUDA)
+
+    layouts = [[blocks([(0, 0), (0, 1)]), blocks([(2, 2)])], [blocks([(3, 3)]), blocks([(1, 0), (1, 1)])],
+               [blocks([(2, 0)]), blocks([(0, 3), (3, 0)])]]
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 9, *LATENT, generator=g) + 0.1 * torch.arange(4).view(-1, 1, 1, 1)).to(CUDA, torch.bfloat16)
+    t = torch.tensor([981, 501, 981, 501], device=CUDA)
+    e = torch.randn(4, 6, 32, generator=g).to(CUDA, torch.bfloat16)
+    with torch.no_grad(), ctrl.batch([RowGroup(2, "record") for _ in range(2)]) as ctx:
+        unet(x, t, encoder_hidden_states=e)
+    recorded = [dict(r) for r in ctx.recorded]
+    stager = CacheStager(CUDA)
+    graphs = StepGraphs(CUDA, repeats=2)
+    assert graphs.capture is CudaGraphCall
+    for step, masks in enumerate(layouts):
+        outs = {}
+        for name in ("graph", "eager", "per group"):
+            staged = stager.take_batch([(f"{name}{i}", step, r, None) for i, r in enumerate(recorded)])
+            groups = [RowGroup(2, "masked", token_mask=m, cache=s) for m, s in zip(masks, staged)]
+            with torch.no_grad():
+                if name == "graph":
+                    out, _ = unet_call(graphs, unet, ctrl, (x, t), {"encoder_hidden_states": e}, groups,
+                                       torch.device(CUDA))
+                else:
+                    with ctrl.batch(groups, build_index=name == "eager"):
+                        out = unet(x, t, encoder_hidden_states=e).sample
+            outs[name] = out.float().clone()
+        assert graphs.last == ("eager", "captured", "replayed")[step]
+        assert torch.equal(outs["graph"], outs["eager"]), (step, float((outs["graph"] - outs["eager"]).abs().max()))
+        assert torch.allclose(outs["graph"], outs["per group"], atol=3e-2, rtol=3e-2), \
+            (step, float((outs["graph"] - outs["per group"]).abs().max()))
 
 
 def test_a_steady_masked_forward_never_synchronises_and_a_step_once(warmed) -> None:  # type: ignore[no-untyped-def]

@@ -149,6 +149,23 @@ def test_a_signature_about_to_change_is_not_captured() -> None:
     assert graphs.captures == 1
 
 
+def test_a_short_signature_that_comes_back_is_captured() -> None:
+    """Under continuous batching a signature often recurs in short stretches (the step after a job
+    joins a full batch): the first stretch is not captured (it may never come back), the second is,
+    whatever its horizon, and later stretches replay."""
+    graphs = StepGraphs("cpu", repeats=2, min_horizon=4)
+    a, b = torch.ones(3), torch.zeros(3)
+    for horizon in (3, 2):
+        graphs.run("short", [a, b], _double, horizon)
+    graphs.run("other", [a, b], _double, 9)
+    assert graphs.captures == 0 and graphs.eager == 3
+    assert torch.equal(graphs.run("short", [a, b], _double, 1), a * 2)  # back: captured though about to end
+    assert graphs.captures == 1 and graphs.last == "captured"
+    graphs.run("other", [a, b], _double, 9)
+    out = graphs.run("short", [torch.full((3,), 2.0), b], _double, 1)
+    assert graphs.last == "replayed" and torch.equal(out, torch.full((3,), 4.0))
+
+
 def _graphed_runner(unet, ctrl, caches, cfg, **options):  # type: ignore[no-untyped-def]
     from workers.engine.sd_runner import SDRunner
 

@@ -138,20 +138,25 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
                                   (latent, latent)) for j in range(jobs)]
         masks.sort(key=lambda m: tuple(-c for c in m.counts()))  # the engine's order (``_step_order``)
         groups = [RowGroup(2, "masked", token_mask=m.prepare(device), cache=s) for m, s in zip(masks, staged)]
-        # graphed steps compute token counts rounded up to their buckets, as the engine's do
-        buckets = [RowGroup(2, "masked", token_mask=m.with_buckets().prepare(device), cache=s)
-                   for m, s in zip(masks, staged)]
+        # graphed steps compute what the engine's do: with ragged batch indices (CUDA) each job's own
+        # count (only the batch's total is bucketed), else counts rounded up to their buckets
+        buckets = groups if ctrl.ragged_on(device) else [
+            RowGroup(2, "masked", token_mask=m.with_buckets().prepare(device), cache=s) for m, s in zip(masks, staged)]
         case.calls[f"masked {r:g} eager"], case.calls[f"masked {r:g} graph"] = eager(groups), graphed(buckets)
         case.notes[f"level_share {r:g}"] = [round(float(lv.float().mean()), 3) for lv in masks[0].levels]
-        case.notes[f"padding {r:g}"] = padding(ctrl, groups, device)
+        for layout_name, ragged in (("padding", False), ("ragged padding", True)):  # the two index layouts
+            ctrl.ragged = ragged
+            case.notes[f"{layout_name} {r:g}"] = padding(ctrl, groups, device)
+        ctrl.ragged = None  # the device's own layout
         if turbo:
             with_turbo(case, ctrl, groups, lambda gs: eager(gs)())
     return case
 
 
 def padding(ctrl: Any, groups: list[Any], device: torch.device) -> float:
-    """Token rows the transformer blocks compute over the masked ones, with the batch index's runs
-    (jobs padded to their run's count, ``workers/maskaware/batched.py``): 1.0 = no padding."""
+    """Token rows the transformer blocks compute over the masked ones, with the batch index's
+    padding (jobs padded to their run's count, or a ragged level's total to its bucket,
+    ``workers/maskaware/batched.py``): 1.0 = no padding."""
     index = ctrl.batch_index(groups, device)
     if index is None:
         return 1.0
@@ -161,7 +166,7 @@ def padding(ctrl: Any, groups: list[Any], device: torch.device) -> float:
         level = index.levels.get((n, frozenset()))
         if level is None:
             continue
-        used += len(blocks) * sum(rows * m for _g, _s, rows, m in level.members)
+        used += len(blocks) * level.tokens
         real += len(blocks) * sum(rows * groups[g].token_mask.count(n) for g, _s, rows, _m in level.members)
     return round(used / real, 4) if real else 1.0
 
@@ -361,7 +366,8 @@ def part_dispatch(args: Any, device: torch.device) -> list[str]:
                    "|---|---|---|---|---|---|"]
     lines = ["## Operators per step at true size (dispatch counts on the meta device; ratio 0.2)", "",
              "| model | jobs | full: operators / kernel-launching | mask-aware: operators / kernel-launching | ratio | "
-             "host-sync operators (mask-aware) | token rows computed / masked |", "|---|---|---|---|---|---|---|"]
+             "host-sync operators (mask-aware) | token rows computed / masked: runs / ragged |",
+             "|---|---|---|---|---|---|---|"]
     for key in args.models:
         for jobs in [1] if key == "flux" else DISPATCH_JOBS:
             case = (flux_case(args, meta, [0.2]) if key == "flux"
@@ -377,8 +383,9 @@ def part_dispatch(args: Any, device: torch.device) -> list[str]:
             args.results.setdefault("dispatch", {})[key if jobs == 1 else f"{key} x{jobs}"] = {
                 "jobs": jobs, "full": [full.total, full.kernels], "masked": [masked.total, masked.kernels],
                 "syncs": masked.syncs}
-            pad = case.notes.get("padding 0.2", 1.0)
-            args.results["dispatch"][key if jobs == 1 else f"{key} x{jobs}"]["padding"] = pad
+            pad, ragged_pad = case.notes.get("padding 0.2", 1.0), case.notes.get("ragged padding 0.2", 1.0)
+            args.results["dispatch"][key if jobs == 1 else f"{key} x{jobs}"].update(padding=pad,
+                                                                                    ragged_padding=ragged_pad)
             if "stage int8" in case.calls and jobs > 1:
                 staged = {}
                 for name in ("stage int8", "stage int8 one step"):
@@ -394,7 +401,7 @@ def part_dispatch(args: Any, device: torch.device) -> list[str]:
             lines.append(f"| {case.label} | {jobs} | {full.total} / {full.kernels} | "
                          f"{masked.total} / {masked.kernels} | "
                          f"{masked.total / full.total:.3f} / {masked.kernels / full.kernels:.3f} | "
-                         f"{sum(masked.syncs.values())} | {pad:.3f} |")
+                         f"{sum(masked.syncs.values())} | {pad:.3f} / {ragged_pad:.3f} |")
     return lines + [""] + (stage_lines + [""] if len(stage_lines) > 4 else [])
 
 

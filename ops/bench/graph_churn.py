@@ -1,9 +1,10 @@
 """How many of the engine's steps replay a CUDA graph under continuous batching.
 
-A step graph is keyed by the batch's signature: every job's mode, rows and token counts per level
-(``workers/engine/graph_calls.py``). It is captured the second time a signature runs and replayed
-while the batch keeps its jobs; a job joining or leaving (or a refresh step changing a job's mode)
-makes a new signature. So the share of steps that replay depends on how the batch churns, not on the
+A step graph is keyed by the batch's signature: every job's mode and rows, and its token counts
+per level or, with ragged batch indices, the batch's bucketed token totals
+(``workers/engine/graph_calls.py``). It is captured the second time a signature runs (or when it
+comes back after others, however short its stretch) and replayed whenever it runs again; a job
+joining or leaving (or a refresh step changing a job's mode) makes another signature. So the share of steps that replay depends on how the batch churns, not on the
 device: this benchmark counts it with the real engine (``Engine``, ``BatchScheduler``, ``SDRunner``
 with step graphs on) and the CPU stand-in for a graph (``graphs.EagerReplay``: the same signatures,
 captures and replays as on a GPU), on the embedded model at 256 px (1,024 tokens at its first level).
@@ -13,6 +14,11 @@ and Poisson arrivals at ``--loads`` x the batch's capacity (``max_batch / steps`
 Jobs are edits of one warmed template, mask ratios from ``--trace``, the ``fast`` policy's refresh
 steps. Reported per arrival pattern: engine steps, the shares of steps replayed, captured and run
 eagerly, and the jobs' mean latency in steps (arrival to result).
+
+``--indices``: ``ragged`` (what a CUDA device runs: a graph's shapes name the batch's rows and
+bucketed token totals, not each job's counts, ``workers/maskaware/batched.py``) and/or ``runs``
+(each job's count rounded to its own bucket: what a device without a variable-length attention
+kernel runs).
 
 ``--admit-every K`` (an ablation, not an engine setting): the scheduler admits waiting jobs only
 every K steps (or into an empty batch), so jobs join, and finish, together; what that buys in
@@ -74,11 +80,12 @@ def arrivals(pattern: str, jobs: int, max_batch: int, steps: int, rng: np.random
     return np.cumsum(rng.exponential(1.0 / rate, jobs))
 
 
-def run(mut: ModelUnderTest, pattern: str, every: int, args: Any) -> dict[str, Any]:
+def run(mut: ModelUnderTest, pattern: str, every: int, indices: str, args: Any) -> dict[str, Any]:
     """One arrival pattern on a fresh engine (its own mask-aware hooks, removed after)."""
     ctrl = MaskAwareUNet(mut.unet)
+    ctrl.ragged = indices == "ragged"
     try:
-        return _run(mut, ctrl, pattern, every, args)
+        return {"indices": indices, **_run(mut, ctrl, pattern, every, args)}
     finally:
         ctrl.remove()
 
@@ -144,26 +151,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--latent", type=int, default=32, help="latent side of the jobs (32: 1,024 first-level tokens)")
     p.add_argument("--trace", default="spring")
+    p.add_argument("--indices", type=lambda s: s.split(","), default=["ragged", "runs"],
+                   help="ragged (CUDA's batch indices) and/or runs (per-job token buckets)")
     p.add_argument("--admit-every", type=lambda s: [int(v) for v in s.split(",")], default=[1],
                    help="ablation: admit waiting jobs only every K steps (1 = every step, the engine's way)")
     run_ = start(p, argv, __file__, quick=dict(patterns=["burst", "0.9"], jobs=8, max_batch=4, steps=8, latent=8))
     args = run_.args
     torch.manual_seed(args.seed)
     mut = load_model("tiny", args.latent, args.seed)
-    rows = [run(mut, pattern, every, args) for pattern in args.patterns for every in args.admit_every]
+    rows = [run(mut, pattern, every, indices, args) for pattern in args.patterns for indices in args.indices
+            for every in args.admit_every]
     lines = ["# Step graphs under continuous batching", "", f"Command: `{run_.command}`", "",
              f"The embedded model at {args.latent * 8} px, {args.jobs} edits of one warmed template per pattern, "
              f"{args.steps} steps, max batch "
              f"{args.max_batch}, policy `fast` (refresh steps {policy_schedule('fast', args.steps)}), mask ratios from "
              f"the {args.trace} trace; step graphs on (the CPU stand-in: the same signatures, captures and replays "
              "as on a GPU). Shares of the engine's steps by how their denoiser call ran; job steps replayed: the "
-             "share of the jobs' steps that a replay computed.", "",
-             "| arrivals | admit every | engine steps | replayed | captured | eager | job steps replayed | "
-             "mean latency (steps) |", "|---|---|---|---|---|---|---|---|"]
+             "share of the jobs' steps that a replay computed. Batch indices: `ragged` (a CUDA device's: one "
+             "variable-length attention call per block, token totals bucketed, no job's count in a graph's "
+             "shapes) or `runs` (each job's count rounded up to its own bucket).", "",
+             "| arrivals | batch indices | admit every | engine steps | replayed | captured | eager | "
+             "job steps replayed | mean latency (steps) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = "burst (all at once)" if r["pattern"] == "burst" else f"Poisson, load {float(r['pattern']):g}"
-        lines.append(f"| {name} | {r['admit_every']} | {r['steps']} | {r['replayed']:.1%} | {r['captured']:.1%} | "
-                     f"{r['eager']:.1%} | {r['job_steps_replayed']:.1%} | {r['latency_steps']:.1f} |")
+        lines.append(f"| {name} | {r['indices']} | {r['admit_every']} | {r['steps']} | {r['replayed']:.1%} | "
+                     f"{r['captured']:.1%} | {r['eager']:.1%} | {r['job_steps_replayed']:.1%} | "
+                     f"{r['latency_steps']:.1f} |")
     run_.write(lines + [""])
     return 0
 

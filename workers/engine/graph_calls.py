@@ -7,7 +7,9 @@ and their token indices: the call's batch index where the model has one (``worke
 batched.py``), else each job's. The signature holds what fixes the call's shapes and control flow:
 the arguments' shapes and dtypes and each job's mode, rows, token counts (rounded up to token
 buckets where steps are graphed, ``workers/maskaware/buckets.py``, so one graph serves every mask
-of its buckets), index shapes, cache layout and place in its buffer, and the batch index's layout.
+of its buckets; with a ragged batch index only whether a level has none, some or all of a job's
+tokens: its counts are device data), index shapes, cache layout and place in its buffer, and the
+batch index's layout.
 The function rebuilds the row groups over the tensors it is given (static buffers when captured),
 so a replay reads the step's data.
 """
@@ -98,7 +100,10 @@ def unet_call(graphs: StepGraphs, unet: Any, ctrl: Any, args: tuple[torch.Tensor
 
     def describe(g: Any) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
         indices = () if index is not None else g.token_mask.device_indices(device)
-        return [t for _, t in indices], (g.token_mask.counts(), tuple(n for n, _ in indices), frozenset(g.full_units))
+        counts = g.token_mask.counts()
+        if index is not None and index.ragged:  # counts are device data: per level only none / some / all
+            counts = tuple(min(c, 1) + (c >= lvl.numel()) for c, lvl in zip(counts, g.token_mask.levels))
+        return [t for _, t in indices], (counts, tuple(n for n, _ in indices), frozenset(g.full_units))
 
     masked, jobs, spec = _job_inputs(groups, describe)
     if index is not None:

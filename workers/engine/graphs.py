@@ -17,7 +17,10 @@ A job's mask is fixed for its life and a steady batch keeps its jobs for many st
 signature repeats at every step until a job joins or leaves; token counts are rounded up to token
 buckets (``workers/maskaware/buckets.py``), so a job taking the place of one whose counts fell in
 the same buckets replays the graph already captured. A signature whose batch has fewer than
-``min_horizon`` steps left (its first job finishes then) is not captured. Graphs share one memory pool (they
+``min_horizon`` steps left (its first job finishes then) is not captured while it is seen for the
+first time in a row; one that comes back after other signatures ran (under continuous batching the
+step after a job joins, or a batch of a size seen before, recurs all the time) is captured then,
+however short its stretch: it will be seen again. Graphs share one memory pool (they
 never run concurrently and never read each other's outputs); the pool of graphs is an LRU bounded
 by count and by the bytes of its static inputs. A signature whose capture fails runs eagerly from
 then on (logged once), so an unsupported call costs nothing but its eager time.
@@ -101,6 +104,8 @@ class StepGraphs:
         self.min_horizon = min_horizon
         self._graphs: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._seen: dict[Hashable, int] = {}
+        self._stretches: dict[Hashable, int] = {}  # runs of consecutive calls of a signature
+        self._previous: Hashable = None
         self._failed: set[Hashable] = set()
         self.captures = self.replays = self.eager = 0
         self.last = "eager"  # how the latest call ran: replayed | captured (then replayed) | eager
@@ -118,8 +123,11 @@ class StepGraphs:
         signature about to change is not captured."""
         entry = self._graphs.get(key)
         if entry is None:
-            short = horizon is not None and horizon < self.min_horizon
-            entry = None if short else self._maybe_capture(key, inputs, forward)
+            if key != self._previous:
+                self._stretches[key] = self._stretches.get(key, 0) + 1
+            short = horizon is not None and horizon < self.min_horizon and self._stretches[key] < 2
+            entry = self._maybe_capture(key, inputs, forward, count_only=short)
+            self._previous = key
             if entry is None:
                 self.eager += 1
                 self.last = "eager"
@@ -128,6 +136,7 @@ class StepGraphs:
         else:
             self._graphs.move_to_end(key)
             self.last = "replayed"
+        self._previous = key
         for dst, src in zip(entry.static, inputs):
             if dst is not src:
                 dst.copy_(src, non_blocking=True)
@@ -135,13 +144,15 @@ class StepGraphs:
         self.replays += 1
         return entry.call.output
 
-    def _maybe_capture(self, key: Hashable, inputs: Sequence[torch.Tensor], forward: Forward) -> _Entry | None:
+    def _maybe_capture(self, key: Hashable, inputs: Sequence[torch.Tensor], forward: Forward,
+                       count_only: bool = False) -> _Entry | None:
+        """Count a sighting of ``key``; capture it once seen ``repeats`` times (not if ``count_only``)."""
         if key in self._failed:
             return None
         seen = self._seen[key] = self._seen.get(key, 0) + 1
-        if seen < self.repeats:
-            if len(self._seen) > 4096:
-                self._seen = {key: seen}
+        if len(self._seen) > 4096:  # bounded: sightings of long-gone signatures are forgotten
+            self._seen, self._stretches = {key: seen}, {key: self._stretches.get(key, 1)}
+        if seen < self.repeats or count_only:
             return None
         nbytes = sum(t.numel() * t.element_size() for t in inputs)
         if nbytes > self.budget_bytes:
@@ -163,6 +174,8 @@ class StepGraphs:
     def clear(self) -> None:
         self._graphs.clear()
         self._seen.clear()
+        self._stretches.clear()
+        self._previous = None
 
 
 def _default_budget(device: torch.device) -> int:

@@ -257,8 +257,14 @@ class BaseRunner(ABC):
     def bucket_tokens(self) -> bool:
         """Masked jobs compute token counts rounded up to token buckets
         (``workers/maskaware/buckets.py``): where steps are graph-captured (a graph then serves
-        every mask of its buckets, not only the batch it was captured for)."""
-        return getattr(self, "graphs", None) is not None if self._bucket_tokens is None else self._bucket_tokens
+        every mask of its buckets, not only the batch it was captured for), unless the model's
+        batch indices are ragged there (a graph's shapes then name no job's count: only the
+        batch's total is bucketed, ``workers/maskaware/batched.py``)."""
+        if self._bucket_tokens is not None:
+            return self._bucket_tokens
+        ragged_on = getattr(self.maskaware, "ragged_on", None)
+        ragged = ragged_on is not None and ragged_on(getattr(self, "device", "cpu"))
+        return getattr(self, "graphs", None) is not None and not ragged
 
     @bucket_tokens.setter
     def bucket_tokens(self, on: bool) -> None:

@@ -28,6 +28,15 @@ adjacent. Padding changes which GEMM shapes a job meets, so a step that keeps ea
 arithmetic its own (``adapters.layout.wanted``: adapter terms or batch invariance) pads nothing and
 runs only jobs of equal counts together.
 
+*Ragged* levels (``ragged=True``, where a variable-length attention kernel exists: CUDA) drop
+runs: a slab's rows are attended in one variable-length call whose per-row query counts are
+device data (``cu`` offsets in the index tensor, ``workers/maskaware/varlen.py``), and the slab's
+token rows are padded up to a bucket of their total (``buckets.token_bucket`` of ``rows * n``),
+spread over its rows (a row never past ``n``; a row's pads repeat its last token). What fixes the
+level's shapes is then the slab's rows and that bucket, not each job's count: a job joining or
+leaving a steady batch, or swapped for one of another mask, keeps the captured graph whenever the
+total stays in its bucket (``workers/engine/graph_calls``).
+
 The indices of every level go to the device in one copy; a steady batch reuses them (the memo is
 keyed by the composition), and a graph-captured step takes them as one of its inputs
 (``workers/engine/graph_calls``).
@@ -42,7 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.maskaware.buckets import GROWTH, padded
+from workers.maskaware.buckets import GROWTH, padded, token_bucket
 
 # Padded token rows a run may add whatever its size: a few microseconds of a block's GEMMs at the
 # widest SD/SDXL level (C = 1280), less than the two launches (attention, its output copy) per
@@ -84,6 +93,7 @@ class Slab:
     packed: int  # first packed token row
     tokens: int  # packed token rows
     scatter: int  # offset of its flat slab positions in the index tensor
+    cu: int = -1  # ragged: offset of its rows' cumulative query counts (rows + 1) in the index tensor
 
 
 @dataclass(frozen=True)
@@ -96,11 +106,14 @@ class LevelIndex:
     runs: tuple[Run, ...]
     tokens: int  # packed token rows (the gather's length)
     gather: int  # offset of the gather's batch rows, then its tokens, in the index tensor
+    ragged: bool = False  # one variable-length attention call per slab; counts are device data
 
     @property
     def structure(self) -> Hashable:
-        """What fixes the level's shapes and control flow (a graph signature's part)."""
-        return (self.n, self.members, self.slabs, self.runs, self.tokens, self.gather)
+        """What fixes the level's shapes and control flow (a graph signature's part): ragged, each
+        member's count is not part of it (its queries' extent is read on the device)."""
+        members = tuple((g, s, r, 0) for g, s, r, _m in self.members) if self.ragged else self.members
+        return (self.n, members, self.slabs, self.runs, self.tokens, self.gather, self.ragged)
 
     @functools.cached_property
     def slab_runs(self) -> tuple[tuple[Slab, tuple[Run, ...]], ...]:
@@ -108,16 +121,16 @@ class LevelIndex:
         return tuple((s, tuple(r for r in self.runs if s.first <= r.first < s.first + s.count)) for s in self.slabs)
 
 
-def build(n: int, members: Sequence[Member], pad: bool, offset: int = 0) -> tuple[LevelIndex, list[torch.Tensor]]:
+def build(n: int, members: Sequence[Member], pad: bool, offset: int = 0,
+          ragged: bool = False) -> tuple[LevelIndex, list[torch.Tensor]]:
     """A level's index layout and its host index pieces (to be concatenated in order, starting at
-    ``offset`` in the index tensor). ``pad``: jobs of different counts may share a run."""
-    slabs_of: list[list[int]] = []
-    for i, mem in enumerate(members):
-        prev = members[i - 1] if i else None
-        if prev is not None and mem.adjacent and mem.start == prev.start + prev.rows:
-            slabs_of[-1].append(i)
-        else:
-            slabs_of.append([i])
+    ``offset`` in the index tensor). ``pad``: jobs of different counts may share a run.
+    ``ragged`` (requires ``pad``): one variable-length attention call per slab (module doc)."""
+    if ragged:
+        if not pad:
+            raise ValueError("a ragged level pads its slabs: it needs pad=True")
+        return _build_ragged(n, members, offset)
+    slabs_of = _slabs_of(members)
     m_of = [int(mem.indices.numel()) for mem in members]
     runs_of: list[list[int]] = []  # member indices per run, within slabs
     for slab in slabs_of:
@@ -168,6 +181,76 @@ def build(n: int, members: Sequence[Member], pad: bool, offset: int = 0) -> tupl
     return level, pieces
 
 
+def _slabs_of(members: Sequence[Member]) -> list[list[int]]:
+    """Member indices per slab: consecutive members adjacent in one buffer and in the batch."""
+    slabs_of: list[list[int]] = []
+    for i, mem in enumerate(members):
+        prev = members[i - 1] if i else None
+        if prev is not None and mem.adjacent and mem.start == prev.start + prev.rows:
+            slabs_of[-1].append(i)
+        else:
+            slabs_of.append([i])
+    return slabs_of
+
+
+def row_lengths(real: Sequence[int], n: int) -> list[int]:
+    """Query rows per batch row of a ragged slab: ``real`` (each row's masked tokens) with the
+    slab's total padded up to its bucket, the pads given to the last rows first (a row at most
+    ``n``). Deterministic in ``real``, so a composition always gets the same layout."""
+    total = sum(real)
+    target = token_bucket(total, len(real) * n) if total else 0
+    lengths, short = list(real), target - total
+    for r in range(len(lengths) - 1, -1, -1):
+        if short <= 0:
+            break
+        add = min(short, n - lengths[r])
+        lengths[r] += add
+        short -= add
+    return lengths
+
+
+def _build_ragged(n: int, members: Sequence[Member], offset: int) -> tuple[LevelIndex, list[torch.Tensor]]:
+    """``build`` for a ragged level: per slab one run; pads spread over rows (``row_lengths``)."""
+    slabs_of = _slabs_of(members)
+    m_of = [int(mem.indices.numel()) for mem in members]
+    gather_rows: list[torch.Tensor] = []
+    gather_tokens: list[torch.Tensor] = []
+    scatters: list[list[torch.Tensor]] = []
+    cus: list[torch.Tensor] = []
+    spans: list[tuple[int, int, int]] = []  # per slab: first packed row, token rows, rows
+    packed = 0
+    for slab in slabs_of:
+        real = [m_of[i] for i in slab for _ in range(members[i].rows)]
+        lengths = iter(row_lengths(real, n))
+        scatter, cu, row, first = [], [0], 0, packed
+        for i in slab:
+            mem = members[i]
+            for r in range(mem.rows):
+                length = next(lengths)
+                tokens = padded(mem.indices, length)
+                gather_rows.append(torch.full((length,), mem.start + r, dtype=torch.long))
+                gather_tokens.append(tokens)
+                scatter.append((row + r) * n + tokens)
+                cu.append(cu[-1] + length)
+                packed += length
+            row += mem.rows
+        scatters.append(scatter)
+        cus.append(torch.tensor(cu, dtype=torch.long))
+        spans.append((first, packed - first, row))
+    tokens = packed
+    pieces: list[torch.Tensor] = gather_rows + gather_tokens
+    cursor = offset + 2 * tokens
+    slabs: list[Slab] = []
+    for slab, scatter, cu, (first, size, rows) in zip(slabs_of, scatters, cus, spans):
+        pieces += scatter + [cu]
+        slabs.append(Slab(slab[0], len(slab), members[slab[0]].start, rows, first, size, cursor, cursor + size))
+        cursor += size + int(cu.numel())
+    runs = tuple(Run(s.first, s.count, s.rows, 0, 0, s.packed) for s in slabs)
+    level = LevelIndex(n, tuple((mem.g, mem.start, mem.rows, m_of[i]) for i, mem in enumerate(members)),
+                       tuple(slabs), runs, tokens, offset, ragged=True)
+    return level, pieces
+
+
 def _joins(members: Sequence[Member], m_of: list[int], run: list[int], i: int, pad: bool) -> bool:
     """Whether member ``i`` joins ``run``: equal counts, or (``pad``) the run's padded token rows
     stay within ``GROWTH`` of its real ones or add at most ``FREE_PAD_ROWS``."""
@@ -204,6 +287,14 @@ class BatchIndex:
     def scatter(self, slab: Slab) -> torch.Tensor:
         return self._view(slab.scatter, slab.tokens)
 
+    def cu(self, slab: Slab) -> torch.Tensor:
+        """A ragged slab's cumulative query rows per batch row (``rows + 1`` values, from 0)."""
+        return self._view(slab.cu, slab.rows + 1)
+
+    @property
+    def ragged(self) -> bool:
+        return any(level.ragged for level in self.levels.values())
+
     def over(self, data: torch.Tensor) -> "BatchIndex":
         """The same layout reading positions from ``data`` (a captured step's static buffer)."""
         return BatchIndex(self.levels, data)
@@ -213,13 +304,15 @@ class BatchIndex:
         return tuple((key, level.structure) for key, level in self.levels.items())
 
 
-def assemble(levels: dict[Hashable, tuple[int, Sequence[Member], bool]], device: torch.device) -> BatchIndex:
-    """The ``BatchIndex`` of ``levels`` (key -> (tokens per row, members, pad)), uploaded in one copy."""
+def assemble(levels: dict[Hashable, tuple[int, Sequence[Member], bool]], device: torch.device,
+             ragged: bool = False) -> BatchIndex:
+    """The ``BatchIndex`` of ``levels`` (key -> (tokens per row, members, pad)), uploaded in one
+    copy; ``ragged``: levels that pad are ragged (module doc)."""
     layout: dict[Hashable, LevelIndex] = {}
     pieces: list[torch.Tensor] = []
     offset = 0
     for key, (n, members, pad) in levels.items():
-        level, parts = build(n, members, pad, offset)
+        level, parts = build(n, members, pad, offset, ragged=ragged and pad)
         layout[key] = level
         pieces += parts
         offset += sum(int(t.numel()) for t in parts)
@@ -239,14 +332,16 @@ class IndexMemo:
         self._memo: OrderedDict[Hashable, tuple[BatchIndex, object]] = OrderedDict()
         self.builds = 0
 
-    def get(self, key: Hashable, build_levels: "callable", device: torch.device, keep: object = None) -> BatchIndex:
-        """The memoized index of ``key``, else ``assemble(build_levels())`` (``keep``: objects whose
-        identity ``key`` names, held so that no other object takes their identity meanwhile)."""
+    def get(self, key: Hashable, build_levels: "callable", device: torch.device, keep: object = None,
+            ragged: bool = False) -> BatchIndex:
+        """The memoized index of ``key``, else ``assemble(build_levels(), ragged=ragged)`` (``keep``:
+        objects whose identity ``key`` names, held so that no other object takes their identity
+        meanwhile; ``key`` must name ``ragged``)."""
         hit = self._memo.get(key)
         if hit is not None:
             self._memo.move_to_end(key)
             return hit[0]
-        index = assemble(build_levels(), device)
+        index = assemble(build_levels(), device, ragged=ragged)
         self.builds += 1
         self._memo[key] = (index, keep)
         while len(self._memo) > self.capacity:
@@ -254,4 +349,5 @@ class IndexMemo:
         return index
 
 
-__all__ = ["FREE_PAD_ROWS", "BatchIndex", "IndexMemo", "LevelIndex", "Member", "Run", "Slab", "assemble", "build"]
+__all__ = ["FREE_PAD_ROWS", "BatchIndex", "IndexMemo", "LevelIndex", "Member", "Run", "Slab", "assemble", "build",
+           "row_lengths"]

@@ -29,6 +29,9 @@ Per group of rows (one job: 1 row, or 2 adjacent rows ``(uncond, cond)`` with CF
   tokens take their values from the group's read-only cache: the cached tensor is copied and the
   fresh rows are scattered into the copy. A group whose level mask is full is routed through the
   original forward (ratio 1 == full compute, bit for bit); an empty level mask computes nothing.
+  Jobs staged into one buffer go batch-wide (``batched.py``): one gather, one scatter per cached
+  tensor, attention per run of close counts, or, where the device has a variable-length attention
+  kernel (``ragged``: CUDA), one call per block for every row (``varlen.py``).
 
 Cache layout (the design choice; DESIGN.md section 6 measured both):
 - ``kv_source="cache"`` (default, layout ``"kv+y"``): per block, self-attention K and V of all
@@ -93,6 +96,7 @@ from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from workers.adapters import layout
 from workers.adapters.patcher import install as install_row_aware
 from workers.compiled import BlockKernels
+from workers.maskaware import varlen
 from workers.maskaware.batched import BatchIndex, IndexMemo, LevelIndex, Member
 from workers.maskaware.lockstep import Lockstep
 from workers.maskaware.reuse import UnitReuse
@@ -168,6 +172,7 @@ class BatchContext:
     carry: dict[str, "_Carry"] = field(default_factory=dict)  # unit -> packed tokens between its blocks
     device_timed: bool = False  # timestamps are CUDA events, turned into seconds by ``resolve_timings``
     index: BatchIndex | None = None  # batch-wide token indices of every level (``batched.py``)
+    extents: dict = field(default_factory=dict)  # ragged levels' int32 query extents (``varlen.py``)
     _unit_t0: dict[str, Any] = field(default_factory=dict)
     _last_end: Any = None
     _spans: list[tuple[dict[str, float], str, Any, Any]] = field(default_factory=list)  # pending (CUDA)
@@ -406,6 +411,9 @@ class MaskAwareUNet:
         self._device_timed = next(unet.parameters()).device.type == "cuda"
         self.timing = True  # off while a call is captured into a CUDA graph (``workers/engine/graphs.py``)
         self._index_memo = IndexMemo()
+        # Ragged levels (``batched.py``): one variable-length attention call per slab, so a graph's
+        # shapes do not name each job's token count. None: where the device has the kernel (CUDA).
+        self.ragged: bool | None = None
         self._timers: list[Any] = [unet.register_forward_pre_hook(self._model_pre)]
         modules = dict(unet.named_modules())
         for unit in self._units:
@@ -565,6 +573,13 @@ class MaskAwareUNet:
             self._ctx = None
             self._capture = None
 
+    def ragged_on(self, device: torch.device | str) -> bool:
+        """Whether batch indices on ``device`` are ragged (``self.ragged``, else where the device has
+        a variable-length attention kernel); never with K/V recomputed (no batch index)."""
+        if self.kv_source != "cache":
+            return False
+        return varlen.device_kernel(torch.device(device)) if self.ragged is None else self.ragged
+
     def batch_index(self, groups: list[RowGroup], device: torch.device) -> BatchIndex | None:
         """The batch-wide token indices of every level for ``groups`` (``batched.py``), or None
         where a masked group takes the per-group path: K/V recomputed, a cache that is not a
@@ -592,7 +607,8 @@ class MaskAwareUNet:
             ordinal = buffers.setdefault(id(grp.cache.flat), len(buffers))  # type: ignore[union-attr]
             parts.append(("masked", grp.rows, id(grp.token_mask), ordinal, grp.cache.row0,  # type: ignore[union-attr]
                           tuple(sorted(grp.full_units))))
-        key = (str(device), pad, tuple(parts))
+        ragged = pad and self.ragged_on(device)
+        key = (str(device), pad, ragged, tuple(parts))
 
         def levels() -> dict[Any, tuple[int, list[Member], bool]]:
             out: dict[Any, tuple[int, list[Member], bool]] = {}
@@ -616,7 +632,8 @@ class MaskAwareUNet:
                     out[(n, forced)] = (n, members, pad)
             return out
 
-        return self._index_memo.get(key, levels, torch.device(device), keep=[grp.token_mask for _g, grp in masked])
+        return self._index_memo.get(key, levels, torch.device(device), keep=[grp.token_mask for _g, grp in masked],
+                                    ragged=ragged)
 
     def remove(self) -> None:
         """Uninstall every hook this controller added."""
@@ -811,6 +828,10 @@ class MaskAwareUNet:
             outs = []
             for slab, runs in level.slab_runs:
                 ks, vs = write(slab, "k", k), write(slab, "v", v)
+                if level.ragged:  # the slab's rows in one call, their extents on the device
+                    outs.append(varlen.attend(_part(q, slab.packed, slab.tokens), ks, vs, index.cu(slab),
+                                              a1.heads, n, ctx.extents))
+                    continue
                 for run in runs:
                     outs.append(_sdpa(_part(q, run.packed, run.rows * run.m), _part(ks, run.row, run.rows),
                                       _part(vs, run.row, run.rows), run.rows, a1.heads))
@@ -826,6 +847,12 @@ class MaskAwareUNet:
                     k2, v2 = kern.text_kv(a2, _cat([_part(ehs, s.start, s.rows) for s in level.slabs]))
                 outs, text_row = [], 0
                 for slab, runs in level.slab_runs:
+                    if level.ragged:
+                        outs.append(varlen.attend(_part(q2, slab.packed, slab.tokens), _part(k2, text_row, slab.rows),
+                                                  _part(v2, text_row, slab.rows), index.cu(slab), a2.heads, n,
+                                                  ctx.extents))
+                        text_row += slab.rows
+                        continue
                     for run in runs:
                         row = text_row + run.row
                         outs.append(_sdpa(_part(q2, run.packed, run.rows * run.m), _part(k2, row, run.rows),
