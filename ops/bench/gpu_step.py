@@ -143,6 +143,11 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
         buckets = groups if ctrl.ragged_on(device) else [
             RowGroup(2, "masked", token_mask=m.with_buckets().prepare(device), cache=s) for m, s in zip(masks, staged)]
         case.calls[f"masked {r:g} eager"], case.calls[f"masked {r:g} graph"] = eager(groups), graphed(buckets)
+        if jobs in RUNS_AT and ctrl.ragged_on(device):  # the ablation: the same steps with runs (part_batch)
+            runs = [RowGroup(2, "masked", token_mask=m.with_buckets().prepare(device), cache=s)
+                    for m, s in zip(masks, staged)]
+            case.calls[f"masked {r:g} eager runs"] = with_runs(ctrl, eager(groups))
+            case.calls[f"masked {r:g} graph runs"] = with_runs(ctrl, graphed(runs))
         case.notes[f"level_share {r:g}"] = [round(float(lv.float().mean()), 3) for lv in masks[0].levels]
         for layout_name, ragged in (("padding", False), ("ragged padding", True)):  # the two index layouts
             ctrl.ragged = ragged
@@ -151,6 +156,20 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
         if turbo:
             with_turbo(case, ctrl, groups, lambda gs: eager(gs)())
     return case
+
+
+RUNS_AT = (8,)  # jobs at which ``part_batch`` also times the runs layout where the device is ragged
+
+
+def with_runs(ctrl: Any, call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` with the controller's batch indices in runs (per-run SDPA), not ragged."""
+    def run() -> Any:
+        ctrl.ragged = False
+        try:
+            return call()
+        finally:
+            ctrl.ragged = None
+    return run
 
 
 def padding(ctrl: Any, groups: list[Any], device: torch.device) -> float:
@@ -331,6 +350,13 @@ def part_batch(args: Any, device: torch.device) -> list[str]:
         lines.append(f"| {jobs} | {t['full eager'] * 1e3:.1f} | {t['full graph'] * 1e3:.1f} | "
                      f"{t['masked 0.2 eager'] * 1e3:.1f} | {t['masked 0.2 graph'] * 1e3:.1f} | "
                      f"{t['full graph'] / t['masked 0.2 graph']:.2f}x |")
+    runs = [(j, r) for j, r in args.results["batch"].items() if "masked 0.2 eager runs" in r]
+    if runs:  # ragged indices (this device's) against runs, the same steps
+        lines += ["", "Batch indices at ratio 0.2: ragged (one variable-length attention call per block, this "
+                  "device's layout) against runs (one SDPA per run of close counts, each job's count bucketed):", "",
+                  "| jobs | eager ragged / runs ms | graph ragged / runs ms |", "|---|---|---|"]
+        lines += [f"| {j} | {r['masked 0.2 eager']:.1f} / {r['masked 0.2 eager runs']:.1f} | "
+                  f"{r['masked 0.2 graph']:.1f} / {r['masked 0.2 graph runs']:.1f} |" for j, r in runs]
     return lines + [""]
 
 
