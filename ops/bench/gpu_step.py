@@ -11,7 +11,9 @@ service pools them). Parts:
   interleaved rounds) for: full eager, full graph, mask-aware eager, mask-aware graph
   (``StepGraphs``: the engine's graph pool). Speedups are against the full step in the same mode
   and against the full eager step (what the stock pipeline runs).
-- ``batch``: SD 1.5 with J jobs (2J rows), full and mask-aware at ratio 0.2, eager and graph.
+- ``batch``: SD 1.5 with J jobs (2J rows), full and mask-aware at ratio 0.2, eager and graph; at 8
+  jobs on a device with ragged batch indices (CUDA) also the same masked steps with runs (one SDPA
+  per run, per-job token buckets): what decides the default layout.
 - ``profile``: one step of each kind under ``torch.profiler``: kernels launched, memory copies,
   host synchronisations (``cudaStreamSynchronize`` & co., ``item``/``nonzero``), kernel time, and
   wall time per step (host and device, synchronised): wall / kernel time says how host-bound it is.
