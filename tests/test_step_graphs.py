@@ -50,6 +50,33 @@ def test_the_pool_is_bounded_by_count_and_bytes_and_failed_captures_run_eagerly(
     assert failing.captures == 0 and failing.eager == 3 and "k" in failing._failed
 
 
+def test_graphs_of_one_input_shape_share_their_buffers_and_replay_their_own_inputs() -> None:
+    """Graphs whose inputs have the same shapes read the same static buffers (each replay copies
+    its inputs in first), so interleaved replays of two graphs each compute from their own inputs;
+    a buffer is freed with the last graph that reads it."""
+    graphs = StepGraphs("cpu", repeats=1, max_graphs=2)
+
+    def minus(ts):  # type: ignore[no-untyped-def]
+        return ts[0] - ts[1]
+
+    a, b, c = torch.ones(3), torch.full((3,), 2.0), torch.full((3,), 5.0)
+    graphs.run("double", [a, b], _double)
+    graphs.run("minus", [a, b], minus)
+    assert graphs.captures == 2 and graphs.static_bytes == 2 * 3 * 4  # two buffers, not four
+    assert torch.equal(graphs.run("double", [c, a], _double), torch.full((3,), 11.0))
+    assert torch.equal(graphs.run("minus", [b, c], minus), torch.full((3,), -3.0))
+    assert torch.equal(graphs.run("double", [b, b], _double), torch.full((3,), 6.0))
+    def head(ts):  # type: ignore[no-untyped-def]
+        return ts[0][:3] * 2 + ts[1]
+
+    graphs.run("wide", [torch.ones(5), torch.ones(3)], head)  # evicts "minus"; (3,)-buffers stay in use
+    assert list(graphs._graphs) == ["double", "wide"] and graphs.static_bytes == 2 * 3 * 4 + 5 * 4
+    graphs.run("wider", [torch.ones(7), torch.ones(3)], head)  # evicts "double": its second (3,) buffer freed
+    assert list(graphs._graphs) == ["wide", "wider"] and graphs.static_bytes == (3 + 5 + 7) * 4
+    assert torch.equal(graphs.run("wide", [torch.full((5,), 4.0), torch.ones(3)], head), torch.full((3,), 9.0))
+    assert graphs.last == "replayed"
+
+
 def test_graphed_runner_steps_equal_eager_steps(tmp_path: Path) -> None:
     """A template warm-up, then a batch of three masked edits and a full-compute job stepping
     together: the runner with graphs (captured at the second step, replayed after) gives the same

@@ -25,6 +25,13 @@ never run concurrently and never read each other's outputs); the pool of graphs 
 by count and by the bytes of its static inputs. A signature whose capture fails runs eagerly from
 then on (logged once), so an unsupported call costs nothing but its eager time.
 
+Static input buffers are shared between graphs (vLLM's way): every replay first copies its inputs
+in, and graphs never run concurrently, so graphs whose inputs have the same shapes (every graph of
+a batch size: its latents, text, staged caches) read the same buffers. A graph then holds only its
+outputs, so the pool keeps many (``max_graphs``) within the bytes the buffers take; under
+continuous batching a batch comes back to signatures seen long before, which an LRU of a few
+dozen graphs had evicted.
+
 ``capture`` is injectable: on a machine without CUDA, ``EagerReplay`` stands in for a graph (it
 re-runs the call on the static buffers at every replay), which tests the buffer plumbing.
 """
@@ -43,6 +50,7 @@ log = logging.getLogger(__name__)
 
 Forward = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 MIN_HORIZON = 4  # steps a signature must have left to be worth a capture (a few eager steps' cost)
+MAX_GRAPHS = 256  # graphs kept (they share their input buffers: each holds only its outputs)
 
 
 class Replayable(Protocol):
@@ -84,14 +92,59 @@ class EagerReplay:
 
 
 class _Entry:
-    def __init__(self, call: Replayable, static: list[torch.Tensor], nbytes: int) -> None:
-        self.call, self.static, self.nbytes = call, static, nbytes
+    def __init__(self, call: Replayable, static: list[torch.Tensor], keys: list[Hashable]) -> None:
+        self.call, self.static, self.keys = call, static, keys
+
+
+class StaticArena:
+    """Input buffers shared by the graphs (module doc): one per (shape, dtype, occurrence of that
+    shape among a call's inputs), counted by the graphs that read it, freed with the last."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[Hashable, torch.Tensor] = {}
+        self._users: dict[Hashable, int] = {}
+
+    @staticmethod
+    def keys(inputs: Sequence[torch.Tensor]) -> list[Hashable]:
+        seen: dict[tuple[Any, ...], int] = {}
+        out: list[Hashable] = []
+        for t in inputs:
+            shape = (tuple(t.shape), t.dtype, str(t.device))
+            out.append((*shape, seen.get(shape, 0)))
+            seen[shape] = seen.get(shape, 0) + 1
+        return out
+
+    def new_bytes(self, keys: Sequence[Hashable], inputs: Sequence[torch.Tensor]) -> int:
+        """Bytes that taking ``keys`` would add."""
+        return sum(t.numel() * t.element_size() for k, t in zip(keys, inputs) if k not in self._buffers)
+
+    def take(self, keys: Sequence[Hashable], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The buffers of ``keys``, holding ``inputs``' values (made where new)."""
+        out = []
+        for k, t in zip(keys, inputs):
+            buf = self._buffers.get(k)
+            if buf is None:
+                buf = self._buffers[k] = torch.empty_like(t, memory_format=torch.contiguous_format)
+            buf.copy_(t)
+            self._users[k] = self._users.get(k, 0) + 1
+            out.append(buf)
+        return out
+
+    def release(self, keys: Sequence[Hashable]) -> None:
+        for k in keys:
+            self._users[k] -= 1
+            if not self._users[k]:
+                del self._users[k], self._buffers[k]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
 
 class StepGraphs:
     """Captured denoiser calls by signature (module doc). ``run`` returns the call's output."""
 
-    def __init__(self, device: torch.device | str, *, max_graphs: int = 32, budget_bytes: int | None = None,
+    def __init__(self, device: torch.device | str, *, max_graphs: int = MAX_GRAPHS, budget_bytes: int | None = None,
                  repeats: int = 2, min_horizon: int = MIN_HORIZON,
                  capture: Callable[[Forward, Sequence[torch.Tensor], Any], Replayable] | None = None) -> None:
         self.device = torch.device(device)
@@ -103,6 +156,7 @@ class StepGraphs:
         self.repeats = repeats
         self.min_horizon = min_horizon
         self._graphs: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self._arena = StaticArena()
         self._seen: dict[Hashable, int] = {}
         self._stretches: dict[Hashable, int] = {}  # runs of consecutive calls of a signature
         self._previous: Hashable = None
@@ -112,7 +166,7 @@ class StepGraphs:
 
     @property
     def static_bytes(self) -> int:
-        return sum(e.nbytes for e in self._graphs.values())
+        return self._arena.nbytes
 
     def run(self, key: Hashable, inputs: Sequence[torch.Tensor], forward: Forward,
             horizon: int | None = None) -> torch.Tensor:
@@ -154,25 +208,28 @@ class StepGraphs:
             self._seen, self._stretches = {key: seen}, {key: self._stretches.get(key, 1)}
         if seen < self.repeats or count_only:
             return None
-        nbytes = sum(t.numel() * t.element_size() for t in inputs)
-        if nbytes > self.budget_bytes:
+        keys = self._arena.keys(inputs)
+        if sum(t.numel() * t.element_size() for t in inputs) > self.budget_bytes:
             return None
-        while self._graphs and (len(self._graphs) >= self.max_graphs or self.static_bytes + nbytes > self.budget_bytes):
-            self._graphs.popitem(last=False)  # least recently used
-        static = [t.clone() for t in inputs]
+        while self._graphs and (len(self._graphs) >= self.max_graphs
+                                or self.static_bytes + self._arena.new_bytes(keys, inputs) > self.budget_bytes):
+            self._arena.release(self._graphs.popitem(last=False)[1].keys)  # least recently used
+        static = self._arena.take(keys, inputs)
         try:
             call = self.capture(forward, static, self.pool)
         except Exception as exc:  # an unsupported call: eager from now on
+            self._arena.release(keys)
             self._failed.add(key)
             log.warning("CUDA graph capture failed (%s: %s); this step signature runs eagerly",
                         type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else "")
             return None
         self.captures += 1
-        entry = self._graphs[key] = _Entry(call, static, nbytes)
+        entry = self._graphs[key] = _Entry(call, static, keys)
         return entry
 
     def clear(self) -> None:
         self._graphs.clear()
+        self._arena = StaticArena()
         self._seen.clear()
         self._stretches.clear()
         self._previous = None
@@ -187,4 +244,4 @@ def _default_budget(device: torch.device) -> int:
     return free // 4
 
 
-__all__ = ["CudaGraphCall", "EagerReplay", "StepGraphs"]
+__all__ = ["CudaGraphCall", "EagerReplay", "StaticArena", "StepGraphs"]
