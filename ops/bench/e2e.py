@@ -37,7 +37,7 @@ from ops.bench.harness import cli, load_trace
 from ops.bench.harness.engine import batch_curve, curve_table
 from ops.bench.harness.models import saved_sd_pipeline
 from ops.bench.harness.openloop import busy_seconds, claims, make_workload, run_rate, summarize
-from ops.bench.harness.report import finish_axes, pyplot, save_figure
+from ops.bench.harness.report import finish_axes, pyplot, rounded, save_figure
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": run.command, "capacity_stock": capacity, "rates": rates, "batch_curve": curve,
               "multiples": multiples, "results": results, "args": vars(args), "elapsed_s": run.elapsed(),
               "machine": f"{platform.machine()} {os.cpu_count()} cores"}
-    (out / "e2e.json").write_text(json.dumps(report, separators=(",", ":"), default=float))  # compact: the size budget
+    # compact, floats to 6 significant digits: the size budget
+    (out / "e2e.json").write_text(json.dumps(rounded(report), separators=(",", ":"), default=float))
     write_report(report, out)
     log.info("done in %.0fs; report in %s", run.elapsed(), out)
     return 0

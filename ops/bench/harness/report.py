@@ -35,6 +35,18 @@ def write_run(out: str, json_path: str, lines: list[str], data: Any) -> None:
         Path(json_path).write_text(json.dumps(data, indent=1, default=float))
 
 
+def rounded(data: Any, digits: int = 6) -> Any:
+    """``data`` with every float rounded to ``digits`` significant digits: per-job records (seconds,
+    ratios) carry no more than that, and the repository's size budget counts their bytes."""
+    if isinstance(data, float):
+        return float(f"{data:.{digits}g}")
+    if isinstance(data, dict):
+        return {k: rounded(v, digits) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [rounded(v, digits) for v in data]
+    return data
+
+
 def replace_section(path: Path, name: str, text: str) -> None:
     """Replace ``<!-- name:begin -->...<!-- name:end -->`` in ``path`` (append if missing): several
     commands write one report, each its own section."""
