@@ -74,17 +74,15 @@ def test_a_ragged_step_equals_the_per_group_path(model: str) -> None:
     masks = [ctrl.token_masks(m, LATENT) for m in shapes]  # not ordered by count: rows of any length
     args, recorded, stager = _staged_jobs(unet, ctrl, masks)
     snap = [{k: v.clone() for k, v in r.items()} for r in recorded]
-    outs = {}
-    for batched in (True, False):
-        staged = stager.take_batch([(f"j{i}", 0, r, None) for i, r in enumerate(recorded)])
-        groups = [RowGroup(2, "masked", token_mask=m, cache=s) for m, s in zip(masks, staged)]
-        with torch.no_grad(), ctrl.batch(groups, build_index=batched) as ctx:
-            outs[batched] = unet(*args).sample
-        if batched:
-            assert ctx.index is not None and ctx.index.ragged
-            assert all(len(level.runs) == len(level.slabs) == 1 for level in ctx.index.levels.values())
-            assert any(level.tokens > sum(2 * m.count(level.n) for m in masks)
-                       for level in ctx.index.levels.values())  # a level was padded
+    outs = {batched: _masked_call(unet, ctrl, args, recorded, stager, masks, f"b{batched}", build_index=batched)
+            for batched in (True, False)}
+    staged = stager.take_batch([(f"i{i}", 0, r, None) for i, r in enumerate(recorded)])
+    index = ctrl.batch_index([RowGroup(2, "masked", token_mask=m, cache=s) for m, s in zip(masks, staged)],
+                             torch.device("cpu"))
+    assert index is not None and index.ragged
+    assert all(len(level.runs) == len(level.slabs) == 1 for level in index.levels.values())
+    assert any(level.tokens > sum(2 * m.count(level.n) for m in masks)
+               for level in index.levels.values())  # a level was padded
     assert torch.allclose(outs[True], outs[False], rtol=1e-5, atol=1e-5), float((outs[True] - outs[False]).abs().max())
     for r, before in zip(recorded, snap):
         assert all(torch.equal(r[k], before[k]) for k in r)

@@ -174,14 +174,14 @@ class StepGraphs:
         ``forward`` must read only the tensors it is given (besides the model's weights) and run
         only device work (no host reads, no host tensors). ``horizon``: steps the signature can
         still last (the batch's fewest remaining steps); a capture costs a few eager steps, so a
-        signature about to change is not captured."""
+        signature about to change is not captured unless it has come back (module doc)."""
+        returning, self._previous = key != self._previous, key
         entry = self._graphs.get(key)
         if entry is None:
-            if key != self._previous:
+            if returning:
                 self._stretches[key] = self._stretches.get(key, 0) + 1
             short = horizon is not None and horizon < self.min_horizon and self._stretches[key] < 2
             entry = self._maybe_capture(key, inputs, forward, count_only=short)
-            self._previous = key
             if entry is None:
                 self.eager += 1
                 self.last = "eager"
@@ -190,7 +190,6 @@ class StepGraphs:
         else:
             self._graphs.move_to_end(key)
             self.last = "replayed"
-        self._previous = key
         for dst, src in zip(entry.static, inputs):
             if dst is not src:
                 dst.copy_(src, non_blocking=True)
