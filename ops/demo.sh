@@ -6,4 +6,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/ops/bootstrap.sh"
 cd "$ROOT"
 export HF_HUB_OFFLINE=1
+# Let Python cache what it compiles (an environment may forbid it): each process of the stack
+# would otherwise compile the modules it imports anew.
+unset PYTHONDONTWRITEBYTECODE
 exec .venv/bin/stencil demo --jobs 4 --out demo-out "$@"

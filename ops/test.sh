@@ -10,4 +10,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/ops/bootstrap.sh" --browser
 cd "$ROOT"
 export HF_HUB_OFFLINE=1
+# Let Python cache what it compiles (an environment may forbid it): each process of the stack
+# would otherwise compile the modules it imports anew.
+unset PYTHONDONTWRITEBYTECODE
 exec .venv/bin/python -m pytest -q -n "${STENCIL_TEST_PROCESSES:-2}" --dist worksteal "$@"
