@@ -48,6 +48,6 @@ if [ ! -f "$BYTECODE" ] || [ "$(cat "$BYTECODE")" != "$WANT" ]; then
   env -u PYTHONDONTWRITEBYTECODE HF_HUB_OFFLINE=1 .venv/bin/python -c \
     "import app.cli, workers.gpu_tasks, workers.cpu_tasks, diffusers, transformers
 from diffusers import StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline, FluxFillPipeline" \
-    >/dev/null 2>&1
+    >/dev/null 2>&1 || { echo "[bootstrap] importing the workers' modules failed" >&2; exit 1; }
   echo "$WANT" > "$BYTECODE"
 fi
