@@ -19,6 +19,9 @@
 # SD 1.5 UNet on the card (`stencil profile --device cuda`: graph-replayed steps, pinned host copies):
 # sd15-inpaint--cuda.json in $OUT is the measured GPU cost model to ship in ops/sim/costmodels.
 set -uo pipefail
+# Each process of a stack would otherwise compile diffusers and the project anew where the
+# environment forbids caching bytecode (device time is scarce).
+unset PYTHONDONTWRITEBYTECODE
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
