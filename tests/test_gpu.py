@@ -86,6 +86,25 @@ def test_a_packed_pinned_step_stages_on_cuda_as_decoding_each_tensor_does() -> N
         assert torch.equal(staged[1][name], delta[name] + want), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_guidance_on_cuda_equals_each_jobs_expression(dtype: torch.dtype) -> None:
+    """The multi-tensor guidance kernels compute what the pipeline's per-job expression computes on
+    the GPU too (scalars in the kernels' float arithmetic), bit for bit."""
+    from tests.test_step_epilogue import _job
+    from workers.engine.sd_runner import SDRunner
+
+    batch = [_job("a", guidance=7.5), _job("b", do_cfg=False), _job("c", guidance=3.3), _job("d", guidance=11.0)]
+    output = torch.randn(7, 4, 64, 64, generator=torch.Generator().manual_seed(0)).to(CUDA, dtype)
+    got, row = SDRunner._guided_batch(None, batch, output), 0  # type: ignore[arg-type]
+    for job, pred in zip(batch, got):
+        rows = output[row:row + job.state.rows]
+        row += job.state.rows
+        if job.state.do_cfg:
+            uncond, cond = rows.chunk(2)
+            rows = uncond + job.state.guidance * (cond - uncond)
+        assert torch.equal(pred, rows), job.job_id
+
+
 def test_graph_replayed_steps_equal_eager_steps_on_cuda(warmed) -> None:  # type: ignore[no-untyped-def]
     from workers.engine.graphs import CudaGraphCall
     from workers.engine.sd_runner import SDRunner

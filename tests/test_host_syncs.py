@@ -102,6 +102,40 @@ def test_a_steady_engine_step_reads_the_device_once(tmp_path: Path) -> None:
         caches.close(wait=True)
 
 
+def test_the_work_around_the_model_adds_only_the_scheduler_update_per_job(tmp_path: Path) -> None:
+    """Guidance, finiteness and the UNet's inputs are launched once per step for the whole batch:
+    going from 4 to 8 masked jobs adds, outside the UNet call, only each job's DDIM update (six
+    elementwise kernels), not per-job guidance, checks and concatenations."""
+    steps = 4
+    unet, ctrl, runner, caches, store, cfg = _runner_setup(tmp_path, "plan", bandwidth=1e9)
+    try:
+        key = TemplateCacheKey("t", "tpl", 128, 128, "ddim", steps, 1.0, "cfg2", ctrl.cache_layout)
+        _warm(runner, caches, key, steps)
+        outside = {}
+        for jobs in (4, 8):
+            batch = [_job(runner, "masked", key, steps, seed=30 + i) for i in range(jobs)]
+            runner.step(batch)  # the composition's first step builds its indices
+            for job in batch:
+                job.steps_done += 1
+            whole, model = DispatchCounter(), DispatchCounter()
+            forward = unet.forward
+
+            def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+                with model:
+                    return forward(*args, **kwargs)
+
+            unet.forward = counted
+            try:
+                with whole:
+                    runner.step(batch)
+            finally:
+                del unet.forward
+            outside[jobs] = whole.kernels - model.kernels
+        assert (outside[8] - outside[4]) / 4 <= 6, outside
+    finally:
+        caches.close(wait=True)
+
+
 def counted_steps(runner, batch: list, steps: int) -> list[DispatchCounter]:  # type: ignore[no-untyped-def]
     """Step ``batch`` ``steps`` times, each step's operators counted."""
     counts = []

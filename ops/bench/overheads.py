@@ -5,6 +5,9 @@
 - Per-job serialization and transfer: pack a prepared job's tensors as safetensors, put them in
   Redis and read them back, unpack (what every job pays between CPU and GPU workers, twice).
 - Throughput vs batch size (denoising steps x jobs per second) for full compute and mask-aware.
+- Kernel-launching operators of a steady step outside the denoiser's forward, by batch size (a
+  dispatch count): on a GPU the forward replays as one CUDA graph, and what remains launches one
+  kernel at a time from the host.
 
     python -m ops.bench.overheads --out docs/bench/overheads.md
 """
@@ -24,7 +27,7 @@ from app.jobs import JobParams
 from app.maskgen import make_mask
 from ops.bench.harness import cli
 from ops.bench.harness.edits import Family
-from ops.bench.harness.engine import record, step_costs
+from ops.bench.harness.engine import kernels_around_the_model, record, step_costs
 from workers.tensors import pack, unpack
 
 log = logging.getLogger(__name__)
@@ -66,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     for b in [int(x) for x in args.batches.split(",")]:
         full_step, full_over = step_costs(fam.runner_full, [(tensors, dict(meta))], b, args.steps)
         ma_step, ma_over = step_costs(fam.runner_ma, [(tensors, dict(ma_meta))], b, args.steps)
-        rows.append((b, full_step, full_over, ma_step, ma_over))
+        model = getattr(fam.runner_ma, "unet", None) or fam.runner_ma.transformer
+        kernels = kernels_around_the_model(fam.runner_ma, model, [(tensors, dict(ma_meta))], b, args.steps)
+        rows.append((b, full_step, full_over, ma_step, ma_over, *kernels))
         log.info("batch %d: full %.1f ms/step (overhead %.2f ms), mask-aware %.1f ms/step (overhead %.2f ms)",
                  b, full_step * 1e3, full_over * 1e3, ma_step * 1e3, ma_over * 1e3)
     ser, nbytes = serialization_cost(tensors, meta)
@@ -74,11 +79,12 @@ def main(argv: list[str] | None = None) -> int:
              f"Command: `{run.command}` ({args.threads} torch thread(s), tiny embedded model, {fam.size}px, "
              f"mask ratio {args.ratio}).\n",
              "| batch | full ms/step | full overhead ms/step | full steps x jobs / s | mask-aware ms/step | "
-             "mask-aware overhead ms/step | mask-aware steps x jobs / s |",
-             "|---|---|---|---|---|---|---|"]
-    for b, fs, fo, ms, mo in rows:
+             "mask-aware overhead ms/step | mask-aware steps x jobs / s | mask-aware kernels/step | "
+             "of them outside the model |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for b, fs, fo, ms, mo, kw, ko in rows:
         lines.append(f"| {b} | {fs * 1e3:.1f} | {fo * 1e3:.2f} | {b / fs:.1f} | {ms * 1e3:.1f} | {mo * 1e3:.2f} | "
-                     f"{b / ms:.1f} |")
+                     f"{b / ms:.1f} | {kw} | {ko} |")
     lines.append(f"\nPer-job serialization + Redis transfer of the prepared inputs ({nbytes} bytes, safetensors): "
                  f"{ser * 1e3:.2f} ms (pack + SET + GET + unpack).\n")
     run.write(lines)

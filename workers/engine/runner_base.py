@@ -283,6 +283,12 @@ class BaseRunner(ABC):
     def _guided(self, job: EngineJob, rows: torch.Tensor) -> torch.Tensor:
         """The model output of one job from its rows (classifier-free guidance, if any)."""
 
+    def _guided_batch(self, batch: list[EngineJob], output: Any) -> list[torch.Tensor]:
+        """Every job's model output, in batch order (``output``: the step's rows in batch order, or
+        one tensor per job). Runners whose guidance is arithmetic override this to launch it once
+        for the whole batch."""
+        return [self._guided(job, rows) for job, rows in zip(batch, job_rows(batch, output))]
+
     @abstractmethod
     def _row_group(self, rows: int, mode: str, token_mask: Any = None, cache: Any = None) -> Any: ...
 
@@ -714,12 +720,8 @@ class BaseRunner(ABC):
             if job.state.reuse is not None:
                 job.state.reuse.collect(job.steps_done)
         try:
-            news, row = [], 0
-            for i, job in enumerate(batch):
-                st: JobState = job.state
-                pred = self._guided(job, output[i] if isinstance(output, list) else output[row:row + st.rows])
-                row += st.rows
-                news.append(st.stepper.step(job.steps_done, pred, st.latents))
+            preds = self._guided_batch(batch, output)
+            news = [job.state.stepper.step(job.steps_done, pred, job.state.latents) for job, pred in zip(batch, preds)]
             _check_finite(batch, news)
         except Exception:
             for st, sched_dict, gen_state in snapshots:
@@ -919,11 +921,23 @@ def _one_shape(batch: list[EngineJob]) -> bool:
     return len({tuple(job.state.latents.shape[-2:]) for job in batch}) == 1
 
 
+def job_rows(batch: list[EngineJob], output: Any) -> list[torch.Tensor]:
+    """Each job's rows of the step's output (views, no copy)."""
+    if isinstance(output, list):
+        return output
+    rows, row = [], 0
+    for job in batch:
+        rows.append(output[row:row + job.state.rows])
+        row += job.state.rows
+    return rows
+
+
 def _check_finite(batch: list[EngineJob], news: list[torch.Tensor]) -> None:
     """Raise for the first job whose new latents are not finite. The step's one read from the
-    device: every job's flag is reduced there and read back once (a second read, only on failure,
-    names the job)."""
-    flags = torch.stack([torch.isfinite(new).all() for new in news])
+    device: one fused reduction over every job's latents (the L1 norm: NaN and infinity carry
+    through a sum, and latents are far from overflowing it), read back once (a second read, only on
+    failure, names the job)."""
+    flags = torch.stack(torch._foreach_norm(news, 1)).isfinite()
     if bool(flags.all()):
         return
     bad = flags.tolist().index(False)

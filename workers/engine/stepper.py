@@ -28,6 +28,7 @@ class Stepper(Protocol):
     """One job's denoising update: ``step(i, model_output, sample) -> next sample``."""
 
     stateless: bool  # a failed step needs no rollback of scheduler state
+    scales_input: bool  # ``scale_input`` computes something (False: it returns the sample itself)
 
     def scale_input(self, sample: torch.Tensor, i: int) -> torch.Tensor: ...
 
@@ -50,6 +51,7 @@ class DDIMStepper:
     """``DDIMScheduler.step`` (eta = 0) with its per-step scalars precomputed (module doc)."""
 
     stateless = True
+    scales_input = False
 
     def __init__(self, scheduler: Any, timesteps: list[int]) -> None:
         cfg = scheduler.config
@@ -102,6 +104,7 @@ class FlowMatchStepper:
     step precomputed; ``begin`` is the scheduler's begin index (the job's first step)."""
 
     stateless = True
+    scales_input = False
 
     def __init__(self, scheduler: Any, begin: int, count: int) -> None:
         sigmas = scheduler.sigmas
@@ -124,6 +127,7 @@ class SchedulerStepper:
     """Any other scheduler through its own ``step`` (stateful: the runner rolls it back on failure)."""
 
     stateless = False
+    scales_input = True
 
     def __init__(self, scheduler: Any, timesteps: torch.Tensor, generator: torch.Generator) -> None:
         self.scheduler = scheduler

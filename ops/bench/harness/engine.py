@@ -93,6 +93,37 @@ def step_costs(runner: Any, jobs: list[tuple[dict, dict]], batch: int, steps: in
     return total / max(n, 1), (total - timer.seconds) / max(n, 1)
 
 
+def kernels_around_the_model(runner: Any, model: torch.nn.Module, jobs: list[tuple[dict, dict]], batch: int,
+                             steps: int) -> tuple[int, int]:
+    """(kernel-launching operators of one steady engine step, those outside ``model``'s forward) for
+    ``batch`` jobs sharing the step: what a step launches besides a graph-replayable model call
+    (inputs, guidance, scheduler updates, checks, staging)."""
+    from ops.bench.harness.dispatch import DispatchCounter
+
+    engine = Engine(runner, BatchScheduler(max_batch=batch))
+    for i in range(batch):
+        tensors, meta = jobs[i % len(jobs)]
+        engine.submit(f"k{i}", tensors, meta, total_steps=steps)
+    engine._drain_inbox(block=False)
+    engine.step_once()  # the composition's first step builds what later steps reuse
+    whole, inside = DispatchCounter(), DispatchCounter()
+    forward = model.forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        with inside:
+            return forward(*args, **kwargs)
+
+    model.forward = counted  # type: ignore[method-assign]
+    try:
+        with whole:
+            engine.step_once()
+    finally:
+        del model.forward
+    while engine.step_once():
+        pass
+    return whole.kernels, whole.kernels - inside.kernels
+
+
 def _stock_rows(model_dir: Path, image: Image.Image, mask: Image.Image, steps: int,
                 batches: list[int], repeats: int) -> list[dict[str, float]]:
     pipe = StableDiffusionInpaintPipeline.from_pretrained(model_dir, safety_checker=None, feature_extractor=None,
