@@ -15,7 +15,7 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from ops.bench.harness.dispatch import DispatchCounter
+from ops.bench.harness.dispatch import DispatchCounter, counting_forward
 from tests.test_maskaware_unet import sdxl_style_unet
 from tests.test_plan_engine import _job, _runner_setup, _warm
 from workers.engine.staging import CacheStager
@@ -117,19 +117,9 @@ def test_the_work_around_the_model_adds_only_the_scheduler_update_per_job(tmp_pa
             runner.step(batch)  # the composition's first step builds its indices
             for job in batch:
                 job.steps_done += 1
-            whole, model = DispatchCounter(), DispatchCounter()
-            forward = unet.forward
-
-            def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-                with model:
-                    return forward(*args, **kwargs)
-
-            unet.forward = counted
-            try:
-                with whole:
-                    runner.step(batch)
-            finally:
-                del unet.forward
+            whole = DispatchCounter()
+            with counting_forward(unet) as model, whole:
+                runner.step(batch)
             outside[jobs] = whole.kernels - model.kernels
         assert (outside[8] - outside[4]) / 4 <= 6, outside
     finally:

@@ -24,7 +24,7 @@ from workers.compiled import Compiled
 from workers.engine.graph_calls import flux_call, graphable
 from workers.engine.graphs import StepGraphs
 from workers.engine.job import EngineJob
-from workers.engine.runner_base import BaseRunner, JobState
+from workers.engine.runner_base import BaseRunner, JobState, job_rows
 from workers.flux_inputs import flux_schedule
 from workers.maskaware.flux import MaskAwareFlux, RowGroup
 
@@ -154,5 +154,5 @@ class FluxRunner(BaseRunner):
             out = self.transformer(**kwargs)[0]
         return out, list(ctx.recorded)
 
-    def _guided(self, job: EngineJob, rows: torch.Tensor) -> torch.Tensor:
-        return rows  # Flux Fill's guidance is embedded (distilled), not classifier-free
+    def _guided_batch(self, batch: list[EngineJob], output: Any) -> list[torch.Tensor]:
+        return job_rows(batch, output)  # Flux Fill's guidance is embedded (distilled), not classifier-free

@@ -280,14 +280,10 @@ class BaseRunner(ABC):
         one tensor of all rows in batch order, or (jobs of different sizes) a list of each job's rows."""
 
     @abstractmethod
-    def _guided(self, job: EngineJob, rows: torch.Tensor) -> torch.Tensor:
-        """The model output of one job from its rows (classifier-free guidance, if any)."""
-
     def _guided_batch(self, batch: list[EngineJob], output: Any) -> list[torch.Tensor]:
-        """Every job's model output, in batch order (``output``: the step's rows in batch order, or
-        one tensor per job). Runners whose guidance is arithmetic override this to launch it once
-        for the whole batch."""
-        return [self._guided(job, rows) for job, rows in zip(batch, job_rows(batch, output))]
+        """Every job's model output from its rows (classifier-free guidance, if any), in batch order
+        (``output``: the step's rows in batch order, or one tensor per job; ``job_rows``), launched
+        once for the whole batch."""
 
     @abstractmethod
     def _row_group(self, rows: int, mode: str, token_mask: Any = None, cache: Any = None) -> Any: ...

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -74,7 +75,12 @@ class SDJobState(JobState):
     do_cfg: bool = True
     guidance: float = 7.5
     controls: tuple[JobControl, ...] = ()
-    mask_input: torch.Tensor | None = None  # mask and masked image latents, the UNet's extra channels
+
+    @cached_property
+    def mask_input(self) -> torch.Tensor:
+        """The UNet's extra channels (mask, masked image latents): constant for the job, so
+        concatenated once, not at every step."""
+        return torch.cat([self.mask, self.masked_image_latents], dim=1)  # type: ignore[list-item]
 
     @property
     def rows(self) -> int:
@@ -294,8 +300,6 @@ class SDRunner(BaseRunner):
                 latents.append(st.stepper.scale_input(x, job.steps_done))
             else:  # the latents go into the batch's one concatenation as they are, once per row
                 latents += [st.latents] * st.rows
-            if st.mask_input is None:  # constant for the job: concatenated once
-                st.mask_input = torch.cat([st.mask, st.masked_image_latents], dim=1)
             masks.append(st.mask_input)
             times.append(st.model_times[job.steps_done].reshape(1).expand(st.rows))  # type: ignore[index]
             embeds.append(st.prompt_embeds)
@@ -349,9 +353,6 @@ class SDRunner(BaseRunner):
             return False
         per_row = [st.prompt_embeds, st.add_text_embeds, st.add_time_ids, *(c.image for c in st.controls)]
         return all(rows_equal(t) for t in per_row if t is not None)
-
-    def _guided(self, job: EngineJob, rows: torch.Tensor) -> torch.Tensor:
-        return self._guided_batch([job], [rows])[0]
 
     def _guided_batch(self, batch: list[EngineJob], output: Any) -> list[torch.Tensor]:
         """``uncond + guidance * (cond - uncond)`` per CFG job, as the stock pipeline computes it,

@@ -11,6 +11,8 @@ its operator count (a proxy for kernel launches) can be checked on the CPU. View
 from __future__ import annotations
 
 import collections
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -116,4 +118,26 @@ def _bool_index(args: tuple) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
 
 
-__all__ = ["FUSED_ATTENTION", "DispatchCounter", "SYNC_OPS", "VIEW_OPS"]
+@contextlib.contextmanager
+def counting_forward(model: torch.nn.Module) -> Iterator[DispatchCounter]:
+    """Counts what ``model``'s forward dispatches while the block runs, so that a step's own work
+    (everything else it dispatches) is the difference from a counter around the whole step."""
+    counter = DispatchCounter()
+    own = model.__dict__.get("forward")
+    forward = model.forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        with counter:
+            return forward(*args, **kwargs)
+
+    model.forward = counted  # type: ignore[method-assign]
+    try:
+        yield counter
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own  # type: ignore[method-assign]
+
+
+__all__ = ["FUSED_ATTENTION", "DispatchCounter", "SYNC_OPS", "VIEW_OPS", "counting_forward"]

@@ -18,6 +18,7 @@ from app.demo import demo_templates
 from app.jobs import JobParams
 from app.maskgen import make_mask
 from app.storage import LocalStore
+from ops.bench.harness.dispatch import DispatchCounter, counting_forward
 from workers.engine.engine import Engine
 from workers.engine.scheduler import BatchScheduler
 from workers.engine.sd_runner import SDRunner
@@ -74,15 +75,22 @@ class TimedForward:
             self.seconds += time.perf_counter() - start
 
 
-def step_costs(runner: Any, jobs: list[tuple[dict, dict]], batch: int, steps: int) -> tuple[float, float]:
-    """(seconds per step, overhead seconds per step) for ``batch`` jobs sharing every step."""
-    timer = TimedForward(runner)
+def _engine_after_first_step(runner: Any, jobs: list[tuple[dict, dict]], batch: int, steps: int) -> Engine:
+    """An engine with ``batch`` jobs sharing every step, after their first step (the composition's
+    first step builds what later steps reuse)."""
     engine = Engine(runner, BatchScheduler(max_batch=batch))
     for i in range(batch):
         tensors, meta = jobs[i % len(jobs)]
         engine.submit(f"j{i}", tensors, meta, total_steps=steps)
     engine._drain_inbox(block=False)
-    engine.step_once()  # warm-up step
+    engine.step_once()
+    return engine
+
+
+def step_costs(runner: Any, jobs: list[tuple[dict, dict]], batch: int, steps: int) -> tuple[float, float]:
+    """(seconds per step, overhead seconds per step) for ``batch`` jobs sharing every step."""
+    timer = TimedForward(runner)
+    engine = _engine_after_first_step(runner, jobs, batch, steps)
     timer.seconds = 0.0
     start = time.perf_counter()
     n = 0
@@ -98,27 +106,10 @@ def kernels_around_the_model(runner: Any, model: torch.nn.Module, jobs: list[tup
     """(kernel-launching operators of one steady engine step, those outside ``model``'s forward) for
     ``batch`` jobs sharing the step: what a step launches besides a graph-replayable model call
     (inputs, guidance, scheduler updates, checks, staging)."""
-    from ops.bench.harness.dispatch import DispatchCounter
-
-    engine = Engine(runner, BatchScheduler(max_batch=batch))
-    for i in range(batch):
-        tensors, meta = jobs[i % len(jobs)]
-        engine.submit(f"k{i}", tensors, meta, total_steps=steps)
-    engine._drain_inbox(block=False)
-    engine.step_once()  # the composition's first step builds what later steps reuse
-    whole, inside = DispatchCounter(), DispatchCounter()
-    forward = model.forward
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        with inside:
-            return forward(*args, **kwargs)
-
-    model.forward = counted  # type: ignore[method-assign]
-    try:
-        with whole:
-            engine.step_once()
-    finally:
-        del model.forward
+    engine = _engine_after_first_step(runner, jobs, batch, steps)
+    whole = DispatchCounter()
+    with counting_forward(model) as inside, whole:
+        engine.step_once()
     while engine.step_once():
         pass
     return whole.kernels, whole.kernels - inside.kernels
