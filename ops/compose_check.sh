@@ -32,13 +32,25 @@ compose_cmd() {
   fi
 }
 
+install_compose() {
+  # Checks run in parallel (the test suite's workers): one installs, the others wait for it, and
+  # apt waits for a dpkg lock another installer holds instead of failing.
+  exec 9>/tmp/stencil-compose-install.lock
+  flock -w 600 9 || { echo "compose_check: timed out waiting for another compose install" >&2; exit 2; }
+  COMPOSE="$(compose_cmd)"
+  if [ -z "$COMPOSE" ]; then
+    echo "[compose_check] installing docker-compose (Debian package)" >&2
+    local sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
+    $sudo apt-get -o DPkg::Lock::Timeout=300 update -qq >&2
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=300 install -y -qq docker-compose >/dev/null
+    COMPOSE="$(compose_cmd)"
+  fi
+  exec 9>&-
+}
+
 COMPOSE="$(compose_cmd)"
 if [ -z "$COMPOSE" ]; then
-  echo "[compose_check] installing docker-compose (Debian package)" >&2
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq >&2
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq docker-compose >/dev/null
-  COMPOSE="$(compose_cmd)"
+  install_compose
   [ -n "$COMPOSE" ] || { echo "compose_check: no compose implementation after the install" >&2; exit 2; }
 fi
 

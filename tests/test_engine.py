@@ -131,6 +131,94 @@ def test_engine_thread_serves_jobs() -> None:
     assert not engine.alive
 
 
+class ReadLateRunner(CountingRunner):
+    """Reads a step's results one step late, like the model runners (``workers/engine/settle.py``):
+    a job listed in ``bad_at`` turns non-finite at that step, which only the next read finds."""
+
+    def __init__(self, bad_at: dict[str, int]) -> None:
+        super().__init__()
+        self.bad_at = bad_at
+        self.launched: list[tuple[EngineJob, int]] | None = None
+        self.found: list[tuple[EngineJob, Exception]] = []
+        self.reads: list[list[str]] = []  # per read, the jobs of the step it read
+
+    def step(self, batch: list[EngineJob]) -> None:
+        super().step(batch)
+        launched = [(job, job.state["value"]) for job in batch]
+        self.settle()
+        self.launched = launched
+
+    def settle(self) -> None:
+        if self.launched is None:
+            return
+        self.reads.append([job.job_id for job, _ in self.launched])
+        for job, value in self.launched:
+            if self.bad_at.get(job.job_id) == value:
+                job.state["failure"] = FloatingPointError(f"job {job.job_id}: non-finite latents at step {value - 1}")
+                self.found.append((job, job.state["failure"]))
+        self.launched = None
+
+    def failures(self) -> list[tuple[EngineJob, Exception]]:
+        out, self.found = self.found, []
+        return out
+
+    def read_steps(self) -> list[tuple[list[EngineJob], float]]:
+        return []
+
+    def unread(self, job: EngineJob) -> bool:
+        return self.launched is not None and any(j is job for j, _ in self.launched)
+
+    def result(self, job: EngineJob) -> int:
+        if self.launched is not None and any(j is job for j, _ in self.launched):
+            self.settle()
+        if "failure" in job.state:
+            raise job.state["failure"]
+        return job.state["value"]
+
+
+def test_a_job_found_non_finite_one_step_late_fails_and_the_others_finish() -> None:
+    runner = ReadLateRunner(bad_at={"bad": 2})
+    engine = Engine(runner, BatchScheduler(max_batch=4))
+    good = engine.submit("good", {}, {}, total_steps=4)
+    bad = engine.submit("bad", {}, {}, total_steps=4)
+    run_until_idle(engine)
+    assert good.future.result() == 4
+    with pytest.raises(FloatingPointError, match="job bad: non-finite latents at step 1"):
+        bad.future.result()
+    # the bad job's second step is read while its third runs: it takes that one more step, no other
+    assert runner.batches == [["good", "bad"], ["good", "bad"], ["good", "bad"], ["good"]]
+
+
+def test_a_finished_job_is_handed_over_only_once_its_last_step_was_read() -> None:
+    runner = ReadLateRunner(bad_at={"last": 2})
+    engine = Engine(runner, BatchScheduler(max_batch=4))
+    short = engine.submit("short", {}, {}, total_steps=1)
+    last = engine.submit("last", {}, {}, total_steps=2)
+    long = engine.submit("long", {}, {}, total_steps=3)
+    engine._drain_inbox(block=False)
+    engine.step_once()
+    assert not short.future.done()  # its one step is not read yet
+    engine.step_once()  # reads the first step: "short" is handed over while the second step runs
+    assert short.future.result() == 1 and not last.future.done()
+    assert runner.reads == [["short", "last", "long"]]
+    engine.step_once()  # reads the second: "last" turned non-finite at its last step, never a result
+    with pytest.raises(FloatingPointError, match="job last"):
+        last.future.result()
+    assert not long.future.done()
+    assert not engine.step_once()  # idle: the last step is read and "long" handed over
+    assert long.future.result() == 3
+    assert runner.reads == [["short", "last", "long"], ["last", "long"], ["long"]]
+
+
+def test_the_engine_thread_hands_over_every_job_of_a_late_reading_runner() -> None:
+    engine = Engine(ReadLateRunner({}), BatchScheduler(max_batch=2), idle_wait=0.01).start()
+    try:
+        jobs = [engine.submit(f"j{i}", {}, {}, total_steps=i + 1) for i in range(5)]
+        assert [j.future.result(timeout=10) for j in jobs] == [1, 2, 3, 4, 5]
+    finally:
+        engine.stop()
+
+
 def test_scheduler_rejects_bad_configuration() -> None:
     with pytest.raises(ValueError):
         BatchScheduler(max_batch=0)

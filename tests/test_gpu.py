@@ -1,9 +1,10 @@
 """On a GPU (``gpu`` marker: skipped where CUDA is not available; run them on a GPU machine with
 ``pytest -m gpu -p no:xdist tests/test_gpu.py``): graph-replayed steps equal eager steps, a steady
-mask-aware step makes no host synchronisation and an engine step exactly one, and results on the
-GPU equal the stock diffusers pipeline on the same GPU (bfloat16: full compute within 1/255 for a
-job alone, 2/255 batched; the exact mask-aware path within 2/255); ``stencil serve --device cuda``
-serves an edit with its engine and stages on the GPU."""
+mask-aware step makes no host synchronisation and an engine step exactly one (of the step before it,
+so a step returns while its device work runs), and results on the GPU equal the stock diffusers
+pipeline on the same GPU (bfloat16: full compute within 1/255 for a job alone, 2/255 batched; the
+exact mask-aware path within 2/255); ``stencil serve --device cuda`` serves an edit with its engine
+and stages on the GPU."""
 
 from __future__ import annotations
 
@@ -233,6 +234,25 @@ def test_a_steady_masked_forward_never_synchronises_and_a_step_once(warmed) -> N
         j.steps_done += 1
     syncs = _step_syncs(runner, batch)
     assert len(syncs) == 1, syncs
+
+
+def test_an_engine_step_returns_while_its_device_work_runs(warmed) -> None:  # type: ignore[no-untyped-def]
+    """A step's one read is of the step before it (``workers/engine/settle.py``): with the device kept
+    busy ahead of a step, the step returns while its work is still queued, and reading it (``settle``)
+    waits for that work."""
+    unet, ctrl, runner, caches, cfg, job, key, steps = warmed
+    batch = [job(runner, "masked", key, steps, seed=30 + i) for i in range(2)]
+    runner.step(batch)
+    for j in batch:
+        j.steps_done += 1
+    runner.settle()
+    stream = torch.cuda.current_stream()
+    torch.cuda._sleep(500_000_000)  # a quarter of a second or more of device work ahead of the step
+    runner.step(batch)
+    assert not stream.query()  # the step returned, its work (behind the sleep) not done
+    runner.settle()
+    assert stream.query()
+    assert runner.failures() == []
 
 
 def _step_syncs(runner, batch) -> list[str]:  # type: ignore[no-untyped-def]

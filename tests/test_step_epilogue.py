@@ -1,5 +1,5 @@
 """The work after the model in an engine step, launched once for the batch: classifier-free guidance
-equals the stock pipeline's per-job expression bit for bit, and the finiteness check names the job
+equals the stock pipeline's per-job expression bit for bit, and the finiteness read names every job
 whose latents are not finite."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from workers.engine.runner_base import _check_finite
 from workers.engine.sd_runner import SDRunner
+from workers.engine.settle import LaunchedStep, finite_flags, read_failures
 
 
 def _job(job_id: str, do_cfg: bool = True, guidance: float = 7.5, steps_done: int = 3) -> SimpleNamespace:
@@ -38,16 +38,31 @@ def test_batched_guidance_equals_each_jobs_expression(dtype: torch.dtype) -> Non
         assert a.dtype == c.dtype and torch.equal(a, c) and torch.equal(b, c)
 
 
+def _failures(batch: list[SimpleNamespace], news: list[torch.Tensor]) -> list[tuple[str, str]]:
+    step = LaunchedStep(batch, [job.steps_done for job in batch], finite_flags(news), 0.0)  # type: ignore[arg-type]
+    return [(job.job_id, str(exc)) for job, exc in read_failures([step])]
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_the_finiteness_check_names_the_job_whose_latents_are_not_finite(bad: float) -> None:
+def test_the_finiteness_read_names_each_job_whose_latents_are_not_finite(bad: float) -> None:
     batch = [_job("a"), _job("b"), _job("c")]
     news = [torch.randn(1, 4, 8, 8) for _ in batch]
-    _check_finite(batch, news)  # all finite: nothing raised
+    assert _failures(batch, news) == []
     news[1][0, 2, 3, 4] = bad
-    with pytest.raises(FloatingPointError, match="job b: non-finite latents at step 3"):
-        _check_finite(batch, news)
-    news[1][0, 2, 3, 4] = 0.0
+    assert _failures(batch, news) == [("b", "job b: non-finite latents at step 3")]
     news[2] = news[2].to(torch.bfloat16)
     news[2][0, 0, 0, 0] = bad
-    with pytest.raises(FloatingPointError, match="job c"):
-        _check_finite(batch, news)
+    assert [job for job, _ in _failures(batch, news)] == ["b", "c"]
+    news[1][0, 2, 3, 4] = 0.0
+    assert [job for job, _ in _failures(batch, news)] == ["c"]
+
+
+def test_steps_read_together_name_each_failing_job_with_its_own_step() -> None:
+    first, second = [_job("a", steps_done=2), _job("b", steps_done=2)], [_job("c", steps_done=5)]
+    news = [torch.randn(1, 4, 8, 8) for _ in range(3)]
+    news[1][0, 0, 0, 0] = float("nan")
+    news[2][0, 1, 1, 1] = float("inf")
+    steps = [LaunchedStep(jobs, [job.steps_done for job in jobs], finite_flags(part), 0.0)  # type: ignore[arg-type]
+             for jobs, part in ((first, news[:2]), (second, news[2:]))]
+    assert [str(exc) for _, exc in read_failures(steps)] == ["job b: non-finite latents at step 2",
+                                                             "job c: non-finite latents at step 5"]

@@ -52,7 +52,8 @@ from workers.sd_inputs import decode_latents, prepare_job_tensors
 log = logging.getLogger(__name__)
 
 MODELS = {"sd15": ("sd15-inpaint", 512), "sdxl": ("sdxl-inpaint", 1024)}
-PHASES = ("_groups", "_plan_groups", "_forward", "_stage_ahead", "_after_step")  # staging: _groups, _stage_ahead
+# staging: _groups, _stage_ahead; settle: the read of the step before (waits for the device)
+PHASES = ("_groups", "_plan_groups", "_forward", "_stage_ahead", "_after_step", "settle")
 
 
 def save_model(key: str, quick: bool, dtype: str, workdir: Path) -> Path:

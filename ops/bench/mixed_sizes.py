@@ -321,7 +321,8 @@ class RealBench:
             batch_before = list(sched.running)
             ran = engine.step_once()
             elapsed = clock_fn() - t0  # the iteration (new jobs' runner state, scheduling, the step)
-            if not ran:
+            if not ran:  # an idle engine hands over what its last step finished (a GPU reads it late)
+                _finished(live, stats, now[0] + elapsed)
                 if pending:
                     now[0] = max(now[0] + elapsed, jobs[pending[0]].arrival.arrival)
                 continue
@@ -341,13 +342,18 @@ class RealBench:
                 stats.step_pred.append(predict(batch))
                 stats.step_meas.append(step_s[0])
                 stats.step_mixes.append(mixes)
-            for i in [i for i, h in live.items() if h.future.done()]:
-                handle = live.pop(i)
-                if handle.future.exception() is None:
-                    stats.outcomes[i].finish = now[0]
+            _finished(live, stats, now[0])
         stats.refused, stats.yielded = sched.refused, sched.yielded
         stats.calibration = getattr(sched.step_time, "factor", None)
         return stats
+
+
+def _finished(live: dict[int, Any], stats: RunStats, now: float) -> None:
+    """Record the jobs whose results were handed over (successful ones finish at ``now``)."""
+    for i in [i for i, h in live.items() if h.future.done()]:
+        handle = live.pop(i)
+        if handle.future.exception() is None:
+            stats.outcomes[i].finish = now
 
 
 def run_real(args: argparse.Namespace, sizes: list[tuple[int, int]], weights: list[float], cost: CostModel

@@ -4,6 +4,11 @@ Every iteration: take new jobs from the inbox, drop cancelled ones, let the sche
 waiting jobs, run ONE denoising step for the whole batch, retire finished jobs (resolving their
 futures) and report progress. Callers (Celery ``denoise`` tasks on other threads) only ever touch
 the thread-safe inbox and their job's future; all model state stays on the engine thread.
+
+A runner with ``settle`` may launch a step without reading its results (on a GPU,
+``workers/engine/settle.py``): its jobs that turn out non-finite are failed when the runner reads
+them, one step later, and a job's result is handed over once its last step was read (at the next
+step, or as soon as the engine idles).
 """
 
 from __future__ import annotations
@@ -26,6 +31,22 @@ class Runner(Protocol):
     def init_state(self, tensors: dict[str, Any], meta: dict[str, Any]) -> Any: ...
     def step(self, batch: list[EngineJob]) -> None: ...
     def result(self, job: EngineJob) -> Any: ...
+
+
+class DeferredRunner(Runner, Protocol):
+    """A runner whose steps are read one step late (``workers/engine/settle.py``)."""
+
+    def settle(self) -> None:
+        """Read the last launched step now."""
+
+    def failures(self) -> list[tuple[EngineJob, Exception]]:
+        """Jobs that reads since the last call found failed, with why."""
+
+    def read_steps(self) -> list[tuple[list[EngineJob], float]]:
+        """Steps read since the last call, with the seconds each took (start to read)."""
+
+    def unread(self, job: EngineJob) -> bool:
+        """Whether a step of the job was launched and not read yet."""
 
 
 class EngineHooks:
@@ -96,6 +117,10 @@ class Engine:
         self._inbox: queue.Queue[EngineJob] = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._deferred = callable(getattr(runner, "settle", None))
+        if self._deferred:
+            runner.read_steps()  # type: ignore[attr-defined]  # steps read before this engine are not its own
+        self._held: list[EngineJob] = []  # finished jobs whose last step the runner has not read yet
 
     # -- called from other threads -------------------------------------------------------
     def submit(self, job_id: str, tensors: dict[str, Any], meta: dict[str, Any], *,
@@ -119,7 +144,7 @@ class Engine:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        for job in self.scheduler.jobs():
+        for job in self.scheduler.jobs() + self._held:
             if not job.future.done():
                 job.future.set_exception(JobCancelled("engine stopped"))
 
@@ -194,20 +219,65 @@ class Engine:
         if admitted:
             self.hooks.on_admit(admitted)
         if not batch:
+            self.settle()
             return False
         start = self.clock()
         ran = self._run_step(batch)
         seconds = self.clock() - start
         self.stats.record(StepRecord(self.stats.steps, tuple(j.job_id for j in ran), seconds))
-        self.scheduler.observe_step(ran, seconds)
+        if not self._deferred:
+            self.scheduler.observe_step(ran, seconds)
         finished = self.scheduler.complete_step(ran)
+        self._fail_read()
         try:
             self.hooks.on_step(ran, seconds, list(self.scheduler.waiting))
         except Exception:
             log.exception("on_step hook failed; continuing")
-        for job in finished:
-            job.future.set_result(self.runner.result(job))
+        if self._deferred:  # hand over the finished jobs whose last step was read (by this one, or at once)
+            held = self._held + finished
+            self._held = [job for job in held if not job.future.done() and self.runner.unread(job)]  # type: ignore[attr-defined]
+            self._hand_over([job for job in held if not any(job is h for h in self._held)])
+        else:
+            self._hand_over(finished)
         return True
+
+    def settle(self) -> None:
+        """Read every launched step and hand over the finished jobs (the engine is idle or stopping)."""
+        if self._deferred:
+            try:
+                self.runner.settle()  # type: ignore[attr-defined]
+            except Exception as exc:  # a failed read fails the jobs it would have handed over
+                log.warning("reading the last step failed: %s", exc)
+                for job in self._held:
+                    if not job.future.done():
+                        job.future.set_exception(exc)
+            self._fail_read()
+        held, self._held = self._held, []
+        self._hand_over(held)
+
+    def _fail_read(self) -> None:
+        """Fail the jobs the runner's reads found failed (non-finite latents, one step late), and
+        let the step-time predictor learn each read step's measured time (a step's launch alone
+        says nothing of its time)."""
+        if not self._deferred:
+            return
+        for jobs, seconds in self.runner.read_steps():  # type: ignore[attr-defined]
+            self.scheduler.observe_step(jobs, seconds)
+        for job, exc in self.runner.failures():  # type: ignore[attr-defined]
+            self.scheduler.remove(job.job_id)
+            if not job.future.done():
+                log.warning("job %s failed in the engine: %s", job.job_id, exc)
+                job.future.set_exception(exc)
+
+    def _hand_over(self, finished: list[EngineJob]) -> None:
+        for job in finished:
+            if job.future.done():  # failed or cancelled meanwhile
+                continue
+            try:
+                job.future.set_result(self.runner.result(job))
+            except Exception as exc:
+                log.warning("job %s failed in the engine: %s", job.job_id, exc)
+                job.future.set_exception(exc)
 
     def _loop(self) -> None:
         log.info("engine started: max_batch=%d mode=%s", self.scheduler.max_batch, self.scheduler.mode)
@@ -221,4 +291,5 @@ class Engine:
             except Exception:  # the loop must survive anything a job does
                 log.exception("engine iteration failed")
                 time.sleep(self.idle_wait)
+        self.settle()
         log.info("engine stopped")

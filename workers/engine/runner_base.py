@@ -15,9 +15,10 @@ last refresh (``OffsetCache``). The offset needs the template's cache of the ref
 that is resident the job's steps compute fully (``_resolve``: never a wait in the step loop,
 never a stale offset). An exact cache (recorded for this very edit) has no refresh steps.
 
-A step is transactional: new latents are committed only after every job's update succeeded, and
+A step is transactional: new latents are committed only after every job's update was launched, and
 scheduler/generator state is rolled back on failure, so the engine can retry job by job to
-isolate a failing job exactly.
+isolate a failing job exactly. Whether each job's new latents are finite is read one step later
+(``workers/engine/settle.py``): the device runs a step while the host builds the next.
 
 The load/compute plan (``cache_plan``, DESIGN.md pitfall 10). With a model that exposes plan
 units (``MaskAwareUNet.units``: one per ``Transformer2DModel``) and a provider that loads them
@@ -62,6 +63,7 @@ from workers.adapters.patcher import install as install_row_aware
 from workers.engine.bandwidth import host_read_gbps
 from workers.engine.job import EngineJob
 from workers.engine.plan import RESIDENT, UNAVAILABLE, BlockCost, StepPlan, Tier, UnitCostModel, plan_optimal
+from workers.engine.settle import LaunchedStep, finite_flags, read_failures
 from workers.engine.staging import CacheStager
 from workers.engine.stepper import make_stepper
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider, UnitCache, key_stored_steps
@@ -175,6 +177,7 @@ class JobState:
     stepper: Any = None  # ``workers.engine.stepper``: the scheduler's update with precomputed scalars
     model_times: torch.Tensor | None = None  # the timesteps on the compute device (the model's input)
     reuse: TemporalReuse | None = None  # masked mode, ``turbo``: patches taken from the job's last step
+    failure: Exception | None = None  # why a read of its steps failed it (``settle``)
 
     def __post_init__(self) -> None:
         if self.stepper is None:  # the scheduler and schedule as given (tests build states directly)
@@ -236,6 +239,10 @@ class BaseRunner(ABC):
         self._ahead: dict[tuple[str, int], set[str]] = {}  # (cache, step) -> units chosen a step ahead
         self.last_ctx: Any = None  # the mask-aware context of the last step (set by _forward)
         self.last_step_graph = "off"  # how the last step's denoiser call ran (``graphs.StepGraphs.last``)
+        self._launched: list[LaunchedStep] = []  # steps launched and not read yet (``settle``)
+        self._failures: list[tuple[EngineJob, Exception]] = []  # found by reads, until ``failures``
+        self._read: list[tuple[list[EngineJob], float]] = []  # steps read and their time, until ``read_steps``
+        self._last_read = 0.0  # when the last read returned (monotonic)
         self._units_on = (cache_plan != "step" and hasattr(maskaware, "units")
                           and hasattr(caches, "set_units") and hasattr(caches, "unit_status"))
         if self._units_on:
@@ -657,13 +664,6 @@ class BaseRunner(ABC):
         busy = getattr(self.caches, "link_busy_s", None)
         return float(busy()) if busy is not None else 0.0
 
-    def _observe_units(self) -> None:
-        """Feed the measured per-unit compute times (minus load waits) to the cost model."""
-        ctx = self.last_ctx
-        if ctx is None or not (getattr(ctx, "unit_seconds", None) or getattr(ctx, "_spans", None)):
-            return
-        observe_context(self.unit_cost, ctx)
-
     # -- the step ------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, batch: list[EngineJob]) -> None:
@@ -718,7 +718,13 @@ class BaseRunner(ABC):
         try:
             preds = self._guided_batch(batch, output)
             news = [job.state.stepper.step(job.steps_done, pred, job.state.latents) for job, pred in zip(batch, preds)]
-            _check_finite(batch, news)
+            launched = LaunchedStep(list(batch), [int(job.steps_done) for job in batch], finite_flags(news), started,
+                                    self.last_ctx if self._units_on else None)
+            # Read now: on the CPU (the work is done), or for temporal reuse (it picks the next step's
+            # patches from this step's errors). Otherwise read the previous step, queued ahead of this one.
+            read_now = not self.read_late or any(job.state.reuse is not None for job in batch)
+            if not read_now:
+                self.settle()
         except Exception:
             for st, sched_dict, gen_state in snapshots:
                 st.scheduler.__dict__.update(sched_dict)
@@ -726,11 +732,73 @@ class BaseRunner(ABC):
             raise
         for job, new in zip(batch, news):
             job.state.latents = new
-        if self._units_on:  # after the step's one read: its device work has completed
-            self._observe_units()
-            took = time.monotonic() - started
-            self._step_s = took if self._step_s is None else 0.7 * self._step_s + 0.3 * took
-        self._after_step(batch, recorded)
+        self._launched.append(launched)
+        self._after_step(batch, recorded, launched)
+        if read_now:
+            self.settle()
+
+    _read_late: bool | None = None
+
+    @property
+    def read_late(self) -> bool:
+        """Whether a step's flags are read one step late (``workers/engine/settle.py``): where the
+        device runs apart from the host (CUDA). On the CPU a step's work is done when it returns, so
+        it is read at once and its finished jobs are handed over without waiting for the next step."""
+        if self._read_late is not None:
+            return self._read_late
+        return torch.device(getattr(self, "device", "cpu")).type == "cuda"
+
+    @read_late.setter
+    def read_late(self, on: bool) -> None:
+        self._read_late = on
+
+    def settle(self) -> None:
+        """Read every launched step (waiting for its device work) in one read: fail its jobs whose
+        latents are not finite, commit the warm-ups it finished, learn its unit times. Called by the
+        next step after launching, by ``result``, and by the engine when it idles."""
+        pending = self._launched
+        if not pending:
+            return
+        failed = read_failures(pending)  # raises on a device fault: the steps stay unread
+        self._launched = []
+        failed = [(job, exc) for job, exc in failed if job.state.failure is None]  # once, at its first
+        for job, exc in failed:
+            job.state.failure = exc
+        self._failures += failed
+        now = time.monotonic()
+        for k, launched in enumerate(pending):
+            for job, index in launched.decide:
+                job.state.reuse.decide(index)
+            for job in launched.commits:
+                if job.state.failure is None:
+                    job.state.commit = self.recorder.commit(job.state.cache_key)  # type: ignore[union-attr]
+            # From its start (or the last read, if the device was still busy then) to its read; of
+            # steps read together, each but the last ends where the next began on the host.
+            end = pending[k + 1].started if k + 1 < len(pending) else now
+            took = max(0.0, end - max(launched.started, self._last_read))
+            self._last_read = end
+            self._read.append((launched.batch, took))
+            if self._units_on:  # the step's device work has completed
+                if launched.ctx is not None and (getattr(launched.ctx, "unit_seconds", None)
+                                                 or getattr(launched.ctx, "_spans", None)):
+                    observe_context(self.unit_cost, launched.ctx)
+                self._step_s = took if self._step_s is None else 0.7 * self._step_s + 0.3 * took
+        del self._read[:-64]  # kept for the engine; direct callers never collect them
+
+    def unread(self, job: EngineJob) -> bool:
+        """Whether a step of the job was launched and not read yet."""
+        return any(j is job for launched in self._launched for j in launched.batch)
+
+    def failures(self) -> list[tuple[EngineJob, Exception]]:
+        """Jobs that reads since the last call found failed (the engine fails them)."""
+        out, self._failures = self._failures, []
+        return out
+
+    def read_steps(self) -> list[tuple[list[EngineJob], float]]:
+        """Steps read since the last call, each with the seconds it took: from its start (or the
+        read before it, while the device was still busy with that step) to its read."""
+        out, self._read = self._read, []
+        return out
 
     def _stage_ahead(self, batch: list[EngineJob]) -> None:
         """While this step computes, stage each masked job's next step whose cache is resident
@@ -748,7 +816,8 @@ class BaseRunner(ABC):
                 entries.append((job.job_id, nxt, cache, st.delta))
         self.stager.ahead_batch(entries)
 
-    def _after_step(self, batch: list[EngineJob], recorded: list[Any]) -> None:
+    def _after_step(self, batch: list[EngineJob], recorded: list[Any], launched: LaunchedStep) -> None:
+        """The host's bookkeeping of a launched step; what needs its results goes on ``launched``."""
         for i, job in enumerate(batch):
             st: JobState = job.state
             if st.mode == "masked" and recorded and recorded[i] is not None:  # a refresh step
@@ -758,7 +827,7 @@ class BaseRunner(ABC):
                 self.prefetch(job)
             elif st.mode == "masked":
                 if st.reuse is not None:
-                    st.reuse.decide(int(job.steps_done))
+                    launched.decide.append((job, int(job.steps_done)))
                 units = st.extra.pop("unit_cache", None)
                 pending = st.extra.pop("fallback_pending", False)
                 n_units = len(getattr(self.maskaware, "units", ()))
@@ -787,7 +856,7 @@ class BaseRunner(ABC):
                     tensors = recorded[i] if keep is None else {n: t for n, t in recorded[i].items() if n in keep}
                     self.recorder.put(st.cache_key, step_index, tensors)
                 if step_index + 1 == len(st.timesteps):
-                    st.commit = self.recorder.commit(st.cache_key)
+                    launched.commits.append(job)  # once the step reads finite (``settle``)
 
     def _anchor(self, job: EngineJob, own: dict[str, torch.Tensor]) -> None:
         """After a refresh step: keep the job's own activations until the template's cache of the
@@ -829,7 +898,12 @@ class BaseRunner(ABC):
         return int(shape[-2] * shape[-1]) if st.latents.dim() == 4 else int(shape[1])
 
     def result(self, job: EngineJob) -> dict[str, Any]:
+        """The job's outcome once its last step was read; raises why it failed, if it did."""
         st: JobState = job.state
+        if self.unread(job):
+            self.settle()
+        if st.failure is not None:
+            raise st.failure
         total = st.extra.get("total_units", 0)
         return {"latents": st.latents, "commit": st.commit, "mode": st.mode,
                 "masked_steps": st.masked_steps, "fallback_steps": st.fallback_steps,
@@ -926,16 +1000,3 @@ def job_rows(batch: list[EngineJob], output: Any) -> list[torch.Tensor]:
         rows.append(output[row:row + job.state.rows])
         row += job.state.rows
     return rows
-
-
-def _check_finite(batch: list[EngineJob], news: list[torch.Tensor]) -> None:
-    """Raise for the first job whose new latents are not finite. The step's one read from the
-    device: one fused reduction over every job's latents (the L1 norm: NaN and infinity carry
-    through a sum, and latents are far from overflowing it), read back once (a second read, only on
-    failure, names the job)."""
-    flags = torch.stack(torch._foreach_norm(news, 1)).isfinite()
-    if bool(flags.all()):
-        return
-    bad = flags.tolist().index(False)
-    job = batch[bad]
-    raise FloatingPointError(f"job {job.job_id}: non-finite latents at step {job.steps_done}")
