@@ -17,8 +17,8 @@ never a stale offset). An exact cache (recorded for this very edit) has no refre
 
 A step is transactional: new latents are committed only after every job's update was launched, and
 scheduler/generator state is rolled back on failure, so the engine can retry job by job to
-isolate a failing job exactly. Whether each job's new latents are finite is read one step later
-(``workers/engine/settle.py``): the device runs a step while the host builds the next.
+isolate a failing job exactly. Whether each job's new latents are finite is read, on a GPU, one step
+later (``workers/engine/settle.py``): the device runs a step while the host builds the next.
 
 The load/compute plan (``cache_plan``, DESIGN.md pitfall 10). With a model that exposes plan
 units (``MaskAwareUNet.units``: one per ``Transformer2DModel``) and a provider that loads them
