@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.test_plan_engine import _job, _runner_setup, _warm
+from tests.test_plan_engine import _job, _job_inputs, _runner_setup, _warm
 from workers.maskaware import TemplateCacheKey
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -200,4 +200,31 @@ def test_a_step_that_must_read_at_once_reads_the_step_before_with_it(tmp_path: P
             [[plain.job_id], sorted(job.job_id for job in turbo)]
     finally:
         runner.reuse_rule = None
+        caches.close(wait=True)
+
+
+def test_the_engine_thread_serves_jobs_read_late_as_it_does_read_at_once(tmp_path: Path) -> None:
+    """The engine's own thread, five masked jobs in batches of two (continuous batching): reading each
+    step late hands over every job, with the same latents as reading each step at once."""
+    from workers.engine.engine import Engine
+    from workers.engine.scheduler import BatchScheduler
+
+    unet, ctrl, runner, caches, store, cfg = _runner_setup(tmp_path, "plan", bandwidth=1e9)
+    try:
+        key = _key(ctrl)
+        _warm(runner, caches, key, STEPS)
+        latents = {}
+        for late in (False, True):
+            runner.read_late = late
+            engine = Engine(runner, BatchScheduler(max_batch=2), idle_wait=0.01)
+            handles = [engine.submit(f"j{i}", *_job_inputs("masked", key, STEPS, seed=90 + i), total_steps=STEPS)
+                       for i in range(5)]
+            engine.start()  # every job is in its inbox: the same batches both times
+            try:
+                latents[late] = [h.future.result(timeout=120)["latents"] for h in handles]
+            finally:
+                engine.stop()
+            assert not runner._launched
+        assert all(torch.equal(a, b) for a, b in zip(latents[False], latents[True]))
+    finally:
         caches.close(wait=True)

@@ -217,6 +217,15 @@ def _runner_setup(tmp_path: Path, cache_plan: str, bandwidth: float = 20e6):  # 
 
 def _job(runner, mode: str, key: TemplateCacheKey | None, steps: int, seed: int = 3):  # type: ignore[no-untyped-def]
     from workers.engine.job import EngineJob
+
+    tensors, meta = _job_inputs(mode, key, steps, seed)
+    job = EngineJob(job_id=f"{mode}-{seed}", total_steps=steps)
+    job.state = runner.init_state(tensors, meta)
+    return job
+
+
+def _job_inputs(mode: str, key: TemplateCacheKey | None, steps: int, seed: int = 3) -> tuple[dict, dict]:
+    """A CFG job's prepared tensors and meta at ``LATENT`` (a blob mask of ratio 0.15)."""
     from workers.maskaware.tokens import blob_mask
 
     h, w = LATENT
@@ -231,9 +240,7 @@ def _job(runner, mode: str, key: TemplateCacheKey | None, steps: int, seed: int 
     meta = {"t_start": 0, "num_steps": steps, "do_cfg": True, "guidance": 5.0, "cache_mode": mode}
     if key is not None:
         meta["cache_key"] = key.to_dict()
-    job = EngineJob(job_id=f"{mode}-{seed}", total_steps=steps)
-    job.state = runner.init_state(tensors, meta)
-    return job
+    return tensors, meta
 
 
 def _warm(runner, caches, key: TemplateCacheKey, steps: int, rec=None) -> None:  # type: ignore[no-untyped-def]
