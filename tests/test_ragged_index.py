@@ -154,3 +154,30 @@ def test_a_ragged_engine_needs_no_token_buckets_and_its_graphed_steps_equal_eage
             assert torch.equal(a, b)
     finally:
         caches.close(wait=True)
+
+
+@pytest.mark.parametrize(("dtype", "flash"), [(torch.bfloat16, True), (torch.float32, False)])
+def test_the_device_kernels_are_called_as_their_schemas_say(dtype: torch.dtype, flash: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's calls (FlashAttention-2's variable-length forward for 16-bit inputs, the
+    memory-efficient kernel's otherwise) on the meta device, which checks the arguments' number,
+    types and shapes against the operators' schemas: a mistake there would otherwise show only on a
+    GPU."""
+    from workers.maskaware import varlen
+
+    monkeypatch.setattr(varlen, "device_kernel", lambda device: True)
+    monkeypatch.setattr(varlen, "_flash_capable", lambda device: flash)
+    called = []
+    for name in ("_flash_attention_forward", "_efficient_attention_forward"):
+        op = getattr(torch.ops.aten, name)
+        monkeypatch.setattr(torch.ops.aten, name,
+                            lambda *a, _op=op, _name=name, **k: called.append(_name) or _op(*a, **k))
+    rows, length, heads, width, total = 3, 64, 4, 128, 50
+    q = torch.empty(total, width, device="meta", dtype=dtype)
+    k = torch.empty(rows, length, width, device="meta", dtype=dtype)
+    cu_q = torch.empty(rows + 1, device="meta", dtype=torch.int64)
+    memo: dict = {}
+    out = varlen.attend(q, k, k, cu_q, heads, length, memo)
+    assert out.shape == (total, width) and out.dtype == dtype and out.device.type == "meta"
+    assert called == ["_flash_attention_forward" if flash else "_efficient_attention_forward"]
+    assert len(memo) == 1 and all(t.dtype == torch.int32 for t in next(iter(memo.values())))
