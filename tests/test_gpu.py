@@ -128,6 +128,23 @@ def test_graph_replayed_steps_equal_eager_steps_on_cuda(warmed) -> None:  # type
         assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
 
 
+def test_a_capture_keeps_the_cached_device_memory_and_replays_its_call() -> None:
+    """A capture while serving neither synchronizes nor empties the caching allocator (the
+    ``torch.cuda.graph`` context would give its freed blocks back to the driver), and its replay
+    computes the call on the current inputs."""
+    from workers.engine.graphs import CudaGraphCall
+
+    big = torch.empty(256 << 20, dtype=torch.uint8, device=CUDA)
+    del big  # freed into the cache
+    reserved = torch.cuda.memory_reserved()
+    x = torch.randn(64, 64, device=CUDA)
+    call = CudaGraphCall(lambda static: static[0] @ static[0] + 1, [x], torch.cuda.graph_pool_handle())
+    assert torch.cuda.memory_reserved() >= reserved
+    x.copy_(torch.randn(64, 64, device=CUDA))
+    call.replay()
+    torch.testing.assert_close(call.output, x @ x + 1)
+
+
 def test_refresh_steps_replay_cuda_graphs_and_equal_eager_steps(warmed) -> None:  # type: ignore[no-untyped-def]
     """Refresh steps (jobs recording their activations) captured and replayed as CUDA graphs: three
     identical batches, two jobs refreshing at step 2; the third replays every step and every batch

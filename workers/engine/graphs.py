@@ -60,18 +60,32 @@ class Replayable(Protocol):
 
 
 class CudaGraphCall:
-    """One captured call: warm-up on a side stream, capture into the shared pool."""
+    """One captured call: warm-up and capture on a side stream, into the shared pool.
+
+    Captured with ``CUDAGraph.capture_begin``/``capture_end``, not the ``torch.cuda.graph`` context:
+    that one first synchronizes the device and empties the device's and the pinned host memory's
+    caching allocators (made for captures at start-up; vLLM stubs the emptying out). Here a capture
+    happens while serving: a device-wide wait, device memory given back and re-allocated, and the
+    staging and recording buffers' pinned memory freed and pinned again at every capture."""
+
+    _streams: dict[torch.device, torch.cuda.Stream] = {}  # one per device: cuBLAS keeps a workspace per stream
 
     def __init__(self, forward: Forward, static: Sequence[torch.Tensor], pool: Any) -> None:
-        side = torch.cuda.Stream(static[0].device)
-        side.wait_stream(torch.cuda.current_stream(static[0].device))
+        device = static[0].device
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
             forward(static)  # warm-up: kernels' lazy state, index tensors the call memoizes
-        torch.cuda.current_stream(static[0].device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: the provider's fetch threads keep pinning host memory during a capture
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.output = forward(static)
+            # thread_local: the provider's fetch threads keep pinning host memory during a capture
+            self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                self.output = forward(static)
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(side)
 
     def replay(self) -> None:
         self.graph.replay()
