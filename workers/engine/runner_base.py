@@ -63,7 +63,7 @@ from workers.adapters.patcher import install as install_row_aware
 from workers.engine.bandwidth import host_read_gbps
 from workers.engine.job import EngineJob
 from workers.engine.plan import RESIDENT, UNAVAILABLE, BlockCost, StepPlan, Tier, UnitCostModel, plan_optimal
-from workers.engine.settle import LaunchedStep, finite_flags, read_failures
+from workers.engine.settle import LaunchedStep, finite_flags, read_failures, to_host
 from workers.engine.staging import CacheStager
 from workers.engine.stepper import make_stepper
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider, UnitCache, key_stored_steps
@@ -718,7 +718,8 @@ class BaseRunner(ABC):
         try:
             preds = self._guided_batch(batch, output)
             news = [job.state.stepper.step(job.steps_done, pred, job.state.latents) for job, pred in zip(batch, preds)]
-            launched = LaunchedStep(list(batch), [int(job.steps_done) for job in batch], finite_flags(news), started,
+            flags, ready = to_host(finite_flags(news))
+            launched = LaunchedStep(list(batch), [int(job.steps_done) for job in batch], flags, started, ready,
                                     self.last_ctx if self._units_on else None)
             # Read now: on the CPU (the work is done), or for temporal reuse (it picks the next step's
             # patches from this step's errors). Otherwise read the previous step, queued ahead of this one.
