@@ -13,7 +13,8 @@ Arrivals are counted in engine steps: a burst (every job at once, as ``ops.bench
 and Poisson arrivals at ``--loads`` x the batch's capacity (``max_batch / steps`` jobs per step).
 Jobs are edits of one warmed template, mask ratios from ``--trace``, the ``fast`` policy's refresh
 steps. Reported per arrival pattern: engine steps, the shares of steps replayed, captured and run
-eagerly, and the jobs' mean latency in steps (arrival to result).
+eagerly, how many of all steps and of the steps not replayed had a job taking a refresh step (its
+mode, full, is in the signature), and the jobs' mean latency in steps (arrival to result).
 
 ``--indices``: ``ragged`` (what a CUDA device runs: a graph's shapes name the batch's rows and
 bucketed token totals, not each job's counts, ``workers/maskaware/batched.py``) and/or ``runs``
@@ -114,6 +115,8 @@ def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, every: int, arg
     trace = load_trace(args.trace)
     at = arrivals(pattern, args.jobs, args.max_batch, args.steps, rng)
     counts = {"replayed": 0, "captured": 0, "eager": 0}
+    refresh = set(policy_schedule("fast", args.steps))
+    refreshing_steps = missed_refreshing = 0  # steps (captured or run eagerly) with a job taking a refresh step
     handles: list[Any] = []
     done_at: dict[int, int] = {}
     step = submitted = 0
@@ -128,6 +131,10 @@ def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, every: int, arg
         engine._drain_inbox(block=False)
         if engine.step_once():
             counts[runner.last_step_graph] += 1
+            ran_ids = set(engine.stats.history[-1].job_ids)
+            refreshing = any(h.steps_done - 1 in refresh for h in handles if h.job_id in ran_ids)
+            refreshing_steps += refreshing
+            missed_refreshing += runner.last_step_graph != "replayed" and refreshing
         step += 1
         for i, h in enumerate(handles):
             if i not in done_at and h.future.done():
@@ -138,7 +145,9 @@ def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, every: int, arg
     latency = float(np.mean([done_at[i] - at[i] for i in range(len(handles))]))
     log.info("%s, admit every %d: %d engine steps %s, job steps replayed %.3f, latency %.1f steps", pattern, every,
              ran, counts, replayed_job_steps, latency)
+    missed = ran - counts["replayed"]
     return {"pattern": pattern, "admit_every": every, "steps": ran, **{k: v / ran for k, v in counts.items()},
+            "refreshing": refreshing_steps / ran, "missed_refreshing": missed_refreshing / missed if missed else 0.0,
             "captures": graphs.captures, "job_steps_replayed": replayed_job_steps, "latency_steps": latency}
 
 
@@ -170,12 +179,16 @@ def main(argv: Sequence[str] | None = None) -> int:
              "share of the jobs' steps that a replay computed. Batch indices: `ragged` (a CUDA device's: one "
              "variable-length attention call per block, token totals bucketed, no job's count in a graph's "
              "shapes) or `runs` (each job's count rounded up to its own bucket).", "",
+             "With a refresh step: the share of steps (of all, and of those not replayed) whose batch had a "
+             "job taking a refresh step (a full step: the job's mode is in the signature).", "",
              "| arrivals | batch indices | admit every | engine steps | replayed | captured | eager | "
-             "job steps replayed | mean latency (steps) |", "|---|---|---|---|---|---|---|---|---|"]
+             "with a refresh step: all / not replayed | job steps replayed | mean latency (steps) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = "burst (all at once)" if r["pattern"] == "burst" else f"Poisson, load {float(r['pattern']):g}"
         lines.append(f"| {name} | {r['indices']} | {r['admit_every']} | {r['steps']} | {r['replayed']:.1%} | "
-                     f"{r['captured']:.1%} | {r['eager']:.1%} | {r['job_steps_replayed']:.1%} | "
+                     f"{r['captured']:.1%} | {r['eager']:.1%} | {r['refreshing']:.1%} / {r['missed_refreshing']:.1%} | "
+                     f"{r['job_steps_replayed']:.1%} | "
                      f"{r['latency_steps']:.1f} |")
     run_.write(lines + [""])
     return 0
