@@ -203,16 +203,22 @@ def test_a_step_that_must_read_at_once_reads_the_step_before_with_it(tmp_path: P
         caches.close(wait=True)
 
 
-def test_the_engine_thread_serves_jobs_read_late_as_it_does_read_at_once(tmp_path: Path) -> None:
-    """The engine's own thread, five masked jobs in batches of two (continuous batching): reading each
-    step late hands over every job, with the same latents as reading each step at once."""
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_engine_thread_serves_jobs_read_late_as_it_does_read_at_once(tmp_path: Path, graphs: bool) -> None:
+    """The engine's own thread, five masked jobs in batches of two (continuous batching), eager or
+    with step graphs (the CPU's stand-in, whose outputs are reused by the next replay as a graph's):
+    reading each step late hands over every job, with the same latents as reading each step at once."""
     from workers.engine.engine import Engine
     from workers.engine.scheduler import BatchScheduler
+    from workers.engine.sd_runner import SDRunner
 
     unet, ctrl, runner, caches, store, cfg = _runner_setup(tmp_path, "plan", bandwidth=1e9)
     try:
         key = _key(ctrl)
         _warm(runner, caches, key, STEPS)
+        if graphs:
+            runner = SDRunner(unet, cfg, maskaware=ctrl, caches=caches, recorder=runner.recorder, prefetch_steps=0,
+                              cache_plan="plan", graphs=True)
         latents = {}
         for late in (False, True):
             runner.read_late = late
@@ -226,5 +232,7 @@ def test_the_engine_thread_serves_jobs_read_late_as_it_does_read_at_once(tmp_pat
                 engine.stop()
             assert not runner._launched
         assert all(torch.equal(a, b) for a, b in zip(latents[False], latents[True]))
+        if graphs:
+            assert runner.graphs is not None and runner.graphs.replays > 0
     finally:
         caches.close(wait=True)
