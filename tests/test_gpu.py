@@ -272,6 +272,29 @@ def test_an_engine_step_returns_while_its_device_work_runs(warmed) -> None:  # t
     assert runner.failures() == [] and not runner.unread(batch[0])
 
 
+def test_admitting_a_job_does_not_wait_for_the_step_in_flight(warmed) -> None:  # type: ignore[no-untyped-def]
+    """A job's tensors and token indices go up from pinned memory (``workers/upload.py``): building
+    its state while the device is busy makes no synchronising operation and does not wait."""
+    from tests.test_plan_engine import _job_inputs
+
+    unet, ctrl, runner, caches, cfg, job, key, steps = warmed
+    runner.init_state(*_job_inputs("masked", key, steps, seed=41))  # first use: one-time set-up
+    tensors, meta = _job_inputs("masked", key, steps, seed=40)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda._sleep(200_000_000)  # the step in flight
+            state = runner.init_state(tensors, meta)
+            busy = not torch.cuda.current_stream().query()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [str(w.message) for w in caught if "synchroniz" in str(w.message)] == []
+    assert busy
+    assert torch.equal(state.latents.cpu(), tensors["latents"].to(torch.bfloat16))
+
+
 def _step_syncs(runner, batch) -> tuple[list[str], int]:  # type: ignore[no-untyped-def]
     """What one engine step of ``batch`` waits on: its synchronising operations (CUDA's sync debug
     mode warnings) and its waits for events."""

@@ -104,6 +104,7 @@ from workers.maskaware.buckets import bucket_range, padded
 from workers.maskaware.flux_reuse import reuse_block
 from workers.maskaware.flux_tokens import pixel_to_token_mask
 from workers.maskaware.tokens import row_index
+from workers.upload import upload
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class FluxTokens:
         sel, unsel = host.nonzero().flatten(), (~host).nonzero().flatten()
         if bucketed and sel.numel():
             sel, unsel = padded(sel, m), padded(unsel, n - lowest)
-        return cls(host, m, sel.to(device), unsel.to(device), masked)
+        return cls(host, m, upload(sel, device), upload(unsel, device), masked)
 
     def numel(self) -> int:
         return self.mask.numel()
@@ -265,7 +266,7 @@ class _Plan:
         r = 0
         for gi, g in enumerate(self.ctx.groups):
             sel, unsel, unsel_cache, cache = None, None, None, None
-            pos = None if g.positions is None else g.positions.to(self.device)
+            pos = None if g.positions is None else upload(g.positions, self.device)
             own = self.N if pos is None else int(pos.numel())
             sel_own, real, reuse = None, 0, None
             if g.mode == "masked":
