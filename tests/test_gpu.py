@@ -273,8 +273,9 @@ def test_an_engine_step_returns_while_its_device_work_runs(warmed) -> None:  # t
 
 
 def test_admitting_a_job_does_not_wait_for_the_step_in_flight(warmed) -> None:  # type: ignore[no-untyped-def]
-    """A job's tensors and token indices go up from pinned memory (``workers/upload.py``): building
-    its state while the device is busy makes no synchronising operation and does not wait."""
+    """A job's tensors and token indices go up from pinned memory on a copy stream
+    (``app.storage.hostcache.to_device``): building its state while the device is busy makes no
+    synchronising operation and does not wait."""
     from tests.test_plan_engine import _job_inputs
 
     unet, ctrl, runner, caches, cfg, job, key, steps = warmed

@@ -116,7 +116,7 @@ def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, every: int, arg
     at = arrivals(pattern, args.jobs, args.max_batch, args.steps, rng)
     counts = {"replayed": 0, "captured": 0, "eager": 0}
     refresh = set(policy_schedule("fast", args.steps))
-    refreshing_steps = missed_refreshing = 0  # steps (captured or run eagerly) with a job taking a refresh step
+    refreshing_steps = missed_refreshing = 0  # steps with a job taking a refresh step: all, not replayed
     handles: list[Any] = []
     done_at: dict[int, int] = {}
     step = submitted = 0

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from workers.engine.job import EngineJob, JobCancelled
 from workers.engine.scheduler import BatchScheduler
@@ -33,6 +33,7 @@ class Runner(Protocol):
     def result(self, job: EngineJob) -> Any: ...
 
 
+@runtime_checkable
 class DeferredRunner(Runner, Protocol):
     """A runner whose steps are read one step late (``workers/engine/settle.py``)."""
 
@@ -117,7 +118,7 @@ class Engine:
         self._inbox: queue.Queue[EngineJob] = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._deferred = callable(getattr(runner, "settle", None))
+        self._deferred = isinstance(runner, DeferredRunner)
         if self._deferred:
             runner.read_steps()  # type: ignore[attr-defined]  # steps read before this engine are not its own
         self._held: list[EngineJob] = []  # finished jobs whose last step the runner has not read yet

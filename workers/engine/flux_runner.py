@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
 
+from app.storage.hostcache import to_device
 from workers.adapters import layout
 from workers.compiled import Compiled
 from workers.engine.graph_calls import flux_call, graphable
@@ -27,7 +28,6 @@ from workers.engine.job import EngineJob
 from workers.engine.runner_base import BaseRunner, JobState, job_rows
 from workers.flux_inputs import flux_schedule
 from workers.maskaware.flux import MaskAwareFlux, RowGroup
-from workers.upload import upload
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,8 @@ class FluxRunner(BaseRunner):
         if meta.get("family") != "flux":
             raise ValueError("this worker serves Flux Fill models; the job was prepared for another family")
         dtype = self.dtype  # STENCIL_DTYPE: job tensors in the model's dtype, as the stock pipeline
-        latents = upload(tensors["latents"], self.device, dtype)
-        cond = upload(tensors["masked_image_latents"], self.device, dtype)
+        latents = to_device(tensors["latents"], self.device).to(dtype)
+        cond = to_device(tensors["masked_image_latents"], self.device).to(dtype)
         if latents.shape[-1] + cond.shape[-1] != self.transformer.config.in_channels:
             raise ValueError("job tensors do not fit the transformer's input channels")
         steps = int(meta["t_start"]) + int(meta["num_steps"])
@@ -79,11 +79,12 @@ class FluxRunner(BaseRunner):
         generator.set_state(tensors["generator_state"])
         state = FluxJobState(
             latents=latents, scheduler=scheduler, timesteps=scheduler.timesteps[t_start:], generator=generator,
-            model_times=upload(scheduler.timesteps[t_start:], self.device),
-            guidance_t=upload(torch.tensor([float(meta["guidance"])], dtype=torch.float32), self.device),
-            masked_image_latents=cond, prompt_embeds=upload(tensors["prompt_embeds"], self.device, dtype),
-            pooled=upload(tensors["pooled_prompt_embeds"], self.device, dtype),
-            text_ids=upload(tensors["text_ids"], self.device), image_ids=upload(tensors["image_ids"], self.device),
+            model_times=to_device(scheduler.timesteps[t_start:], self.device),
+            guidance_t=to_device(torch.tensor([float(meta["guidance"])], dtype=torch.float32), self.device),
+            masked_image_latents=cond, prompt_embeds=to_device(tensors["prompt_embeds"], self.device).to(dtype),
+            pooled=to_device(tensors["pooled_prompt_embeds"], self.device).to(dtype),
+            text_ids=to_device(tensors["text_ids"], self.device),
+            image_ids=to_device(tensors["image_ids"], self.device),
             guidance=float(meta["guidance"]))
         self._init_cache_mode(state, tensors, meta)
         self._init_adapters(state, meta)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from diffusers import UNet2DConditionModel
 
+from app.storage.hostcache import to_device
 from workers.adapters import layout
 from workers.compiled import Compiled
 from workers.controlnets.step import Concurrent, JobControl, Use, residuals
@@ -38,7 +39,6 @@ from workers.engine.runner_base import BaseRunner, JobState, job_rows
 from workers.maskaware.lockstep import Lockstep
 from workers.maskaware.unet import MaskAwareUNet, RowGroup
 from workers.models.loader import make_scheduler
-from workers.upload import upload
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class SDRunner(BaseRunner):
 
     def init_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> SDJobState:
         """Build a job's state from its prepared tensors (validated against the model)."""
-        latents = upload(tensors["latents"], self.device, self.dtype)
+        latents = to_device(tensors["latents"], self.device).to(self.dtype)
         if self.unet.config.in_channels != 2 * latents.shape[1] + 1:
             raise ValueError(f"latent channels {latents.shape[1]} do not fit the UNet's "
                              f"{self.unet.config.in_channels} inputs")
@@ -135,15 +135,15 @@ class SDRunner(BaseRunner):
         timesteps = scheduler.timesteps[t_start:]
         do_cfg = bool(meta["do_cfg"])
         rows = 2 if do_cfg else 1
-        embeds = upload(tensors["prompt_embeds"], self.device, self.dtype)
+        embeds = to_device(tensors["prompt_embeds"], self.device).to(self.dtype)
         if embeds.shape[0] != rows:
             raise ValueError("prompt embeddings do not match the guidance layout")
         added = self._added_cond(tensors, rows)
         state = SDJobState(
             latents=latents, scheduler=scheduler, timesteps=timesteps, generator=generator,
-            model_times=upload(timesteps, self.device),
-            mask=upload(tensors["mask"], self.device, self.dtype),
-            masked_image_latents=upload(tensors["masked_image_latents"], self.device, self.dtype),
+            model_times=to_device(timesteps, self.device),
+            mask=to_device(tensors["mask"], self.device).to(self.dtype),
+            masked_image_latents=to_device(tensors["masked_image_latents"], self.device).to(self.dtype),
             prompt_embeds=embeds, add_text_embeds=added[0], add_time_ids=added[1], do_cfg=do_cfg,
             guidance=float(meta["guidance"]),
             controls=self._controls(tensors, meta, 2 if do_cfg else 1),
@@ -162,8 +162,8 @@ class SDRunner(BaseRunner):
             return None, None
         if not has:
             raise ValueError("this worker serves an SDXL UNet: the job lacks its pooled text embeddings and time ids")
-        text = upload(tensors["add_text_embeds"], self.device, self.dtype)
-        ids = upload(tensors["add_time_ids"], self.device, self.dtype)
+        text = to_device(tensors["add_text_embeds"], self.device).to(self.dtype)
+        ids = to_device(tensors["add_time_ids"], self.device).to(self.dtype)
         want = self.unet.add_embedding.linear_1.in_features
         got = self.unet.config.addition_time_embed_dim * ids.shape[-1] + text.shape[-1]
         if text.shape[0] != rows or ids.shape[0] != rows or got != want:
@@ -179,7 +179,7 @@ class SDRunner(BaseRunner):
             raise ValueError("ControlNets are served for SD 1.x/2.x UNets only, not SDXL")
         out = []
         for i, (controlnet_id, scale, start, end) in enumerate(specs):
-            image = upload(tensors[f"control{i}"], self.device, self.dtype)
+            image = to_device(tensors[f"control{i}"], self.device).to(self.dtype)
             if image.shape[0] != rows:
                 raise ValueError(f"control image {i} has {image.shape[0]} rows, the job {rows}")
             out.append(JobControl(str(controlnet_id), image, float(scale), float(start), float(end)))

@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from app.storage.hostcache import to_device
 from workers.maskaware.buckets import GROWTH, padded, token_bucket
-from workers.upload import upload
 
 # Padded token rows a run may add whatever its size: a few microseconds of a block's GEMMs at the
 # widest SD/SDXL level (C = 1280), less than the two launches (attention, its output copy) per
@@ -318,7 +318,7 @@ def assemble(levels: dict[Hashable, tuple[int, Sequence[Member], bool]], device:
         pieces += parts
         offset += sum(int(t.numel()) for t in parts)
     host = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
-    return BatchIndex(layout, upload(host, device) if host.numel() else host.to(device))
+    return BatchIndex(layout, to_device(host, device) if host.numel() else host.to(device))
 
 
 class IndexMemo:

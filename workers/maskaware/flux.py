@@ -97,6 +97,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
+from app.storage.hostcache import to_device
 from workers.adapters import layout
 from workers.adapters.patcher import install as install_row_aware
 from workers.compiled import Compiled
@@ -104,7 +105,6 @@ from workers.maskaware.buckets import bucket_range, padded
 from workers.maskaware.flux_reuse import reuse_block
 from workers.maskaware.flux_tokens import pixel_to_token_mask
 from workers.maskaware.tokens import row_index
-from workers.upload import upload
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class FluxTokens:
         sel, unsel = host.nonzero().flatten(), (~host).nonzero().flatten()
         if bucketed and sel.numel():
             sel, unsel = padded(sel, m), padded(unsel, n - lowest)
-        return cls(host, m, upload(sel, device), upload(unsel, device), masked)
+        return cls(host, m, to_device(sel, device), to_device(unsel, device), masked)
 
     def numel(self) -> int:
         return self.mask.numel()
@@ -266,7 +266,7 @@ class _Plan:
         r = 0
         for gi, g in enumerate(self.ctx.groups):
             sel, unsel, unsel_cache, cache = None, None, None, None
-            pos = None if g.positions is None else upload(g.positions, self.device)
+            pos = None if g.positions is None else to_device(g.positions, self.device)
             own = self.N if pos is None else int(pos.numel())
             sel_own, real, reuse = None, 0, None
             if g.mode == "masked":

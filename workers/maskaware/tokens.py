@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from app.storage.hostcache import to_device
 from workers.maskaware.buckets import padded, token_bucket
-from workers.upload import upload
 
 # The service's pool_threshold: the largest measured threshold whose SSIM loss against OR-pooling,
 # whole image and in the mask, stays <= 0.005 for fast and balanced on every trace of the trained
@@ -129,7 +129,7 @@ class TokenMasks:
                 if self.bucketed and host.numel():
                     host = padded(host, self.count(n))
                 self._idx[(n, "cpu")] = host  # also the batch index's source (``batched.py``)
-            self._idx[key] = host if key[1] == "cpu" else upload(host, device)
+            self._idx[key] = host if key[1] == "cpu" else to_device(host, device)
         return self._idx[key]
 
     def device_indices(self, device: torch.device | str) -> tuple[tuple[int, torch.Tensor], ...]:
