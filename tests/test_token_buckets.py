@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ops.bench.graph_churn import bucket_growth, padding
 from tests.test_plan_engine import LATENT, _job, _run, _runner_setup, _warm
-from workers.maskaware import TemplateCacheKey
+from workers.maskaware import TemplateCacheKey, buckets
 from workers.maskaware.buckets import ALIGN, GROWTH, bucket_range, token_bucket
 from workers.maskaware.tokens import blob_mask, build_token_masks
 
@@ -32,6 +33,15 @@ def test_buckets_cover_every_count_with_bounded_padding(total: int) -> None:
         seen.add(bucket)
     assert token_bucket(0, total) == 0 and token_bucket(total, total) == total
     assert len(seen) <= 40  # a few shapes serve every mask (about 30 at 4096 tokens)
+
+
+def test_the_growth_ablation_pads_more_with_coarser_buckets_and_restores_the_engines() -> None:
+    fine, coarse = padding(GROWTH, samples=2000), padding(2.0, samples=2000)
+    assert 0.0 < fine[0] <= GROWTH - 1 and fine[0] < coarse[0] <= 1.0 and fine[1] < coarse[1]
+    engines = token_bucket(600, 4096)
+    with bucket_growth(2.0):
+        assert token_bucket(600, 4096) == 1024 > engines
+    assert buckets.GROWTH == GROWTH  # the ablation leaves the engine's buckets as they were
 
 
 def test_bucketed_indices_hold_the_mask_padded_with_its_last_token() -> None:

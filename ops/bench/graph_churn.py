@@ -4,10 +4,11 @@ A step graph is keyed by the batch's signature: every job's mode and rows, and i
 per level or, with ragged batch indices, the batch's bucketed token totals
 (``workers/engine/graph_calls.py``). It is captured the second time a signature runs (or when it
 comes back after others, however short its stretch) and replayed whenever it runs again; a job
-joining or leaving (or a refresh step changing a job's mode) makes another signature. So the share of steps that replay depends on how the batch churns, not on the
-device: this benchmark counts it with the real engine (``Engine``, ``BatchScheduler``, ``SDRunner``
-with step graphs on) and the CPU stand-in for a graph (``graphs.EagerReplay``: the same signatures,
-captures and replays as on a GPU), on the embedded model at 256 px (1,024 tokens at its first level).
+joining or leaving (or a refresh step changing a job's mode) makes another signature. So the
+share of steps that replay depends on how the batch churns, not on the device: this benchmark
+counts it with the real engine (``Engine``, ``BatchScheduler``, ``SDRunner`` with step graphs on)
+and the CPU stand-in for a graph (``graphs.EagerReplay``: the same signatures, captures and
+replays as on a GPU), on the embedded model at 256 px (1,024 tokens at its first level).
 
 Arrivals are counted in engine steps: a burst (every job at once, as ``ops.bench.gpu_engine`` runs)
 and Poisson arrivals at ``--loads`` x the batch's capacity (``max_batch / steps`` jobs per step).
@@ -25,13 +26,21 @@ kernel runs).
 every K steps (or into an empty batch), so jobs join, and finish, together; what that buys in
 replays and costs in latency.
 
+``--growth G`` (an ablation of ``workers/maskaware/buckets.GROWTH``): token buckets growing by G
+instead; coarser buckets make fewer signatures (a batch's bucketed totals are in them) at the cost
+of more padded tokens, whose device time only a GPU measures.
+
+A run starts with no graph captured, so its first steps miss more than a service that has been
+serving for a while: the report gives the shares over the run's second half apart (steady).
+
     python -m ops.bench.graph_churn --out docs/bench/graph_churn.md
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,6 +54,7 @@ from ops.bench.harness.runner_timing import ModelUnderTest, RecordedCaches, load
 from workers.engine.engine import Engine
 from workers.engine.scheduler import BatchScheduler
 from workers.engine.sd_runner import SDRunner
+from workers.maskaware import buckets
 from workers.maskaware.activation_store import TemplateCacheKey
 from workers.maskaware.unet import MaskAwareUNet
 
@@ -81,12 +91,43 @@ def arrivals(pattern: str, jobs: int, max_batch: int, steps: int, rng: np.random
     return np.cumsum(rng.exponential(1.0 / rate, jobs))
 
 
-def run(mut: ModelUnderTest, pattern: str, every: int, indices: str, args: Any) -> dict[str, Any]:
+def padding(growth: float, tokens: int = 4096, max_batch: int = 8, trace: str = "spring", samples: int = 20000,
+            seed: int = 0) -> tuple[float, float]:
+    """(mean, P90) of a batch's padded tokens over its real ones when its token total is bucketed
+    with ``growth``: batches of 1..``max_batch`` jobs of ``tokens`` tokens each, mask ratios from
+    ``trace`` (a job's tokens: ratio x tokens, not a token mask's own count). What coarser buckets
+    cost in device work, against the replays they buy (``--growth``)::
+
+        python -c "from ops.bench.graph_churn import padding; print(padding(2.0))"
+    """
+    rng = np.random.default_rng(seed)
+    ratios = np.clip(np.asarray(load_trace(trace), dtype=float), 0.01, 0.9)
+    pads = []
+    with bucket_growth(growth):
+        for _ in range(samples):
+            n = int(rng.integers(1, max_batch + 1))
+            real = int(np.ceil(rng.choice(ratios, n) * tokens).sum())
+            pads.append((buckets.token_bucket(real, n * tokens) - real) / real)
+    return float(np.mean(pads)), float(np.quantile(pads, 0.9))
+
+
+@contextlib.contextmanager
+def bucket_growth(growth: float) -> Iterator[None]:
+    """Token buckets growing by ``growth`` for the block's duration (the ``--growth`` ablation)."""
+    saved, buckets.GROWTH = buckets.GROWTH, growth
+    try:
+        yield
+    finally:
+        buckets.GROWTH = saved
+
+
+def run(mut: ModelUnderTest, pattern: str, every: int, indices: str, growth: float, args: Any) -> dict[str, Any]:
     """One arrival pattern on a fresh engine (its own mask-aware hooks, removed after)."""
     ctrl = MaskAwareUNet(mut.unet)
     ctrl.ragged = indices == "ragged"
     try:
-        return {"indices": indices, **_run(mut, ctrl, pattern, every, args)}
+        with bucket_growth(growth):
+            return {"indices": indices, "growth": growth, **_run(mut, ctrl, pattern, every, args)}
     finally:
         ctrl.remove()
 
@@ -111,10 +152,20 @@ def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, every: int, arg
     graphs = runner.graphs
     assert graphs is not None
     graphs.captures = graphs.replays = graphs.eager = 0
+    signatures: set[Any] = set()
+    inner = graphs.run
+
+    def noting(key: Any, *rest: Any, **kw: Any) -> Any:
+        signatures.add(key)
+        return inner(key, *rest, **kw)
+
+    graphs.run = noting  # type: ignore[method-assign]
+    compositions: set[tuple[int, int]] = set()  # (jobs in the batch, of them taking a refresh step)
     rng = np.random.default_rng(args.seed)
     trace = load_trace(args.trace)
     at = arrivals(pattern, args.jobs, args.max_batch, args.steps, rng)
     counts = {"replayed": 0, "captured": 0, "eager": 0}
+    ran_as: list[str] = []  # each engine step's outcome, in order
     refresh = set(policy_schedule("fast", args.steps))
     refreshing_steps = missed_refreshing = 0  # steps with a job taking a refresh step: all, not replayed
     handles: list[Any] = []
@@ -131,8 +182,11 @@ def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, every: int, arg
         engine._drain_inbox(block=False)
         if engine.step_once():
             counts[runner.last_step_graph] += 1
+            ran_as.append(runner.last_step_graph)
             ran_ids = set(engine.stats.history[-1].job_ids)
-            refreshing = any(h.steps_done - 1 in refresh for h in handles if h.job_id in ran_ids)
+            refreshing_jobs = sum(h.steps_done - 1 in refresh for h in handles if h.job_id in ran_ids)
+            compositions.add((len(ran_ids), refreshing_jobs))
+            refreshing = refreshing_jobs > 0
             refreshing_steps += refreshing
             missed_refreshing += runner.last_step_graph != "replayed" and refreshing
         step += 1
@@ -146,9 +200,12 @@ def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, every: int, arg
     log.info("%s, admit every %d: %d engine steps %s, job steps replayed %.3f, latency %.1f steps", pattern, every,
              ran, counts, replayed_job_steps, latency)
     missed = ran - counts["replayed"]
-    return {"pattern": pattern, "admit_every": every, "steps": ran, **{k: v / ran for k, v in counts.items()},
+    second = ran_as[len(ran_as) // 2:]
+    steady = {f"steady_{k}": second.count(k) / max(len(second), 1) for k in counts}
+    return {"pattern": pattern, "admit_every": every, "steps": ran, **{k: v / ran for k, v in counts.items()}, **steady,
             "refreshing": refreshing_steps / ran, "missed_refreshing": missed_refreshing / missed if missed else 0.0,
-            "captures": graphs.captures, "job_steps_replayed": replayed_job_steps, "latency_steps": latency}
+            "captures": graphs.captures, "signatures": len(signatures), "compositions": len(compositions),
+            "job_steps_replayed": replayed_job_steps, "latency_steps": latency}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -164,12 +221,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="ragged (CUDA's batch indices) and/or runs (per-job token buckets)")
     p.add_argument("--admit-every", type=lambda s: [int(v) for v in s.split(",")], default=[1],
                    help="ablation: admit waiting jobs only every K steps (1 = every step, the engine's way)")
+    p.add_argument("--growth", type=lambda s: [float(v) for v in s.split(",")], default=[buckets.GROWTH],
+                   help=f"ablation: token buckets growing by G (the engine's: {buckets.GROWTH})")
     run_ = start(p, argv, __file__, quick=dict(patterns=["burst", "0.9"], jobs=8, max_batch=4, steps=8, latent=8))
     args = run_.args
     torch.manual_seed(args.seed)
     mut = load_model("tiny", args.latent, args.seed)
-    rows = [run(mut, pattern, every, indices, args) for pattern in args.patterns for indices in args.indices
-            for every in args.admit_every]
+    rows = [run(mut, pattern, every, indices, growth, args) for pattern in args.patterns for indices in args.indices
+            for every in args.admit_every for growth in args.growth]
     lines = ["# Step graphs under continuous batching", "", f"Command: `{run_.command}`", "",
              f"The embedded model at {args.latent * 8} px, {args.jobs} edits of one warmed template per pattern, "
              f"{args.steps} steps, max batch "
@@ -180,14 +239,22 @@ def main(argv: Sequence[str] | None = None) -> int:
              "variable-length attention call per block, token totals bucketed, no job's count in a graph's "
              "shapes) or `runs` (each job's count rounded up to its own bucket).", "",
              "With a refresh step: the share of steps (of all, and of those not replayed) whose batch had a "
-             "job taking a refresh step (a full step: the job's mode is in the signature).", "",
-             "| arrivals | batch indices | admit every | engine steps | replayed | captured | eager | "
+             "job taking a refresh step (a full step: the job's mode is in the signature). Steady: the shares "
+             "over the run's second half (a run starts with no graph captured). Bucket growth: how token "
+             f"buckets grow (the engine's: {buckets.GROWTH}; others are an ablation). Signatures / compositions: the "
+             "distinct step signatures the run saw, and the distinct batch compositions among them (jobs in the "
+             "batch, how many take a refresh step): the rest of the signatures differ in token counts.", "",
+             "| arrivals | batch indices | admit every | bucket growth | engine steps | replayed | captured | eager | "
+             "steady: replayed / captured / eager | signatures / compositions | "
              "with a refresh step: all / not replayed | job steps replayed | mean latency (steps) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = "burst (all at once)" if r["pattern"] == "burst" else f"Poisson, load {float(r['pattern']):g}"
-        lines.append(f"| {name} | {r['indices']} | {r['admit_every']} | {r['steps']} | {r['replayed']:.1%} | "
-                     f"{r['captured']:.1%} | {r['eager']:.1%} | {r['refreshing']:.1%} / {r['missed_refreshing']:.1%} | "
+        lines.append(f"| {name} | {r['indices']} | {r['admit_every']} | {r['growth']:g} | {r['steps']} | "
+                     f"{r['replayed']:.1%} | {r['captured']:.1%} | {r['eager']:.1%} | "
+                     f"{r['steady_replayed']:.1%} / {r['steady_captured']:.1%} / {r['steady_eager']:.1%} | "
+                     f"{r['signatures']} / {r['compositions']} | "
+                     f"{r['refreshing']:.1%} / {r['missed_refreshing']:.1%} | "
                      f"{r['job_steps_replayed']:.1%} | "
                      f"{r['latency_steps']:.1f} |")
     run_.write(lines + [""])
