@@ -164,8 +164,7 @@ def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, every: int, arg
     rng = np.random.default_rng(args.seed)
     trace = load_trace(args.trace)
     at = arrivals(pattern, args.jobs, args.max_batch, args.steps, rng)
-    counts = {"replayed": 0, "captured": 0, "eager": 0}
-    ran_as: list[str] = []  # each engine step's outcome, in order
+    ran_as: list[str] = []  # how each engine step's denoiser call ran, in order
     refresh = set(policy_schedule("fast", args.steps))
     refreshing_steps = missed_refreshing = 0  # steps with a job taking a refresh step: all, not replayed
     handles: list[Any] = []
@@ -181,7 +180,6 @@ def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, every: int, arg
             submitted += 1
         engine._drain_inbox(block=False)
         if engine.step_once():
-            counts[runner.last_step_graph] += 1
             ran_as.append(runner.last_step_graph)
             ran_ids = set(engine.stats.history[-1].job_ids)
             refreshing_jobs = sum(h.steps_done - 1 in refresh for h in handles if h.job_id in ran_ids)
@@ -193,7 +191,8 @@ def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, every: int, arg
         for i, h in enumerate(handles):
             if i not in done_at and h.future.done():
                 done_at[i] = step
-    ran = sum(counts.values())
+    ran = len(ran_as)
+    counts = {k: ran_as.count(k) for k in ("replayed", "captured", "eager")}
     results = [h.future.result() for h in handles]
     replayed_job_steps = sum(r["graph_replayed_steps"] for r in results) / (len(results) * args.steps)
     latency = float(np.mean([done_at[i] - at[i] for i in range(len(handles))]))
