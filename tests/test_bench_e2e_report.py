@@ -1,12 +1,17 @@
-"""The e2e report's judgement logic: which rate the stock sustains, and the ratios it claims."""
+"""The e2e report's judgement logic: which rate the stock sustains, and the ratios it claims; the reports' plots."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
+
+import numpy as np
+from PIL import Image
 
 from ops.bench.e2e import write_report
 from ops.bench.harness.engine import curve_table
 from ops.bench.harness.openloop import claims, sustained
+from ops.bench.harness.report import finish_axes, pyplot, save_figure
 
 
 def _s(jobs: int, done: int, mean: float, p95: float, queueing: float, throughput: float) -> dict:
@@ -78,3 +83,24 @@ def test_write_report_renders_tables_and_plots(tmp_path: Path) -> None:
     assert "Throughput vs batch size" in text
     for png in ("latency_vs_rate.png", "throughput_vs_batch.png"):
         assert (tmp_path / png).stat().st_size > 1000
+        with Image.open(tmp_path / png) as plot:  # the reports' plots are tracked: written as palette PNGs
+            assert plot.mode == "P" and plot.width > 500
+
+
+def test_a_palette_plot_keeps_what_was_drawn(tmp_path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([0, 1, 2], [0, 2, 1], color="tab:red", label="a line")
+    finish_axes(ax, "x", "y", legend=0)
+    fig.tight_layout()  # as save_figure lays it out
+    rendered = io.BytesIO()
+    fig.savefig(rendered, format="png", dpi=110)
+    save_figure(fig, tmp_path / "plot.png")
+    rendered.seek(0)
+    with Image.open(rendered) as rgba, Image.open(tmp_path / "plot.png") as palette:
+        drawn = np.asarray(rgba.convert("RGB"), dtype=np.int16)
+        written = np.asarray(palette.convert("RGB"), dtype=np.int16)
+    assert written.shape == drawn.shape
+    difference = np.abs(written - drawn).max(axis=2)
+    assert np.mean(difference > 16) < 0.005  # anti-aliased edges may snap to a neighbouring colour
+    assert (tmp_path / "plot.png").stat().st_size < len(rendered.getvalue())
