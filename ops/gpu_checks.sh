@@ -17,7 +17,11 @@
 # which leaves summary.txt, addons_gpu.md and details.tar.gz in $OUT. Stage `profile` (also only when
 # named, about a minute: GPU_CHECKS=profile, or with the add-ons) fits the cost model of the true-size
 # SD 1.5 UNet on the card (`stencil profile --device cuda`: graph-replayed steps, pinned host copies):
-# sd15-inpaint--cuda.json in $OUT is the measured GPU cost model to ship in ops/sim/costmodels.
+# sd15-inpaint--cuda.json in $OUT is the measured GPU cost model to ship in ops/sim/costmodels. Stage
+# `arrivals` (only when named, about two minutes) runs the mask-aware engine under Poisson arrivals at
+# two loads with the engine's token buckets and coarser ones (gpu_engine_loads.md): whether fewer graph
+# signatures pay for their padded tokens. The second command for all three:
+#   device run (carry .gpu):  source .gpu/setup.sh && GPU_CHECKS=addons,profile,arrivals bash ops/gpu_checks.sh
 set -uo pipefail
 # Each process of a stack would otherwise compile diffusers and the project anew where the
 # environment forbids caching bytecode (device time is scarce).
@@ -61,6 +65,8 @@ stage e2e 200 bash -c "bench e2e_gpu --budget-s 178"
 stage addons 200 bash -c "bench addons_gpu"
 stage profile 120 bash -c "exec python3 -m ops.bench.profile --device cuda --model sd15-inpaint --points 48 --max-jobs 16 \
   --out '$OUT/sd15-inpaint--cuda.json' --report '$OUT/profile.md' --raw '$work/profile.points.json' > '$work/profile.log' 2>&1"
+stage arrivals 150 bash -c "exec python3 -m ops.bench.gpu_engine --systems stencil-maskaware --jobs 64 --loads 0.5,0.9 \
+  --growth 1.25,2 --out '$OUT/gpu_engine_loads.md' --json '$work/gpu_engine_loads.json' > '$work/gpu_engine_loads.log' 2>&1"
 (cd "$work" && shopt -s nullglob && files=(*.json *.log) && ((${#files[@]})) && tar -czf "$OUT/details.tar.gz" -- "${files[@]}")
 rm -rf "$work"
 cat "$summary"

@@ -17,6 +17,14 @@ its decode, run one after the other (the service overlaps them across workers). 
 mean and P95 latency, and where a steady mask-aware step's time goes (``torch.profiler`` over one
 step: the runner's phases as ranges, host and device time). ``--quick``: the shrunk model, a few
 jobs, on whatever device (the test suite's smoke run on the CPU).
+
+``--loads L,..`` adds the mask-aware engine under Poisson arrivals, as a running service sees them:
+the same edits arrive at L x the burst's engine throughput (jobs/s over its steps), each into the
+batch as it runs, so the batch's signature churns and steps run eagerly where no graph fits;
+reported per load: jobs/s, the engine's latency (arrival to last step), steps replayed / captured /
+eager. ``--growth G,..`` (an ablation of ``workers/maskaware/buckets.GROWTH``) runs each load with
+token buckets growing by G: coarser buckets replay more steps (``ops.bench.graph_churn``) and pad
+more tokens; which serves more jobs/s only the device's timing says.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from PIL import Image
 from app.fidelity import policy_schedule
 from app.jobs import JobParams
 from app.storage.local import LocalStore
+from ops.bench.graph_churn import bucket_growth
 from ops.bench.harness.burst import Edits, row, run_stock
 from ops.bench.harness.cli import parser, start
 from ops.bench.harness.gpu import DTYPES, device_of, hardware, sync
@@ -43,6 +52,7 @@ from workers.engine.engine import Engine
 from workers.engine.scheduler import BatchScheduler
 from workers.engine.sd_runner import SDRunner
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider
+from workers.maskaware import buckets
 from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
 from workers.maskaware.unet import MaskAwareUNet
 from workers.models import true_size
@@ -133,6 +143,67 @@ class Stencil:
             extra["refresh_steps"] = sum(r["refresh_steps"] for r in results)
         return row(system, total, latencies, **extra)
 
+    def poisson(self, edits: Edits, args: Any, key: TemplateCacheKey, rate: float) -> dict[str, Any]:
+        """The edits arriving at ``rate`` jobs/s (Poisson, seeded) into the mask-aware engine, from no
+        graph captured; prepared beforehand and decoded after (as in the burst, not part of the latency)."""
+        jobs = []
+        for i, params in enumerate(edits.params):
+            tensors, meta = self.prepare(edits.template, edits.mask_image(i), params, edits.side)
+            jobs.append((tensors, dict(meta, cache_mode="masked", cache_key=key.to_dict(),
+                                       refresh_steps=policy_schedule("fast", edits.steps))))
+        at = np.cumsum(np.random.default_rng(args.seed).exponential(1.0 / rate, len(jobs)))
+        if self.runner.graphs is not None:
+            self.runner.graphs.clear()
+        sync(self.device)
+        engine = Engine(self.runner, BatchScheduler(max_batch=args.max_batch))
+        handles: list[Any] = []
+        done: dict[int, float] = {}
+        ran_as: list[str] = []
+        t0 = time.perf_counter()
+        while len(done) < len(jobs):
+            now = time.perf_counter() - t0
+            while len(handles) < len(jobs) and at[len(handles)] <= now:
+                tensors, meta = jobs[len(handles)]
+                handles.append(engine.submit(f"p{len(handles)}", tensors, meta, total_steps=edits.steps))
+            engine._drain_inbox(block=False)
+            progressed = engine.step_once()
+            if progressed:
+                ran_as.append(self.runner.last_step_graph)
+            now = time.perf_counter() - t0
+            for i, h in enumerate(handles):
+                if i not in done and h.future.done():
+                    done[i] = now
+            if not progressed and len(done) < len(jobs):
+                time.sleep(0.0005)
+        for h in handles:
+            h.future.result()
+        latencies = [done[i] - at[i] for i in range(len(jobs))]
+        second = ran_as[len(ran_as) // 2:]
+        return {"rate": rate, "jobs_per_s": len(jobs) / max(done.values()), "mean_s": float(np.mean(latencies)),
+                "p95_s": float(np.quantile(latencies, 0.95)), "steps": len(ran_as),
+                **{k: ran_as.count(k) / len(ran_as) for k in ("replayed", "captured", "eager")},
+                **{f"steady_{k}": second.count(k) / max(len(second), 1) for k in ("replayed", "captured", "eager")}}
+
+
+def under_load(stencil: Stencil, edits: Edits, args: Any, key: TemplateCacheKey,
+               capacity: float) -> list[dict[str, Any]]:
+    """The Poisson runs: each load at each bucket growth (``--loads``, ``--growth``)."""
+    rows = []
+    for load in args.loads:
+        for growth in args.growth:
+            with bucket_growth(growth):
+                r = stencil.poisson(edits, args, key, load * capacity)
+            rows.append({"load": load, "growth": growth, **r})
+            log.info("load %g growth %g: %.2f jobs/s, mean %.2f s, replayed %.2f", load, growth, r["jobs_per_s"],
+                     r["mean_s"], r["replayed"])
+    return rows
+
+
+def _shares(r: dict[str, Any], prefix: str) -> str:
+    """Replayed / captured / eager shares of a Poisson run's steps, or "graphs off" (no step graphs here)."""
+    shares = [r[f"{prefix}{k}"] for k in ("replayed", "captured", "eager")]
+    return " / ".join(f"{v:.0%}" for v in shares) if sum(shares) else "graphs off"
+
 
 def _layout(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
@@ -208,7 +279,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--systems", default="stock,stencil-full,stencil-maskaware")
     p.add_argument("--json", default="docs/bench/gpu_engine.json")
-    run = start(p, argv, __file__, quick=dict(jobs=3, steps=3, max_batch=2, dtype="float32", threads=1, json=""))
+    p.add_argument("--loads", type=lambda s: [float(v) for v in s.split(",")], default=[],
+                   help="Poisson arrivals at these x the mask-aware burst's engine throughput (module doc)")
+    p.add_argument("--growth", type=lambda s: [float(v) for v in s.split(",")], default=[buckets.GROWTH],
+                   help=f"ablation with --loads: token buckets growing by G (the engine's: {buckets.GROWTH})")
+    run = start(p, argv, __file__, quick=dict(jobs=3, steps=3, max_batch=2, dtype="float32", threads=1, json="",
+                                                        loads=[1.0]))
+    if run.args.loads and "stencil-maskaware" not in run.args.systems.split(","):
+        p.error("--loads needs the stencil-maskaware system (its burst sets the arrival rate)")
     args = run.args
     device = device_of(args)
     hw = hardware(device)
@@ -216,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     edits = Edits(side, args.jobs, args.steps, args.seed)
     rows: list[dict[str, Any]] = []
     phases: list[dict[str, Any]] = []
+    loaded: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="stencil-gpu-engine-") as tmp:
         workdir = Path(tmp)
         folder = save_model(args.model, args.quick, args.dtype, workdir)
@@ -229,6 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             key = stencil.warm(edits)
             rows.append(stencil.burst(edits, args, key))
             phases = phase_profile(stencil, edits, args, key)
+            capacity = len(edits.params) / rows[-1]["engine_s"]
+            loaded = under_load(stencil, edits, args, key, capacity)
             stencil.runner.caches.close()  # type: ignore[union-attr]
     base = {r["system"]: r["jobs_per_s"] for r in rows}
     lines = [f"# The engine in process on {hw}", "", f"Command: `{run.command}`", "",
@@ -248,10 +329,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines += ["", "A steady mask-aware step of a full batch, by phase (torch.profiler ranges):", "",
                   "| phase | host ms | device ms |", "|---|---|---|"]
         lines += [f"| {ph['phase']} | {ph['host_ms']:.2f} | {ph['device_ms']:.2f} |" for ph in phases]
+    if loaded:
+        lines += ["", f"The mask-aware engine under Poisson arrivals: the same {args.jobs} edits arriving at a load x "
+                  f"the burst's engine throughput ({capacity:.2f} jobs/s), from no graph captured; latency: arrival "
+                  "to the job's last step (prepare and decode apart). Steps by how their denoiser call ran (whole "
+                  f"run; steady: its second half). Bucket growth: the engine's is {buckets.GROWTH}.", "",
+                  "| load | bucket growth | offered jobs/s | jobs/s | mean latency s | P95 s | engine steps | "
+                  "replayed / captured / eager | steady: replayed / captured / eager |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['load']:g} | {r['growth']:g} | {r['rate']:.2f} | {r['jobs_per_s']:.2f} | {r['mean_s']:.2f} | "
+                  f"{r['p95_s']:.2f} | {r['steps']} | {_shares(r, '')} | {_shares(r, 'steady_')} |" for r in loaded]
     run.write(lines + [""])
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"hardware": hw, "command": run.command, "rows": rows, "phases": phases}, fh, indent=1)
+            json.dump({"hardware": hw, "command": run.command, "rows": rows, "phases": phases, "loaded": loaded},
+                      fh, indent=1)
     return 0
 
 
