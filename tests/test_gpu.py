@@ -107,6 +107,23 @@ def test_batched_guidance_on_cuda_equals_each_jobs_expression(dtype: torch.dtype
         assert torch.equal(pred, rows), job.job_id
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("prediction,clip", [("epsilon", False), ("sample", False), ("v_prediction", False),
+                                             ("epsilon", True)])
+def test_a_batch_of_ddim_updates_on_cuda_equals_each_jobs_own_step(prediction: str, clip: bool,
+                                                                    dtype: torch.dtype) -> None:
+    """The multi-tensor DDIM update reproduces CUDA's host-scalar arithmetic (a multiplication by
+    the scalar as it is, a division as a multiplication by its float32 reciprocal), bit for bit."""
+    from tests.test_stepper import _jobs
+    from workers.engine.stepper import step_batch
+
+    jobs = [(stepper, i, output.to(CUDA), sample.to(CUDA))
+            for stepper, i, output, sample in _jobs(prediction, clip, dtype)]
+    for (stepper, i, output, sample), new in zip(jobs, step_batch(jobs)):
+        assert new.device.type == CUDA and new.dtype == dtype
+        assert torch.equal(new, stepper.step(i, output, sample)), i
+
+
 def test_graph_replayed_steps_equal_eager_steps_on_cuda(warmed) -> None:  # type: ignore[no-untyped-def]
     from workers.engine.graphs import CudaGraphCall
     from workers.engine.sd_runner import SDRunner

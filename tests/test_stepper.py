@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 
-from workers.engine.stepper import DDIMStepper, FlowMatchStepper, SchedulerStepper, make_stepper
+from workers.engine.stepper import DDIMStepper, FlowMatchStepper, SchedulerStepper, make_stepper, step_batch
 
 
 def _ddim(prediction: str, clip: bool) -> DDIMScheduler:
@@ -68,3 +68,58 @@ def test_other_schedulers_run_their_own_step() -> None:
     assert isinstance(stepper, SchedulerStepper) and not stepper.stateless
     for a, b in zip(stock, ours):
         assert torch.equal(a, b)
+
+
+def _jobs(prediction: str, clip: bool, dtype: torch.dtype, output_dtype: torch.dtype | None = None,
+          count: int = 5) -> list:  # type: ignore[type-arg]
+    """``count`` DDIM jobs at different steps of a 12-step schedule, with outputs and samples."""
+    scheduler = _ddim(prediction, clip)
+    scheduler.set_timesteps(12)
+    g = torch.Generator().manual_seed(2)
+    jobs = []
+    for n in range(count):
+        stepper = make_stepper(scheduler, scheduler.timesteps, torch.Generator().manual_seed(0))
+        output = torch.randn(2, 4, 8, 8, generator=g).to(output_dtype or dtype)
+        jobs.append((stepper, (3 * n + 1) % 12, output, torch.randn(2, 4, 8, 8, generator=g).to(dtype)))
+    return jobs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("prediction,clip", [("epsilon", False), ("sample", False), ("v_prediction", False),
+                                             ("epsilon", True)])
+def test_a_batch_of_ddim_updates_equals_each_jobs_own_step(prediction: str, clip: bool, dtype: torch.dtype) -> None:
+    jobs = _jobs(prediction, clip, dtype)
+    batched = step_batch(jobs)
+    for (stepper, i, output, sample), new in zip(jobs, batched):
+        assert new.dtype == dtype
+        assert torch.equal(new, stepper.step(i, output, sample))
+
+
+def _euler_job(sample: torch.Tensor, output: torch.Tensor) -> tuple:  # type: ignore[type-arg]
+    euler = EulerDiscreteScheduler()
+    euler.set_timesteps(8)
+    return make_stepper(euler, euler.timesteps, torch.Generator().manual_seed(0)), 0, output, sample
+
+
+def test_a_batch_mixing_schedulers_and_dtypes_steps_each_job_as_its_own() -> None:
+    sample, output = torch.randn(1, 4, 8, 8), torch.randn(1, 4, 8, 8)
+    jobs = (_jobs("epsilon", False, torch.bfloat16, count=3) + [_euler_job(sample, output)]
+            + _jobs("v_prediction", False, torch.float32, count=2)
+            + _jobs("epsilon", False, torch.float32, torch.bfloat16, count=2))
+    batched = step_batch(jobs)
+    own = [stepper.step(i, out, x) for stepper, i, out, x in jobs[:3] + [_euler_job(sample, output)] + jobs[4:]]
+    for new, expected in zip(batched, own, strict=True):
+        assert new.dtype == expected.dtype and torch.equal(new, expected)
+    assert [b.dtype for b in batched] == [torch.bfloat16] * 3 + [torch.float32] * 5
+
+
+def test_a_batch_of_ddim_updates_launches_the_same_operators_at_any_size() -> None:
+    from ops.bench.harness.dispatch import DispatchCounter
+
+    counts = {}
+    for count in (2, 8):
+        jobs = _jobs("epsilon", False, torch.bfloat16, count=count)
+        with DispatchCounter() as counter:
+            step_batch(jobs)
+        counts[count] = counter.kernels
+    assert counts[8] == counts[2] <= 6, counts

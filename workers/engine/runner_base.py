@@ -65,7 +65,7 @@ from workers.engine.job import EngineJob
 from workers.engine.plan import RESIDENT, UNAVAILABLE, BlockCost, StepPlan, Tier, UnitCostModel, plan_optimal
 from workers.engine.settle import LaunchedStep, finite_flags, read_failures, to_host
 from workers.engine.staging import CacheStager
-from workers.engine.stepper import make_stepper
+from workers.engine.stepper import make_stepper, step_batch
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider, UnitCache, key_stored_steps
 from workers.maskaware.activation_store import TemplateCacheKey
 from workers.maskaware.reuse import ReuseRule, TemporalReuse
@@ -717,7 +717,8 @@ class BaseRunner(ABC):
                 job.state.reuse.collect(job.steps_done)
         try:
             preds = self._guided_batch(batch, output)
-            news = [job.state.stepper.step(job.steps_done, pred, job.state.latents) for job, pred in zip(batch, preds)]
+            news = step_batch([(job.state.stepper, job.steps_done, pred, job.state.latents)
+                               for job, pred in zip(batch, preds)])
             flags, ready = to_host(finite_flags(news))
             launched = LaunchedStep(list(batch), [int(job.steps_done) for job in batch], flags, started, ready,
                                     self.last_ctx if self._units_on else None)

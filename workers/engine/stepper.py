@@ -9,6 +9,16 @@ tensors; a step then applies the scheduler's own arithmetic to the model output 
 scalar operands, exactly as ``scheduler.step`` does, so results are bit-identical (tested) and a
 step reads nothing: no lookup, no comparison, no device synchronisation.
 
+``step_batch`` updates a step's DDIM jobs together: each operation of the update is one
+multi-tensor (``_foreach``) call over the jobs, with each job's scalars as a list of numbers, so a
+batch of any size launches the same few kernels. It computes what each job's own step computes,
+bit for bit: a ``_foreach`` operation with a scalar list computes each element in the operation's
+math type (float32 for 16-bit tensors) with the number it is given, so the batch gives it the number
+the single-tensor operation with a 0-d host tensor really uses. That differs by device: on the CPU
+``scalar * x`` first casts the scalar to ``x``'s dtype while ``x / scalar`` divides by it as it is;
+on CUDA ``scalar * x`` uses it as it is and ``x / scalar`` multiplies by its float32 reciprocal
+(``div_true_kernel_cuda``). Other devices and dtypes step each job alone.
+
 Covered: ``DDIMScheduler`` (eta 0; epsilon, sample and v prediction; clipping) and
 ``FlowMatchEulerDiscreteScheduler`` (deterministic, no per-token timesteps): the schedulers the
 service's model families use. Any other scheduler, or options outside that set (thresholding,
@@ -17,10 +27,13 @@ stochastic sampling), runs its own ``step`` (``SchedulerStepper``), which may re
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 
@@ -45,6 +58,40 @@ class _DDIMStep:
     sqrt_beta: torch.Tensor
     sqrt_alpha_prev: torch.Tensor
     direction: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Numbers:
+    """A step's scalars as the numbers ``step_batch`` hands to multi-tensor operations (module doc),
+    worked out at admission so that a step dispatches nothing for them."""
+
+    exact: dict[str, float]
+    cast: dict[tuple[str, torch.dtype], float]  # the scalar cast to a 16-bit dtype
+    reciprocal: dict[str, float]  # 1 / scalar in float32
+
+    def multiplier(self, name: str, x: torch.Tensor) -> float:
+        """The number ``scalar * x`` multiplies by: on the CPU a leading 0-d operand is first cast to
+        ``x``'s dtype (TensorIterator's temporaries); on CUDA the kernel reads it as it is."""
+        return self.cast.get((name, x.dtype), self.exact[name]) if x.device.type == "cpu" else self.exact[name]
+
+    def divisor(self, name: str, x: torch.Tensor) -> tuple[str, float]:
+        """How ``x / scalar`` computes: on the CPU a division by the scalar as it is; on CUDA a
+        multiplication by its reciprocal, computed in float32 (``div_true_kernel_cuda``)."""
+        if x.device.type == "cpu":
+            return "divide", self.exact[name]
+        return "multiply", self.reciprocal[name]
+
+
+def _numbers(steps: list[_DDIMStep]) -> list[_Numbers]:
+    """Every step's numbers, from one tensor per scalar (a handful of host operations per job)."""
+    names = [f.name for f in dataclasses.fields(_DDIMStep)]
+    values = {name: torch.stack([getattr(s, name) for s in steps]).to(torch.float32) for name in names}
+    exact = {name: v.tolist() for name, v in values.items()}
+    cast = {(name, dtype): v.to(dtype).tolist() for name, v in values.items()
+            for dtype in (torch.bfloat16, torch.float16)}
+    reciprocal = {name: (np.float32(1.0) / v.numpy()).tolist() for name, v in values.items()}
+    return [_Numbers({n: exact[n][i] for n in names}, {k: c[i] for k, c in cast.items()},
+                     {n: reciprocal[n][i] for n in names}) for i in range(len(steps))]
 
 
 class DDIMStepper:
@@ -72,6 +119,7 @@ class DDIMStepper:
                 sqrt_alpha=alpha_prod_t ** (0.5), sqrt_beta=beta_prod_t ** (0.5),
                 sqrt_alpha_prev=alpha_prod_t_prev ** (0.5),
                 direction=(1 - alpha_prod_t_prev - std_dev_t**2) ** (0.5)))
+        self.numbers = _numbers(self.steps) if self.steps else []
 
     @staticmethod
     def supports(scheduler: Any) -> bool:
@@ -97,6 +145,63 @@ class DDIMStepper:
             pred_original_sample = pred_original_sample.clamp(-self.clip, self.clip)
         pred_sample_direction = s.direction * pred_epsilon
         return s.sqrt_alpha_prev * pred_original_sample + pred_sample_direction
+
+
+# The devices whose host-scalar arithmetic ``step_batch`` reproduces (elsewhere each job steps alone).
+_DEVICES = ("cpu", "cuda")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def step_batch(updates: Sequence[tuple[Stepper, int, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """Each job's next sample, ``(stepper, step index, model output, sample)`` in, in order: DDIM jobs
+    sharing a configuration, device and dtypes in one multi-tensor call per operation (module doc),
+    any other job through its own ``step``."""
+    news: list[torch.Tensor | None] = [None] * len(updates)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for n, (stepper, i, output, sample) in enumerate(updates):
+        if (isinstance(stepper, DDIMStepper) and sample.device.type in _DEVICES and sample.dtype in _DTYPES
+                and output.dtype in _DTYPES):
+            key = (stepper.prediction, stepper.clip, sample.device, sample.dtype, output.dtype)
+            groups.setdefault(key, []).append(n)
+        else:
+            news[n] = stepper.step(i, output, sample)
+    for (prediction, clip, _, _, _), members in groups.items():
+        if len(members) == 1:
+            stepper, i, output, sample = updates[members[0]]
+            news[members[0]] = stepper.step(i, output, sample)
+            continue
+        steps = [updates[n][0].numbers[updates[n][1]] for n in members]  # type: ignore[attr-defined]
+        outputs = [updates[n][2] for n in members]
+        samples = [updates[n][3] for n in members]
+        for n, new in zip(members, _ddim_batch(prediction, clip, steps, outputs, samples)):
+            news[n] = new
+    return news  # type: ignore[return-value]
+
+
+def _ddim_batch(prediction: str, clip: float | None, steps: list[_Numbers],
+                outputs: list[torch.Tensor], samples: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``DDIMStepper.step``'s expressions, operation by operation, over the jobs."""
+    def times(xs: list[torch.Tensor], name: str) -> list[torch.Tensor]:  # ``scalar * x``
+        return list(torch._foreach_mul(xs, [s.multiplier(name, x) for s, x in zip(steps, xs)]))
+
+    def over(xs: list[torch.Tensor], name: str) -> list[torch.Tensor]:  # ``x / scalar``
+        how = [s.divisor(name, x) for s, x in zip(steps, xs)]
+        if how[0][0] == "multiply":
+            return list(torch._foreach_mul(xs, [v for _, v in how]))
+        return list(torch._foreach_div(xs, [v for _, v in how]))
+
+    if prediction == "epsilon":
+        original = over(list(torch._foreach_sub(samples, times(outputs, "sqrt_beta"))), "sqrt_alpha")
+        epsilon = outputs
+    elif prediction == "sample":
+        original = outputs
+        epsilon = over(list(torch._foreach_sub(samples, times(original, "sqrt_alpha"))), "sqrt_beta")
+    else:  # v_prediction
+        original = list(torch._foreach_sub(times(samples, "sqrt_alpha"), times(outputs, "sqrt_beta")))
+        epsilon = list(torch._foreach_add(times(outputs, "sqrt_alpha"), times(samples, "sqrt_beta")))
+    if clip is not None:
+        original = [x.clamp(-clip, clip) for x in original]
+    return list(torch._foreach_add(times(original, "sqrt_alpha_prev"), times(epsilon, "direction")))
 
 
 class FlowMatchStepper:
@@ -158,4 +263,4 @@ def make_stepper(scheduler: Any, timesteps: torch.Tensor, generator: torch.Gener
     return SchedulerStepper(scheduler, timesteps, generator)
 
 
-__all__ = ["DDIMStepper", "FlowMatchStepper", "SchedulerStepper", "Stepper", "make_stepper"]
+__all__ = ["DDIMStepper", "FlowMatchStepper", "SchedulerStepper", "Stepper", "make_stepper", "step_batch"]
