@@ -124,6 +124,18 @@ def test_a_batch_of_ddim_updates_on_cuda_equals_each_jobs_own_step(prediction: s
         assert torch.equal(new, stepper.step(i, output, sample)), i
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_of_flow_matching_updates_on_cuda_equals_each_jobs_own_step(dtype: torch.dtype) -> None:
+    """Flux's Euler update batched: the scalar as it is (no cast on CUDA), the 16-bit sum, bit for bit."""
+    from tests.test_stepper import _flow_jobs
+    from workers.engine.stepper import step_batch
+
+    jobs = [(stepper, i, output.to(CUDA), sample.to(CUDA)) for stepper, i, output, sample in _flow_jobs(dtype)]
+    for (stepper, i, output, sample), new in zip(jobs, step_batch(jobs)):
+        assert new.device.type == CUDA and new.dtype == dtype
+        assert torch.equal(new, stepper.step(i, output, sample)), i
+
+
 def test_graph_replayed_steps_equal_eager_steps_on_cuda(warmed) -> None:  # type: ignore[no-untyped-def]
     from workers.engine.graphs import CudaGraphCall
     from workers.engine.sd_runner import SDRunner

@@ -6,6 +6,7 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 
+from ops.bench.harness.dispatch import DispatchCounter
 from workers.engine.stepper import DDIMStepper, FlowMatchStepper, SchedulerStepper, make_stepper, step_batch
 
 
@@ -114,8 +115,6 @@ def test_a_batch_mixing_schedulers_and_dtypes_steps_each_job_as_its_own() -> Non
 
 
 def test_a_batch_of_ddim_updates_launches_the_same_operators_at_any_size() -> None:
-    from ops.bench.harness.dispatch import DispatchCounter
-
     counts = {}
     for count in (2, 8):
         jobs = _jobs("epsilon", False, torch.bfloat16, count=count)
@@ -123,3 +122,36 @@ def test_a_batch_of_ddim_updates_launches_the_same_operators_at_any_size() -> No
             step_batch(jobs)
         counts[count] = counter.kernels
     assert counts[8] == counts[2] <= 6, counts
+
+
+def _flow_jobs(dtype: torch.dtype, count: int = 4) -> list:  # type: ignore[type-arg]
+    g = torch.Generator().manual_seed(3)
+    jobs = []
+    for n in range(count):
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+        scheduler.set_timesteps(sigmas=torch.linspace(1.0, 1 / 10, 10).tolist(), mu=0.7)
+        scheduler.set_begin_index(n % 3)
+        stepper = make_stepper(scheduler, scheduler.timesteps[n % 3:], torch.Generator().manual_seed(0))
+        jobs.append((stepper, (2 * n + 1) % 7, torch.randn(1, 64, 16, generator=g).to(dtype),
+                     torch.randn(1, 64, 16, generator=g).to(dtype)))
+    return jobs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_batch_of_flow_matching_updates_equals_each_jobs_own_step(dtype: torch.dtype) -> None:
+    jobs = _flow_jobs(dtype)
+    with DispatchCounter() as counter:
+        batched = step_batch(jobs)
+    assert counter.kernels == 2  # one multiplication and one addition for every job
+    for (stepper, i, output, sample), new in zip(jobs, batched, strict=True):
+        assert isinstance(stepper, FlowMatchStepper) and new.dtype == dtype
+        assert torch.equal(new, stepper.step(i, output, sample))
+
+
+def test_a_flow_matching_sample_in_another_dtype_steps_alone() -> None:
+    jobs = _flow_jobs(torch.bfloat16)
+    stepper, i, output, sample = jobs[1]
+    jobs[1] = (stepper, i, output, sample.float())  # the stock step returns the output's dtype
+    batched = step_batch(jobs)
+    assert batched[1].dtype == torch.bfloat16
+    assert torch.equal(batched[1], stepper.step(i, output, sample.float()))

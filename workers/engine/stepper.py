@@ -9,9 +9,9 @@ tensors; a step then applies the scheduler's own arithmetic to the model output 
 scalar operands, exactly as ``scheduler.step`` does, so results are bit-identical (tested) and a
 step reads nothing: no lookup, no comparison, no device synchronisation.
 
-``step_batch`` updates a step's DDIM jobs together: each operation of the update is one
-multi-tensor (``_foreach``) call over the jobs, with each job's scalars as a list of numbers, so a
-batch of any size launches the same few kernels. It computes what each job's own step computes,
+``step_batch`` updates a step's DDIM jobs together, and its flow-matching jobs: each operation of
+the update is one multi-tensor (``_foreach``) call over the jobs, with each job's scalars as a list
+of numbers, so a batch of any size launches the same few kernels. It computes what each job's own step computes,
 bit for bit: a ``_foreach`` operation with a scalar list computes each element in the operation's
 math type (float32 for 16-bit tensors) with the number it is given, so the batch gives it the number
 the single-tensor operation with a 0-d host tensor really uses. That differs by device: on the CPU
@@ -130,6 +130,18 @@ class DDIMStepper:
     def scale_input(self, sample: torch.Tensor, i: int) -> torch.Tensor:
         return sample  # DDIMScheduler.scale_model_input is the identity
 
+    def batch_key(self, output: torch.Tensor, sample: torch.Tensor) -> tuple[Any, ...] | None:
+        """Jobs with equal keys step together (``step_batch``); None: this job steps alone."""
+        if not _batchable(output, sample):
+            return None
+        return (DDIMStepper, self.prediction, self.clip, sample.device, sample.dtype, output.dtype)
+
+    @staticmethod
+    def step_many(key: tuple[Any, ...], group: list[tuple[Any, int, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        _, prediction, clip = key[:3]
+        return _ddim_batch(prediction, clip, [stepper.numbers[i] for stepper, i, _, _ in group],
+                           [output for _, _, output, _ in group], [sample for _, _, _, sample in group])
+
     def step(self, i: int, model_output: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
         s = self.steps[i]
         if self.prediction == "epsilon":
@@ -153,29 +165,32 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def step_batch(updates: Sequence[tuple[Stepper, int, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-    """Each job's next sample, ``(stepper, step index, model output, sample)`` in, in order: DDIM jobs
-    sharing a configuration, device and dtypes in one multi-tensor call per operation (module doc),
-    any other job through its own ``step``."""
+    """Each job's next sample, ``(stepper, step index, model output, sample)`` in, in order: jobs whose
+    steppers batch (``batch_key``: same kind, configuration, device and dtypes) in one multi-tensor
+    call per operation (module doc), any other job through its own ``step``."""
     news: list[torch.Tensor | None] = [None] * len(updates)
     groups: dict[tuple[Any, ...], list[int]] = {}
     for n, (stepper, i, output, sample) in enumerate(updates):
-        if (isinstance(stepper, DDIMStepper) and sample.device.type in _DEVICES and sample.dtype in _DTYPES
-                and output.dtype in _DTYPES):
-            key = (stepper.prediction, stepper.clip, sample.device, sample.dtype, output.dtype)
-            groups.setdefault(key, []).append(n)
-        else:
+        batch_key = getattr(stepper, "batch_key", None)
+        key = batch_key(output, sample) if batch_key is not None else None
+        if key is None:
             news[n] = stepper.step(i, output, sample)
-    for (prediction, clip, _, _, _), members in groups.items():
-        if len(members) == 1:
-            stepper, i, output, sample = updates[members[0]]
-            news[members[0]] = stepper.step(i, output, sample)
-            continue
-        steps = [updates[n][0].numbers[updates[n][1]] for n in members]  # type: ignore[attr-defined]
-        outputs = [updates[n][2] for n in members]
-        samples = [updates[n][3] for n in members]
-        for n, new in zip(members, _ddim_batch(prediction, clip, steps, outputs, samples)):
+        else:
+            groups.setdefault(key, []).append(n)
+    for key, members in groups.items():
+        group = [updates[n] for n in members]
+        if len(group) == 1:
+            stepper, i, output, sample = group[0]
+            results = [stepper.step(i, output, sample)]
+        else:
+            results = key[0].step_many(key, group)
+        for n, new in zip(members, results):
             news[n] = new
     return news  # type: ignore[return-value]
+
+
+def _batchable(output: torch.Tensor, sample: torch.Tensor) -> bool:
+    return sample.device.type in _DEVICES and sample.dtype in _DTYPES and output.dtype in _DTYPES
 
 
 def _ddim_batch(prediction: str, clip: float | None, steps: list[_Numbers],
@@ -214,6 +229,10 @@ class FlowMatchStepper:
     def __init__(self, scheduler: Any, begin: int, count: int) -> None:
         sigmas = scheduler.sigmas
         self.dts = [sigmas[i + 1] - sigmas[i] for i in range(begin, begin + count)]  # 0-d host tensors
+        dts = torch.stack(self.dts).to(torch.float32) if self.dts else torch.zeros(0)
+        # ``dt * output`` as step_batch multiplies (module doc): the exact value, and cast to 16 bits
+        self.multipliers = {dtype: dts.to(dtype).tolist() for dtype in (torch.bfloat16, torch.float16)}
+        self.multipliers[torch.float32] = dts.tolist()
 
     @staticmethod
     def supports(scheduler: Any) -> bool:
@@ -226,6 +245,21 @@ class FlowMatchStepper:
     def step(self, i: int, model_output: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
         prev_sample = sample.to(torch.float32) + self.dts[i] * model_output
         return prev_sample.to(model_output.dtype)
+
+    def batch_key(self, output: torch.Tensor, sample: torch.Tensor) -> tuple[Any, ...] | None:
+        """As ``DDIMStepper.batch_key``; a sample in the output's dtype only (then the float32 sum
+        rounded to that dtype is what the 16-bit addition computes)."""
+        if not _batchable(output, sample) or sample.dtype != output.dtype:
+            return None
+        return (FlowMatchStepper, sample.device, sample.dtype)
+
+    @staticmethod
+    def step_many(key: tuple[Any, ...], group: list[tuple[Any, int, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        _, device, dtype = key
+        exact = device.type != "cpu"  # on the CPU the leading 0-d ``dt`` is cast to the output's dtype
+        dts = [stepper.multipliers[torch.float32 if exact else dtype][i] for stepper, i, _, _ in group]
+        products = torch._foreach_mul([output for _, _, output, _ in group], dts)
+        return list(torch._foreach_add([sample for _, _, _, sample in group], products))
 
 
 class SchedulerStepper:
