@@ -218,3 +218,23 @@ def test_attention_on_the_meta_device_counts_as_the_one_fused_kernel_it_is_on_a_
     with plain:  # anything else on the meta device is counted operator by operator
         torch.softmax(q @ k.transpose(-1, -2), dim=-1)
     assert FUSED_ATTENTION not in plain.ops and plain.kernels >= 2
+
+
+def test_the_work_around_flux_adds_nothing_per_job() -> None:
+    """Flux's step around the transformer (input rows, Euler update, finiteness) is launched once for
+    the batch: from 2 to 4 masked jobs of the trained Flux Fill, no operator outside the call is added."""
+    from app.demo import demo_templates
+    from app.jobs import JobParams
+    from app.maskgen import make_mask
+    from ops.bench.harness.edits import Family
+    from ops.bench.harness.engine import kernels_around_the_model, record
+
+    fam = Family("flux")
+    image = demo_templates(128)[0][1].resize((fam.size, fam.size))
+    params = JobParams(prompt="a hat", seed=1, steps=3, guidance=30.0)
+    tensors, meta = fam.prepare(image, make_mask(0.1, (fam.size, fam.size), "blob", seed=1), params)
+    key = fam.key("t0", params, meta)
+    record(fam.runner_ma, tensors, meta, key, resident_steps=3)
+    jobs = [(tensors, dict(meta, cache_mode="masked", cache_key=key.to_dict()))]
+    outside = {b: kernels_around_the_model(fam.runner_ma, fam.runner_ma.transformer, jobs, b, 3)[1] for b in (2, 4)}
+    assert outside[4] == outside[2], outside

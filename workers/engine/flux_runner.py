@@ -107,7 +107,7 @@ class FluxRunner(BaseRunner):
             raise ValueError("Flux jobs with text of different lengths in one batch")
         times = torch.stack([s.model_times[job.steps_done] for s, job in zip(states, batch)])  # type: ignore[index]
         if len({s.latents.shape[1] for s in states}) == 1:
-            hidden = torch.cat([torch.cat((s.latents, s.masked_image_latents), dim=2) for s in states])
+            hidden = _packed_inputs(states)
             horizon = min(job.total_steps - job.steps_done for job in batch)  # steps this batch can last
             return self._call(states, hidden, times, states[0].image_ids, groups, horizon)
         if groups is None:  # no mask-aware plan to skip padding: one call per size
@@ -117,7 +117,7 @@ class FluxRunner(BaseRunner):
                 by_n.setdefault(s.latents.shape[1], []).append(i)
             for idx in by_n.values():
                 sub = [states[i] for i in idx]
-                hidden = torch.cat([torch.cat((s.latents, s.masked_image_latents), dim=2) for s in sub])
+                hidden = _packed_inputs(sub)
                 out, _ = self._call(sub, hidden, times[idx], sub[0].image_ids, None)
                 for k, i in enumerate(idx):
                     outs[i] = out[k:k + 1]
@@ -158,3 +158,12 @@ class FluxRunner(BaseRunner):
 
     def _guided_batch(self, batch: list[EngineJob], output: Any) -> list[torch.Tensor]:
         return job_rows(batch, output)  # Flux Fill's guidance is embedded (distilled), not classifier-free
+
+
+def _packed_inputs(states: list[FluxJobState]) -> torch.Tensor:
+    """The transformer's input rows, each job's latents beside its masked-image latents: three
+    concatenations for the batch (the same copy as one pair per job, without a kernel per job)."""
+    if len(states) == 1:
+        return torch.cat((states[0].latents, states[0].masked_image_latents), dim=2)
+    return torch.cat((torch.cat([s.latents for s in states]), torch.cat([s.masked_image_latents for s in states])),
+                     dim=2)
