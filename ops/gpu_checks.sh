@@ -18,9 +18,10 @@
 # named, about a minute: GPU_CHECKS=profile, or with the add-ons) fits the cost model of the true-size
 # SD 1.5 UNet on the card (`stencil profile --device cuda`: graph-replayed steps, pinned host copies):
 # sd15-inpaint--cuda.json in $OUT is the measured GPU cost model to ship in ops/sim/costmodels. Stage
-# `arrivals` (only when named, about two minutes) runs the mask-aware engine under Poisson arrivals at
-# two loads with the engine's token buckets and coarser ones (gpu_engine_loads.md): whether fewer graph
-# signatures pay for their padded tokens. The second command for all three:
+# `arrivals` (only when named, two to three minutes) runs the mask-aware engine under Poisson arrivals
+# with the engine's token buckets and coarser ones, each with steps widened to wider batches' graphs
+# and without (gpu_engine_loads.md): whether fewer eager steps pay for their padded tokens. The second
+# command for all three:
 #   device run (carry .gpu):  source .gpu/setup.sh && GPU_CHECKS=addons,profile,arrivals bash ops/gpu_checks.sh
 set -uo pipefail
 # Each process of a stack would otherwise compile diffusers and the project anew where the
@@ -65,8 +66,9 @@ stage e2e 200 bash -c "bench e2e_gpu --budget-s 178"
 stage addons 200 bash -c "bench addons_gpu"
 stage profile 120 bash -c "exec python3 -m ops.bench.profile --device cuda --model sd15-inpaint --points 48 --max-jobs 16 \
   --out '$OUT/sd15-inpaint--cuda.json' --report '$OUT/profile.md' --raw '$work/profile.points.json' > '$work/profile.log' 2>&1"
-stage arrivals 150 bash -c "exec python3 -m ops.bench.gpu_engine --systems stencil-maskaware --jobs 64 --loads 0.5,0.9 \
-  --growth 1.25,2 --out '$OUT/gpu_engine_loads.md' --json '$work/gpu_engine_loads.json' > '$work/gpu_engine_loads.log' 2>&1"
+# The engine's configuration first (growth 1.25, widening 1.5); the report is rewritten after each run.
+stage arrivals 170 bash -c "exec python3 -m ops.bench.gpu_engine --systems stencil-maskaware --jobs 32 --loads 0.8 \
+  --growth 1.25,2 --widen 1.5,1 --out '$OUT/gpu_engine_loads.md' --json '$work/gpu_engine_loads.json' > '$work/gpu_engine_loads.log' 2>&1"
 (cd "$work" && shopt -s nullglob && files=(*.json *.log) && ((${#files[@]})) && tar -czf "$OUT/details.tar.gz" -- "${files[@]}")
 rm -rf "$work"
 cat "$summary"

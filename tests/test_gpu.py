@@ -208,7 +208,8 @@ def test_refresh_steps_replay_cuda_graphs_and_equal_eager_steps(warmed) -> None:
 def test_a_ragged_graph_replays_other_counts_on_cuda_and_equals_the_per_group_path() -> None:
     """Ragged batch indices on CUDA (the variable-length attention kernel): steps whose jobs' counts
     differ but whose totals share a bucket replay one CUDA graph, and each replay equals the eager
-    ragged step bit for bit and the per-group path (SDPA per job) to bfloat16 rounding."""
+    ragged step bit for bit and the per-group path (SDPA per job) to bfloat16 rounding; a step of
+    fewer tokens (within ``WIDEN_LIMIT``) replays it with its indices padded up to it."""
     from tests.test_maskaware_unet import LATENT, tiny_unet
     from workers.engine.graph_calls import unet_call
     from workers.engine.graphs import CudaGraphCall, StepGraphs
@@ -225,8 +226,14 @@ def test_a_ragged_graph_replays_other_counts_on_cuda_and_equals_the_per_group_pa
             latent[4 * by:4 * by + 4, 4 * bx:4 * bx + 4] = True
         return ctrl.token_masks(latent, LATENT).prepare(CUDA)
 
+    def strip():  # type: ignore[no-untyped-def]
+        latent = torch.zeros(LATENT, dtype=torch.bool)
+        latent[0:4, 0:6] = True
+        return ctrl.token_masks(latent, LATENT).prepare(CUDA)
+
     layouts = [[blocks([(0, 0), (0, 1)]), blocks([(2, 2)])], [blocks([(3, 3)]), blocks([(1, 0), (1, 1)])],
-               [blocks([(2, 0)]), blocks([(0, 3), (3, 0)])]]
+               [blocks([(2, 0)]), blocks([(0, 3), (3, 0)])],
+               [strip(), blocks([(2, 2)])]]  # fewer tokens (80 against 112 at the finest level): padded up
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(4, 9, *LATENT, generator=g) + 0.1 * torch.arange(4).view(-1, 1, 1, 1)).to(CUDA, torch.bfloat16)
     t = torch.tensor([981, 501, 981, 501], device=CUDA)
@@ -250,8 +257,11 @@ def test_a_ragged_graph_replays_other_counts_on_cuda_and_equals_the_per_group_pa
                     with ctrl.batch(groups, build_index=name == "eager"):
                         out = unet(x, t, encoder_hidden_states=e).sample
             outs[name] = out.float().clone()
-        assert graphs.last == ("eager", "captured", "replayed")[step]
-        assert torch.equal(outs["graph"], outs["eager"]), (step, float((outs["graph"] - outs["eager"]).abs().max()))
+        assert graphs.last == ("eager", "captured", "replayed", "replayed")[step]
+        assert graphs.widened == (step == 3)
+        if step < 3:  # the same shapes: bit for bit (a widened step's GEMMs have more rows)
+            assert torch.equal(outs["graph"], outs["eager"]), (step, float((outs["graph"] - outs["eager"]).abs().max()))
+        assert torch.allclose(outs["graph"], outs["eager"], atol=3e-2, rtol=3e-2)
         assert torch.allclose(outs["graph"], outs["per group"], atol=3e-2, rtol=3e-2), \
             (step, float((outs["graph"] - outs["per group"]).abs().max()))
 

@@ -181,3 +181,56 @@ def test_the_device_kernels_are_called_as_their_schemas_say(dtype: torch.dtype, 
     assert out.shape == (total, width) and out.dtype == dtype and out.device.type == "meta"
     assert called == ["_flash_attention_forward" if flash else "_efficient_attention_forward"]
     assert len(memo) == 1 and all(t.dtype == torch.int32 for t in next(iter(memo.values())))
+
+
+def test_a_step_without_a_graph_replays_a_wider_batchs_graph_padded_up_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two jobs of three latent blocks each are captured; then two jobs of two blocks (token totals
+    1.33x and 1.5x under the graph's per level) replay that graph with their indices padded up to
+    it, and compute what they compute alone; a step whose totals would need more padding than
+    ``WIDEN_LIMIT`` runs eagerly, as the narrow step does with widening off."""
+    from workers.engine import graph_calls
+
+    unet = tiny_unet(0)
+    ctrl = MaskAwareUNet(unet)
+    ctrl.ragged = True
+    wide = [_blocks(ctrl, [(0, 0), (0, 1), (0, 2)]), _blocks(ctrl, [(2, 2), (2, 3), (3, 3)])]
+    narrow = [_blocks(ctrl, [(0, 0), (0, 1)]), _blocks(ctrl, [(2, 2), (2, 3)])]
+    narrower = [_blocks(ctrl, [(0, 0)]), _blocks(ctrl, [(2, 2), (2, 3)])]
+    args, recorded, stager = _staged_jobs(unet, ctrl, wide)
+    graphs = StepGraphs("cpu", repeats=2)
+    for step in range(2):
+        _masked_call(unet, ctrl, args, recorded, stager, wide, f"w{step}", graphs=graphs)
+    assert graphs.last == "captured" and graphs.captures == 1
+    out = _masked_call(unet, ctrl, args, recorded, stager, narrow, "n", graphs=graphs)
+    assert graphs.last == "replayed" and graphs.widened == 1 and graphs.captures == 1
+    padded, own = graphs.widened_rows
+    assert padded == (192 - 144) + (48 - 32) and own == 144 + 32 + 16  # two CFG rows per job, per level
+    eager = _masked_call(unet, ctrl, args, recorded, stager, narrow, "ne")
+    per_group = _masked_call(unet, ctrl, args, recorded, stager, narrow, "np", build_index=False)
+    assert torch.allclose(out, eager, rtol=1e-5, atol=1e-5), float((out - eager).abs().max())
+    assert torch.allclose(out, per_group, rtol=1e-5, atol=1e-5), float((out - per_group).abs().max())
+    _masked_call(unet, ctrl, args, recorded, stager, narrower, "m", graphs=graphs)  # 192 / 112 > WIDEN_LIMIT
+    assert graphs.last == "eager" and graphs.widened == 1
+    monkeypatch.setattr(graph_calls, "WIDEN_LIMIT", 1.0)
+    _masked_call(unet, ctrl, args, recorded, stager, narrow, "off", graphs=graphs)
+    assert graphs.last == "eager" and graphs.widened == 1
+
+
+def test_under_poisson_arrivals_widening_replays_more_steps_and_the_ablation_restores_the_engines() -> None:
+    """``ops.bench.graph_churn``'s engine at load 0.9 (its quick settings): with widening some steps
+    replay a wider batch's graph, each padded by at most ``WIDEN_LIMIT``, and more steps replay
+    than with it off; the ablation leaves the engine's limit as it was."""
+    from types import SimpleNamespace
+
+    from ops.bench.graph_churn import run
+    from ops.bench.harness.runner_timing import load_model
+    from workers.engine import graph_calls
+    from workers.maskaware.buckets import GROWTH
+
+    limit = graph_calls.WIDEN_LIMIT
+    mut = load_model("tiny", 8, 0)
+    args = SimpleNamespace(jobs=8, max_batch=4, steps=8, trace="spring", seed=0)
+    off, on = (run(mut, "0.9", 1, "ragged", GROWTH, widen, args) for widen in (1.0, limit))
+    assert off["widened"] == 0 < on["widened"] and off["replayed"] < on["replayed"]
+    assert 0 < on["widened_padding"] <= limit - 1
+    assert graph_calls.WIDEN_LIMIT == limit

@@ -23,8 +23,10 @@ the same edits arrive at L x the burst's engine throughput (jobs/s over its step
 batch as it runs, so the batch's signature churns and steps run eagerly where no graph fits;
 reported per load: jobs/s, the engine's latency (arrival to last step), steps replayed / captured /
 eager. ``--growth G,..`` (an ablation of ``workers/maskaware/buckets.GROWTH``) runs each load with
-token buckets growing by G: coarser buckets replay more steps (``ops.bench.graph_churn``) and pad
-more tokens; which serves more jobs/s only the device's timing says.
+token buckets growing by G, ``--widen L,..`` (of ``workers/engine/graph_calls.WIDEN_LIMIT``; 1 = off)
+with steps padded by at most L x to replay a wider batch's graph: both replay more steps
+(``ops.bench.graph_churn``) for padded tokens; which serves more jobs/s only the device's timing
+says. The report is written after every part (a run cut short keeps what it measured).
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ from PIL import Image
 from app.fidelity import policy_schedule
 from app.jobs import JobParams
 from app.storage.local import LocalStore
-from ops.bench.graph_churn import bucket_growth
+from ops.bench.graph_churn import bucket_growth, widen_limit
 from ops.bench.harness.burst import Edits, row, run_stock
 from ops.bench.harness.cli import parser, start
 from ops.bench.harness.gpu import DTYPES, device_of, hardware, sync
+from workers.engine import graph_calls
 from workers.engine.engine import Engine
 from workers.engine.scheduler import BatchScheduler
 from workers.engine.sd_runner import SDRunner
@@ -154,6 +157,7 @@ class Stencil:
         at = np.cumsum(np.random.default_rng(args.seed).exponential(1.0 / rate, len(jobs)))
         if self.runner.graphs is not None:
             self.runner.graphs.clear()
+            self.runner.graphs.widened = 0
         sync(self.device)
         engine = Engine(self.runner, BatchScheduler(max_batch=args.max_batch))
         handles: list[Any] = []
@@ -179,24 +183,25 @@ class Stencil:
             h.future.result()
         latencies = [done[i] - at[i] for i in range(len(jobs))]
         second = ran_as[len(ran_as) // 2:]
+        widened = self.runner.graphs.widened if self.runner.graphs is not None else 0
         return {"rate": rate, "jobs_per_s": len(jobs) / max(done.values()), "mean_s": float(np.mean(latencies)),
-                "p95_s": float(np.quantile(latencies, 0.95)), "steps": len(ran_as),
+                "p95_s": float(np.quantile(latencies, 0.95)), "steps": len(ran_as), "widened": widened / len(ran_as),
                 **{k: ran_as.count(k) / len(ran_as) for k in ("replayed", "captured", "eager")},
                 **{f"steady_{k}": second.count(k) / max(len(second), 1) for k in ("replayed", "captured", "eager")}}
 
 
-def under_load(stencil: Stencil, edits: Edits, args: Any, key: TemplateCacheKey,
-               capacity: float) -> list[dict[str, Any]]:
-    """The Poisson runs: each load at each bucket growth (``--loads``, ``--growth``)."""
-    rows = []
+def under_load(stencil: Stencil, edits: Edits, args: Any, key: TemplateCacheKey, report: "Report") -> None:
+    """The Poisson runs into ``report``: each load at each bucket growth and widening limit
+    (``--loads``, ``--growth``, ``--widen``; the engine's first)."""
     for load in args.loads:
         for growth in args.growth:
-            with bucket_growth(growth):
-                r = stencil.poisson(edits, args, key, load * capacity)
-            rows.append({"load": load, "growth": growth, **r})
-            log.info("load %g growth %g: %.2f jobs/s, mean %.2f s, replayed %.2f", load, growth, r["jobs_per_s"],
-                     r["mean_s"], r["replayed"])
-    return rows
+            for widen in args.widen:
+                with bucket_growth(growth), widen_limit(widen):
+                    r = stencil.poisson(edits, args, key, load * report.capacity)
+                report.loaded.append({"load": load, "growth": growth, "widen": widen, **r})
+                report.write()
+                log.info("load %g growth %g widen %g: %.2f jobs/s, mean %.2f s, replayed %.2f", load, growth, widen,
+                         r["jobs_per_s"], r["mean_s"], r["replayed"])
 
 
 def _shares(r: dict[str, Any], prefix: str) -> str:
@@ -269,6 +274,61 @@ def phase_profile(stencil: Stencil, edits: Edits, args: Any, key: TemplateCacheK
     return rows
 
 
+class Report:
+    """What the run has measured so far, written after every part: a stage cut short by its time
+    limit (``ops/gpu_checks.sh``) keeps its finished parts."""
+
+    def __init__(self, run: Any, hw: str, edits: Edits, side: int) -> None:
+        self.run, self.hw, self.edits, self.side = run, hw, edits, side
+        self.rows: list[dict[str, Any]] = []
+        self.phases: list[dict[str, Any]] = []
+        self.loaded: list[dict[str, Any]] = []
+        self.capacity = 0.0
+
+    def write(self) -> None:
+        args = self.run.args
+        self.run.write(self.lines() + [""])
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"hardware": self.hw, "command": self.run.command, "rows": self.rows,
+                           "phases": self.phases, "loaded": self.loaded}, fh, indent=1)
+
+    def lines(self) -> list[str]:
+        args, edits = self.run.args, self.edits
+        base = {r["system"]: r["jobs_per_s"] for r in self.rows}
+        lines = [f"# The engine in process on {self.hw}", "", f"Command: `{self.run.command}`", "",
+                 f"{MODELS[args.model][0]} at {self.side} px in {args.dtype}, {args.jobs} edits at once, "
+                 f"{args.steps} steps, guidance 7.5, max batch {args.max_batch}; mask ratios from the spring trace "
+                 f"(mean {np.mean(edits.ratios):.3f}), blob masks; mask-aware: the template warmed and resident, "
+                 f"policy fast (refresh steps {policy_schedule('fast', args.steps)}).", "",
+                 "| system | jobs/s | vs stock | vs stencil-full | mean latency s | P95 s | notes |",
+                 "|---|---|---|---|---|---|---|"]
+        for r in self.rows:
+            notes = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
+                              if k not in ("system", "jobs_per_s", "mean_s", "p95_s"))
+            ratios = [f"{r['jobs_per_s'] / base[b]:.2f}x" if b in base else "-" for b in ("stock", "stencil-full")]
+            lines.append(f"| {r['system']} | {r['jobs_per_s']:.2f} | {ratios[0]} | {ratios[1]} | {r['mean_s']:.2f} | "
+                         f"{r['p95_s']:.2f} | {notes} |")
+        if self.phases:
+            lines += ["", "A steady mask-aware step of a full batch, by phase (torch.profiler ranges):", "",
+                      "| phase | host ms | device ms |", "|---|---|---|"]
+            lines += [f"| {ph['phase']} | {ph['host_ms']:.2f} | {ph['device_ms']:.2f} |" for ph in self.phases]
+        if self.loaded:
+            lines += ["", f"The mask-aware engine under Poisson arrivals: the same {args.jobs} edits arriving at a "
+                      f"load x the burst's engine throughput ({self.capacity:.2f} jobs/s), from no graph captured; "
+                      "latency: arrival to the job's last step (prepare and decode apart). Steps by how their denoiser "
+                      f"call ran (whole run; steady: its second half). The engine's bucket growth is {buckets.GROWTH} "
+                      f"and it widens steps by at most {graph_calls.WIDEN_LIMIT} (1: off); widened: the steps that "
+                      "replayed a wider batch's graph.", "",
+                      "| load | bucket growth | widen | offered jobs/s | jobs/s | mean latency s | P95 s | "
+                      "engine steps | replayed / captured / eager | steady: replayed / captured / eager | widened |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {r['load']:g} | {r['growth']:g} | {r['widen']:g} | {r['rate']:.2f} | {r['jobs_per_s']:.2f} | "
+                      f"{r['mean_s']:.2f} | {r['p95_s']:.2f} | {r['steps']} | {_shares(r, '')} | "
+                      f"{_shares(r, 'steady_')} | {r['widened']:.0%} |" for r in self.loaded]
+        return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__, out="docs/bench/gpu_engine.md", threads=0)
     p.add_argument("--device", default="auto", help="auto = cuda if available, else cpu")
@@ -283,67 +343,38 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="Poisson arrivals at these x the mask-aware burst's engine throughput (module doc)")
     p.add_argument("--growth", type=lambda s: [float(v) for v in s.split(",")], default=[buckets.GROWTH],
                    help=f"ablation with --loads: token buckets growing by G (the engine's: {buckets.GROWTH})")
+    p.add_argument("--widen", type=lambda s: [float(v) for v in s.split(",")], default=[graph_calls.WIDEN_LIMIT],
+                   help=f"ablation with --loads: steps padded by at most L x to replay a wider batch's graph "
+                        f"(the engine's: {graph_calls.WIDEN_LIMIT}; 1 = off)")
     run = start(p, argv, __file__, quick=dict(jobs=3, steps=3, max_batch=2, dtype="float32", threads=1, json="",
                                                         loads=[1.0]))
     if run.args.loads and "stencil-maskaware" not in run.args.systems.split(","):
         p.error("--loads needs the stencil-maskaware system (its burst sets the arrival rate)")
     args = run.args
     device = device_of(args)
-    hw = hardware(device)
     side = 64 if args.quick else MODELS[args.model][1]
     edits = Edits(side, args.jobs, args.steps, args.seed)
-    rows: list[dict[str, Any]] = []
-    phases: list[dict[str, Any]] = []
-    loaded: list[dict[str, Any]] = []
+    report = Report(run, hardware(device), edits, side)
     with tempfile.TemporaryDirectory(prefix="stencil-gpu-engine-") as tmp:
         workdir = Path(tmp)
         folder = save_model(args.model, args.quick, args.dtype, workdir)
         systems = args.systems.split(",")
         if "stock" in systems:
-            rows.append(run_stock(folder, edits, args, device))
+            report.rows.append(run_stock(folder, edits, args, device))
+            report.write()
         if "stencil-full" in systems:
-            rows.append(Stencil(folder, args, device, False, workdir).burst(edits, args, None))
+            report.rows.append(Stencil(folder, args, device, False, workdir).burst(edits, args, None))
+            report.write()
         if "stencil-maskaware" in systems:
             stencil = Stencil(folder, args, device, True, workdir)
             key = stencil.warm(edits)
-            rows.append(stencil.burst(edits, args, key))
-            phases = phase_profile(stencil, edits, args, key)
-            capacity = len(edits.params) / rows[-1]["engine_s"]
-            loaded = under_load(stencil, edits, args, key, capacity)
+            report.rows.append(stencil.burst(edits, args, key))
+            report.phases = phase_profile(stencil, edits, args, key)
+            report.write()
+            report.capacity = len(edits.params) / report.rows[-1]["engine_s"]
+            under_load(stencil, edits, args, key, report)
             stencil.runner.caches.close()  # type: ignore[union-attr]
-    base = {r["system"]: r["jobs_per_s"] for r in rows}
-    lines = [f"# The engine in process on {hw}", "", f"Command: `{run.command}`", "",
-             f"{MODELS[args.model][0]} at {side} px in {args.dtype}, {args.jobs} edits at once, {args.steps} steps, "
-             f"guidance 7.5, max batch {args.max_batch}; mask ratios from the spring trace "
-             f"(mean {np.mean(edits.ratios):.3f}), blob masks; mask-aware: the template warmed and resident, "
-             f"policy fast (refresh steps {policy_schedule('fast', args.steps)}).", "",
-             "| system | jobs/s | vs stock | vs stencil-full | mean latency s | P95 s | notes |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        notes = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
-                          if k not in ("system", "jobs_per_s", "mean_s", "p95_s"))
-        ratios = [f"{r['jobs_per_s'] / base[b]:.2f}x" if b in base else "-" for b in ("stock", "stencil-full")]
-        lines.append(f"| {r['system']} | {r['jobs_per_s']:.2f} | {ratios[0]} | {ratios[1]} | {r['mean_s']:.2f} | "
-                     f"{r['p95_s']:.2f} | {notes} |")
-    if phases:
-        lines += ["", "A steady mask-aware step of a full batch, by phase (torch.profiler ranges):", "",
-                  "| phase | host ms | device ms |", "|---|---|---|"]
-        lines += [f"| {ph['phase']} | {ph['host_ms']:.2f} | {ph['device_ms']:.2f} |" for ph in phases]
-    if loaded:
-        lines += ["", f"The mask-aware engine under Poisson arrivals: the same {args.jobs} edits arriving at a load x "
-                  f"the burst's engine throughput ({capacity:.2f} jobs/s), from no graph captured; latency: arrival "
-                  "to the job's last step (prepare and decode apart). Steps by how their denoiser call ran (whole "
-                  f"run; steady: its second half). Bucket growth: the engine's is {buckets.GROWTH}.", "",
-                  "| load | bucket growth | offered jobs/s | jobs/s | mean latency s | P95 s | engine steps | "
-                  "replayed / captured / eager | steady: replayed / captured / eager |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['load']:g} | {r['growth']:g} | {r['rate']:.2f} | {r['jobs_per_s']:.2f} | {r['mean_s']:.2f} | "
-                  f"{r['p95_s']:.2f} | {r['steps']} | {_shares(r, '')} | {_shares(r, 'steady_')} |" for r in loaded]
-    run.write(lines + [""])
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"hardware": hw, "command": run.command, "rows": rows, "phases": phases, "loaded": loaded},
-                      fh, indent=1)
+    report.write()
     return 0
 
 

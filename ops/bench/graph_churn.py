@@ -30,6 +30,10 @@ replays and costs in latency.
 instead; coarser buckets make fewer signatures (a batch's bucketed totals are in them) at the cost
 of more padded tokens, whose device time only a GPU measures.
 
+``--widen L`` (an ablation of ``workers/engine/graph_calls.WIDEN_LIMIT``; 1 = off): a step with
+no graph of its own replays a wider batch's graph when its token totals, padded by at most L x,
+reach that graph's; the report gives the steps that did and the token rows they padded.
+
 A run starts with no graph captured, so its first steps miss more than a service that has been
 serving for a while: the report gives the shares over the run's second half apart (steady).
 
@@ -51,6 +55,7 @@ from ops.bench.harness import load_trace
 from ops.bench.harness.cli import parser, start
 from ops.bench.harness.models import cfg_job, pixel_mask
 from ops.bench.harness.runner_timing import ModelUnderTest, RecordedCaches, load_model
+from workers.engine import graph_calls
 from workers.engine.engine import Engine
 from workers.engine.scheduler import BatchScheduler
 from workers.engine.sd_runner import SDRunner
@@ -112,6 +117,17 @@ def padding(growth: float, tokens: int = 4096, max_batch: int = 8, trace: str = 
 
 
 @contextlib.contextmanager
+def widen_limit(limit: float) -> Iterator[None]:
+    """Steps replay wider batches' graphs padded by at most ``limit`` for the block's duration (the
+    ``--widen`` ablation; 1 = never)."""
+    saved, graph_calls.WIDEN_LIMIT = graph_calls.WIDEN_LIMIT, limit
+    try:
+        yield
+    finally:
+        graph_calls.WIDEN_LIMIT = saved
+
+
+@contextlib.contextmanager
 def bucket_growth(growth: float) -> Iterator[None]:
     """Token buckets growing by ``growth`` for the block's duration (the ``--growth`` ablation)."""
     saved, buckets.GROWTH = buckets.GROWTH, growth
@@ -121,13 +137,14 @@ def bucket_growth(growth: float) -> Iterator[None]:
         buckets.GROWTH = saved
 
 
-def run(mut: ModelUnderTest, pattern: str, every: int, indices: str, growth: float, args: Any) -> dict[str, Any]:
+def run(mut: ModelUnderTest, pattern: str, every: int, indices: str, growth: float, widen: float,
+        args: Any) -> dict[str, Any]:
     """One arrival pattern on a fresh engine (its own mask-aware hooks, removed after)."""
     ctrl = MaskAwareUNet(mut.unet)
     ctrl.ragged = indices == "ragged"
     try:
-        with bucket_growth(growth):
-            return {"indices": indices, "growth": growth, **_run(mut, ctrl, pattern, every, args)}
+        with bucket_growth(growth), widen_limit(widen):
+            return {"indices": indices, "growth": growth, "widen": widen, **_run(mut, ctrl, pattern, every, args)}
     finally:
         ctrl.remove()
 
@@ -151,7 +168,8 @@ def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, every: int, arg
         engine.step_once()
     graphs = runner.graphs
     assert graphs is not None
-    graphs.captures = graphs.replays = graphs.eager = 0
+    graphs.captures = graphs.replays = graphs.eager = graphs.widened = 0
+    graphs.widened_rows = [0, 0]
     signatures: set[Any] = set()
     inner = graphs.run
 
@@ -204,6 +222,8 @@ def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, every: int, arg
     return {"pattern": pattern, "admit_every": every, "steps": ran, **{k: v / ran for k, v in counts.items()}, **steady,
             "refreshing": refreshing_steps / ran, "missed_refreshing": missed_refreshing / missed if missed else 0.0,
             "captures": graphs.captures, "signatures": len(signatures), "compositions": len(compositions),
+            "widened": graphs.widened / ran,
+            "widened_padding": graphs.widened_rows[0] / graphs.widened_rows[1] if graphs.widened_rows[1] else 0.0,
             "job_steps_replayed": replayed_job_steps, "latency_steps": latency}
 
 
@@ -222,12 +242,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="ablation: admit waiting jobs only every K steps (1 = every step, the engine's way)")
     p.add_argument("--growth", type=lambda s: [float(v) for v in s.split(",")], default=[buckets.GROWTH],
                    help=f"ablation: token buckets growing by G (the engine's: {buckets.GROWTH})")
+    p.add_argument("--widen", type=lambda s: [float(v) for v in s.split(",")], default=[graph_calls.WIDEN_LIMIT],
+                   help=f"ablation: replay a wider batch's graph padded by at most L x (the engine's: "
+                        f"{graph_calls.WIDEN_LIMIT}; 1 = off)")
     run_ = start(p, argv, __file__, quick=dict(patterns=["burst", "0.9"], jobs=8, max_batch=4, steps=8, latent=8))
     args = run_.args
     torch.manual_seed(args.seed)
     mut = load_model("tiny", args.latent, args.seed)
-    rows = [run(mut, pattern, every, indices, growth, args) for pattern in args.patterns for indices in args.indices
-            for every in args.admit_every for growth in args.growth]
+    rows = [run(mut, pattern, every, indices, growth, widen, args) for pattern in args.patterns
+            for indices in args.indices for every in args.admit_every for growth in args.growth for widen in args.widen]
     lines = ["# Step graphs under continuous batching", "", f"Command: `{run_.command}`", "",
              f"The embedded model at {args.latent * 8} px, {args.jobs} edits of one warmed template per pattern, "
              f"{args.steps} steps, max batch "
@@ -242,16 +265,20 @@ def main(argv: Sequence[str] | None = None) -> int:
              "over the run's second half (a run starts with no graph captured). Bucket growth: how token "
              f"buckets grow (the engine's: {buckets.GROWTH}; others are an ablation). Signatures / compositions: the "
              "distinct step signatures the run saw, and the distinct batch compositions among them (jobs in the "
-             "batch, how many take a refresh step): the rest of the signatures differ in token counts.", "",
-             "| arrivals | batch indices | admit every | bucket growth | engine steps | replayed | captured | eager | "
-             "steady: replayed / captured / eager | signatures / compositions | "
+             "batch, how many take a refresh step): the rest of the signatures differ in token counts. Widen: "
+             "how far a step's ragged token totals may be padded to replay a wider batch's graph (the engine's: "
+             f"{graph_calls.WIDEN_LIMIT}; 1 = off); widened: the steps that did, and the token rows they padded over "
+             "their own (bucketed) ones.", "",
+             "| arrivals | batch indices | admit every | bucket growth | widen | engine steps | replayed | captured | "
+             "eager | steady: replayed / captured / eager | widened: steps / padded rows | signatures / compositions | "
              "with a refresh step: all / not replayed | job steps replayed | mean latency (steps) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = "burst (all at once)" if r["pattern"] == "burst" else f"Poisson, load {float(r['pattern']):g}"
-        lines.append(f"| {name} | {r['indices']} | {r['admit_every']} | {r['growth']:g} | {r['steps']} | "
-                     f"{r['replayed']:.1%} | {r['captured']:.1%} | {r['eager']:.1%} | "
+        lines.append(f"| {name} | {r['indices']} | {r['admit_every']} | {r['growth']:g} | {r['widen']:g} | "
+                     f"{r['steps']} | {r['replayed']:.1%} | {r['captured']:.1%} | {r['eager']:.1%} | "
                      f"{r['steady_replayed']:.1%} / {r['steady_captured']:.1%} / {r['steady_eager']:.1%} | "
+                     f"{r['widened']:.1%} / {r['widened_padding']:.1%} | "
                      f"{r['signatures']} / {r['compositions']} | "
                      f"{r['refreshing']:.1%} / {r['missed_refreshing']:.1%} | "
                      f"{r['job_steps_replayed']:.1%} | "

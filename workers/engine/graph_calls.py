@@ -12,6 +12,13 @@ tokens: its counts are device data), index shapes, cache layout and place in its
 batch index's layout.
 The function rebuilds the row groups over the tensors it is given (static buffers when captured),
 so a replay reads the step's data.
+
+A ragged step whose signature has no graph yet takes one captured for a wider batch of the same
+composition where there is one: its levels' token totals padded up to that graph's, each by at
+most ``WIDEN_LIMIT`` x its own bucket (``MaskAwareUNet.batch_index(targets=...)``). The pads
+repeat tokens (``workers/maskaware/buckets.py``), so the real tokens compute what they would
+alone; the padded ones cost device work in the transformer blocks, where an eager step would cost
+the host every launch of the step.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import torch
 
 from workers.engine.graphs import StepGraphs
 from workers.engine.staging import StagedCache
+from workers.maskaware.batched import structure_tokens
 
 
 def graphable(groups: Sequence[Any] | None, record: bool = False) -> bool:
@@ -35,6 +43,42 @@ def graphable(groups: Sequence[Any] | None, record: bool = False) -> bool:
         or (g.mode == "masked" and isinstance(g.cache, StagedCache) and g.cache.flat is not None
             and getattr(g, "positions", None) is None and getattr(g, "reuse", None) is None)
         for g in groups)
+
+
+# How far a step's ragged token totals may be padded to replay a wider batch's graph: about twice
+# the buckets' own growth (``buckets.GROWTH``), a bounded share of a step's device work against the
+# host-bound time of an eager one.
+WIDEN_LIMIT = 1.5
+
+
+def _wider_graphs(graphs: StepGraphs, key: tuple[Any, ...], tokens: dict[Any, int]) -> list[tuple[Any, ...]]:
+    """Captured signatures equal to ``key`` but for the batch index's token totals, each level's
+    between its own and ``WIDEN_LIMIT`` x that, fewest padded tokens first."""
+    found = []
+    for other in graphs.keys():
+        if other[:3] != key[:3] or other[3] is None or other == key:
+            continue
+        wide = structure_tokens(other[3])
+        if wide.keys() == tokens.keys() and all(tokens[k] <= wide[k] <= WIDEN_LIMIT * tokens[k] for k in tokens):
+            found.append((sum(wide.values()), other))
+    return [other for _, other in sorted(found, key=lambda f: f[0])]
+
+
+def _widened(graphs: StepGraphs, ctrl: Any, groups: list[Any], device: torch.device, key: tuple[Any, ...],
+             index: Any) -> tuple[tuple[Any, ...], Any]:
+    """(signature, batch index) to run: ``key`` and ``index`` where ``key`` has a graph or no wider
+    one fits, else the nearest wider graph's signature and the index padded to it."""
+    if not index.ragged or graphs.has(key):
+        return key, index
+    tokens = index.tokens
+    for other in _wider_graphs(graphs, key, tokens)[:2]:  # a rebuilt index costs host work: a few tries
+        wide = ctrl.batch_index(groups, device, targets=structure_tokens(other[3]))
+        if wide.structure == other[3]:
+            graphs.widened += 1
+            graphs.widened_rows[0] += sum(wide.tokens.values()) - sum(tokens.values())
+            graphs.widened_rows[1] += sum(tokens.values())
+            return other, wide
+    return key, index
 
 
 def _signature(args: Sequence[torch.Tensor]) -> tuple[Any, ...]:
@@ -106,7 +150,10 @@ def unet_call(graphs: StepGraphs, unet: Any, ctrl: Any, args: tuple[torch.Tensor
         return [t for _, t in indices], (counts, tuple(n for n, _ in indices), frozenset(g.full_units))
 
     masked, jobs, spec = _job_inputs(groups, describe)
+    structure = None if index is None else index.structure
+    key = ("unet", _signature(head), tuple(spec), structure)
     if index is not None:
+        key, index = _widened(graphs, ctrl, list(groups or ()), device, key, index)
         jobs.append(index.data)
 
     def forward(ts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[Any]]:
@@ -124,8 +171,7 @@ def unet_call(graphs: StepGraphs, unet: Any, ctrl: Any, args: tuple[torch.Tensor
         return _untimed(ctrl, replayed, lambda: unet(ts[0], ts[1], **kw)[0], recorded=True,
                         batch={"index": None if index is None else index.over(ts[-1]), "build_index": False})
 
-    structure = None if index is None else index.structure
-    return graphs.run(("unet", _signature(head), tuple(spec), structure), head + jobs, forward, horizon)
+    return graphs.run(key, head + jobs, forward, horizon)
 
 
 _FLUX_ARGS = ("hidden_states", "timestep", "guidance", "pooled_projections", "encoder_hidden_states", "txt_ids",

@@ -177,6 +177,17 @@ class StepGraphs:
         self._failed: set[Hashable] = set()
         self.captures = self.replays = self.eager = 0
         self.last = "eager"  # how the latest call ran: replayed | captured (then replayed) | eager
+        # replays of a wider batch's graph (``graph_calls``), and their padded / own token rows
+        self.widened = 0
+        self.widened_rows = [0, 0]
+
+    def has(self, key: Hashable) -> bool:
+        """Whether ``key`` has a captured graph."""
+        return key in self._graphs
+
+    def keys(self) -> list[Hashable]:
+        """The captured signatures, least recently used first."""
+        return list(self._graphs)
 
     @property
     def static_bytes(self) -> int:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -123,14 +123,15 @@ class LevelIndex:
 
 
 def build(n: int, members: Sequence[Member], pad: bool, offset: int = 0,
-          ragged: bool = False) -> tuple[LevelIndex, list[torch.Tensor]]:
+          ragged: bool = False, target: int | None = None) -> tuple[LevelIndex, list[torch.Tensor]]:
     """A level's index layout and its host index pieces (to be concatenated in order, starting at
     ``offset`` in the index tensor). ``pad``: jobs of different counts may share a run.
-    ``ragged`` (requires ``pad``): one variable-length attention call per slab (module doc)."""
+    ``ragged`` (requires ``pad``): one variable-length attention call per slab (module doc);
+    ``target``: its token rows padded further, to this total (a captured graph's, ``graph_calls``)."""
     if ragged:
         if not pad:
             raise ValueError("a ragged level pads its slabs: it needs pad=True")
-        return _build_ragged(n, members, offset)
+        return _build_ragged(n, members, offset, target)
     slabs_of = _slabs_of(members)
     m_of = [int(mem.indices.numel()) for mem in members]
     runs_of: list[list[int]] = []  # member indices per run, within slabs
@@ -194,12 +195,13 @@ def _slabs_of(members: Sequence[Member]) -> list[list[int]]:
     return slabs_of
 
 
-def row_lengths(real: Sequence[int], n: int) -> list[int]:
+def row_lengths(real: Sequence[int], n: int, target: int | None = None) -> list[int]:
     """Query rows per batch row of a ragged slab: ``real`` (each row's masked tokens) with the
-    slab's total padded up to its bucket, the pads given to the last rows first (a row at most
-    ``n``). Deterministic in ``real``, so a composition always gets the same layout."""
+    slab's total padded up to its bucket (or ``target``), the pads given to the last rows first (a
+    row at most ``n``). Deterministic in ``real``, so a composition always gets the same layout."""
     total = sum(real)
-    target = token_bucket(total, len(real) * n) if total else 0
+    if target is None:
+        target = token_bucket(total, len(real) * n) if total else 0
     lengths, short = list(real), target - total
     for r in range(len(lengths) - 1, -1, -1):
         if short <= 0:
@@ -210,19 +212,24 @@ def row_lengths(real: Sequence[int], n: int) -> list[int]:
     return lengths
 
 
-def _build_ragged(n: int, members: Sequence[Member], offset: int) -> tuple[LevelIndex, list[torch.Tensor]]:
-    """``build`` for a ragged level: per slab one run; pads spread over rows (``row_lengths``)."""
+def _build_ragged(n: int, members: Sequence[Member], offset: int,
+                  target: int | None = None) -> tuple[LevelIndex, list[torch.Tensor]]:
+    """``build`` for a ragged level: per slab one run; pads spread over rows (``row_lengths``); a
+    ``target`` beyond the slabs' buckets pads the last slab further."""
     slabs_of = _slabs_of(members)
     m_of = [int(mem.indices.numel()) for mem in members]
+    reals = [[m_of[i] for i in slab for _ in range(members[i].rows)] for slab in slabs_of]
+    targets = [token_bucket(sum(real), len(real) * n) if sum(real) else 0 for real in reals]
+    if target is not None:
+        targets[-1] += max(0, target - sum(targets))
     gather_rows: list[torch.Tensor] = []
     gather_tokens: list[torch.Tensor] = []
     scatters: list[list[torch.Tensor]] = []
     cus: list[torch.Tensor] = []
     spans: list[tuple[int, int, int]] = []  # per slab: first packed row, token rows, rows
     packed = 0
-    for slab in slabs_of:
-        real = [m_of[i] for i in slab for _ in range(members[i].rows)]
-        lengths = iter(row_lengths(real, n))
+    for slab, real, slab_target in zip(slabs_of, reals, targets):
+        lengths = iter(row_lengths(real, n, slab_target))
         scatter, cu, row, first = [], [0], 0, packed
         for i in slab:
             mem = members[i]
@@ -304,16 +311,27 @@ class BatchIndex:
     def structure(self) -> Hashable:
         return tuple((key, level.structure) for key, level in self.levels.items())
 
+    @property
+    def tokens(self) -> dict[Hashable, int]:
+        """Each level's packed token rows, by level key."""
+        return {key: level.tokens for key, level in self.levels.items()}
+
+
+def structure_tokens(structure: Hashable) -> dict[Hashable, int]:
+    """``BatchIndex.tokens`` read back from its ``structure`` (a captured graph's signature part)."""
+    return {key: level[4] for key, level in structure}  # type: ignore[attr-defined]
+
 
 def assemble(levels: dict[Hashable, tuple[int, Sequence[Member], bool]], device: torch.device,
-             ragged: bool = False) -> BatchIndex:
+             ragged: bool = False, targets: Mapping[Hashable, int] | None = None) -> BatchIndex:
     """The ``BatchIndex`` of ``levels`` (key -> (tokens per row, members, pad)), uploaded in one
-    copy; ``ragged``: levels that pad are ragged (module doc)."""
+    copy; ``ragged``: levels that pad are ragged (module doc); ``targets``: ragged levels' token
+    totals padded further (``build``)."""
     layout: dict[Hashable, LevelIndex] = {}
     pieces: list[torch.Tensor] = []
     offset = 0
     for key, (n, members, pad) in levels.items():
-        level, parts = build(n, members, pad, offset, ragged=ragged and pad)
+        level, parts = build(n, members, pad, offset, ragged=ragged and pad, target=(targets or {}).get(key))
         layout[key] = level
         pieces += parts
         offset += sum(int(t.numel()) for t in parts)
@@ -330,15 +348,15 @@ class IndexMemo:
         self.builds = 0
 
     def get(self, key: Hashable, build_levels: "callable", device: torch.device, keep: object = None,
-            ragged: bool = False) -> BatchIndex:
-        """The memoized index of ``key``, else ``assemble(build_levels(), ragged=ragged)`` (``keep``:
-        objects whose identity ``key`` names, held so that no other object takes their identity
-        meanwhile; ``key`` must name ``ragged``)."""
+            ragged: bool = False, targets: Mapping[Hashable, int] | None = None) -> BatchIndex:
+        """The memoized index of ``key``, else ``assemble(build_levels(), ragged=ragged, targets=targets)``
+        (``keep``: objects whose identity ``key`` names, held so that no other object takes their
+        identity meanwhile; ``key`` must name ``ragged`` and ``targets``)."""
         hit = self._memo.get(key)
         if hit is not None:
             self._memo.move_to_end(key)
             return hit[0]
-        index = assemble(build_levels(), device, ragged=ragged)
+        index = assemble(build_levels(), device, ragged=ragged, targets=targets)
         self.builds += 1
         self._memo[key] = (index, keep)
         while len(self._memo) > self.capacity:
@@ -347,4 +365,4 @@ class IndexMemo:
 
 
 __all__ = ["FREE_PAD_ROWS", "BatchIndex", "IndexMemo", "LevelIndex", "Member", "Run", "Slab", "assemble", "build",
-           "row_lengths"]
+           "row_lengths", "structure_tokens"]

@@ -580,12 +580,14 @@ class MaskAwareUNet:
             return False
         return varlen.device_kernel(torch.device(device)) if self.ragged is None else self.ragged
 
-    def batch_index(self, groups: list[RowGroup], device: torch.device) -> BatchIndex | None:
+    def batch_index(self, groups: list[RowGroup], device: torch.device,
+                    targets: Mapping[Any, int] | None = None) -> BatchIndex | None:
         """The batch-wide token indices of every level for ``groups`` (``batched.py``), or None
         where a masked group takes the per-group path: K/V recomputed, a cache that is not a
         writable staged buffer (read-only, loaded unit by unit), temporal reuse. Built once per
         composition: what fixes them is each masked job's mask, rows, position, staged-buffer
-        adjacency and fully computed units."""
+        adjacency and fully computed units. ``targets``: ragged levels' token totals (by level key)
+        padded up to these, to take a graph captured for a larger batch (``graph_calls``)."""
         from workers.engine.staging import StagedCache
 
         if self.kv_source != "cache":
@@ -608,7 +610,9 @@ class MaskAwareUNet:
             parts.append(("masked", grp.rows, id(grp.token_mask), ordinal, grp.cache.row0,  # type: ignore[union-attr]
                           tuple(sorted(grp.full_units))))
         ragged = pad and self.ragged_on(device)
-        key = (str(device), pad, ragged, tuple(parts))
+        if targets and not ragged:
+            raise ValueError("token totals are padded to a target only in ragged batch indices")
+        key = (str(device), pad, ragged, tuple(parts), frozenset((targets or {}).items()))
 
         def levels() -> dict[Any, tuple[int, list[Member], bool]]:
             out: dict[Any, tuple[int, list[Member], bool]] = {}
@@ -633,7 +637,7 @@ class MaskAwareUNet:
             return out
 
         return self._index_memo.get(key, levels, torch.device(device), keep=[grp.token_mask for _g, grp in masked],
-                                    ragged=ragged)
+                                    ragged=ragged, targets=targets)
 
     def remove(self) -> None:
         """Uninstall every hook this controller added."""
