@@ -264,8 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
              "job taking a refresh step (a full step: the job's mode is in the signature). Steady: the shares "
              "over the run's second half (a run starts with no graph captured). Bucket growth: how token "
              f"buckets grow (the engine's: {buckets.GROWTH}; others are an ablation). Signatures / compositions: the "
-             "distinct step signatures the run saw, and the distinct batch compositions among them (jobs in the "
-             "batch, how many take a refresh step): the rest of the signatures differ in token counts. Widen: "
+             "distinct step signatures the run ran (a widened step: the graph's it replayed), and the distinct batch "
+             "compositions among them (jobs in the batch, how many take a refresh step): the rest of the signatures "
+             "differ in token counts. Widen: "
              "how far a step's ragged token totals may be padded to replay a wider batch's graph (the engine's: "
              f"{graph_calls.WIDEN_LIMIT}; 1 = off); widened: the steps that did, and the token rows they padded over "
              "their own (bucketed) ones.", "",
