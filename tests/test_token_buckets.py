@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ops.bench.graph_churn import bucket_growth, padding
+from ops.bench.graph_churn import padding
+from ops.bench.harness.ablations import bucket_growth
 from tests.test_plan_engine import LATENT, _job, _run, _runner_setup, _warm
 from workers.maskaware import TemplateCacheKey, buckets
 from workers.maskaware.buckets import ALIGN, GROWTH, bucket_range, token_bucket

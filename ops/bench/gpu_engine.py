@@ -46,7 +46,7 @@ from PIL import Image
 from app.fidelity import policy_schedule
 from app.jobs import JobParams
 from app.storage.local import LocalStore
-from ops.bench.graph_churn import bucket_growth, widen_limit
+from ops.bench.harness.ablations import bucket_growth, widen_limit
 from ops.bench.harness.burst import Edits, row, run_stock
 from ops.bench.harness.cli import parser, start
 from ops.bench.harness.gpu import DTYPES, device_of, hardware, sync

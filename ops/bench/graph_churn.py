@@ -42,9 +42,8 @@ serving for a while: the report gives the shares over the run's second half apar
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -52,6 +51,7 @@ import torch
 
 from app.fidelity import policy_schedule
 from ops.bench.harness import load_trace
+from ops.bench.harness.ablations import bucket_growth, widen_limit
 from ops.bench.harness.cli import parser, start
 from ops.bench.harness.models import cfg_job, pixel_mask
 from ops.bench.harness.runner_timing import ModelUnderTest, RecordedCaches, load_model
@@ -114,27 +114,6 @@ def padding(growth: float, tokens: int = 4096, max_batch: int = 8, trace: str = 
             real = int(np.ceil(rng.choice(ratios, n) * tokens).sum())
             pads.append((buckets.token_bucket(real, n * tokens) - real) / real)
     return float(np.mean(pads)), float(np.quantile(pads, 0.9))
-
-
-@contextlib.contextmanager
-def widen_limit(limit: float) -> Iterator[None]:
-    """Steps replay wider batches' graphs padded by at most ``limit`` for the block's duration (the
-    ``--widen`` ablation; 1 = never)."""
-    saved, graph_calls.WIDEN_LIMIT = graph_calls.WIDEN_LIMIT, limit
-    try:
-        yield
-    finally:
-        graph_calls.WIDEN_LIMIT = saved
-
-
-@contextlib.contextmanager
-def bucket_growth(growth: float) -> Iterator[None]:
-    """Token buckets growing by ``growth`` for the block's duration (the ``--growth`` ablation)."""
-    saved, buckets.GROWTH = buckets.GROWTH, growth
-    try:
-        yield
-    finally:
-        buckets.GROWTH = saved
 
 
 def run(mut: ModelUnderTest, pattern: str, every: int, indices: str, growth: float, widen: float,

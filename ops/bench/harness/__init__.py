@@ -8,7 +8,8 @@ model under test, in-RAM template caches); ``edits``: model families, warm-ups, 
 option, image metrics; ``gpu``: the device, random weights made on it, a device clock, GPU
 utilization; ``burst``: a burst of edits and the stock pipeline's in-process run of it;
 ``openloop``: Poisson load against a stack and the rules judging it; ``phases``: a job's time per
-phase from its record; ``e2e_gpu_report``: the GPU end-to-end report. Traces: ``ops.sim.traces``
+phase from its record; ``e2e_gpu_report``: the GPU end-to-end report; ``ablations``: engine
+settings changed for one run (bucket growth, widening). Traces: ``ops.sim.traces``
 (``ops/data/mask_ratios``), re-exported here.
 """
 
