@@ -46,7 +46,7 @@ from PIL import Image
 from app.fidelity import policy_schedule
 from app.jobs import JobParams
 from app.storage.local import LocalStore
-from ops.bench.harness.ablations import bucket_growth, widen_limit
+from ops.bench.harness.ablations import add_options, bucket_growth, floats, widen_limit
 from ops.bench.harness.burst import Edits, row, run_stock
 from ops.bench.harness.cli import parser, start
 from ops.bench.harness.gpu import DTYPES, device_of, hardware, sync
@@ -339,13 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--systems", default="stock,stencil-full,stencil-maskaware")
     p.add_argument("--json", default="docs/bench/gpu_engine.json")
-    p.add_argument("--loads", type=lambda s: [float(v) for v in s.split(",")], default=[],
+    p.add_argument("--loads", type=floats, default=[],
                    help="Poisson arrivals at these x the mask-aware burst's engine throughput (module doc)")
-    p.add_argument("--growth", type=lambda s: [float(v) for v in s.split(",")], default=[buckets.GROWTH],
-                   help=f"ablation with --loads: token buckets growing by G (the engine's: {buckets.GROWTH})")
-    p.add_argument("--widen", type=lambda s: [float(v) for v in s.split(",")], default=[graph_calls.WIDEN_LIMIT],
-                   help=f"ablation with --loads: steps padded by at most L x to replay a wider batch's graph "
-                        f"(the engine's: {graph_calls.WIDEN_LIMIT}; 1 = off)")
+    add_options(p, "with --loads: ")
     run = start(p, argv, __file__, quick=dict(jobs=3, steps=3, max_batch=2, dtype="float32", threads=1, json="",
                                                         loads=[1.0]))
     if run.args.loads and "stencil-maskaware" not in run.args.systems.split(","):

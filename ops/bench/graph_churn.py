@@ -51,7 +51,7 @@ import torch
 
 from app.fidelity import policy_schedule
 from ops.bench.harness import load_trace
-from ops.bench.harness.ablations import bucket_growth, widen_limit
+from ops.bench.harness.ablations import add_options, bucket_growth, widen_limit
 from ops.bench.harness.cli import parser, start
 from ops.bench.harness.models import cfg_job, pixel_mask
 from ops.bench.harness.runner_timing import ModelUnderTest, RecordedCaches, load_model
@@ -219,11 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="ragged (CUDA's batch indices) and/or runs (per-job token buckets)")
     p.add_argument("--admit-every", type=lambda s: [int(v) for v in s.split(",")], default=[1],
                    help="ablation: admit waiting jobs only every K steps (1 = every step, the engine's way)")
-    p.add_argument("--growth", type=lambda s: [float(v) for v in s.split(",")], default=[buckets.GROWTH],
-                   help=f"ablation: token buckets growing by G (the engine's: {buckets.GROWTH})")
-    p.add_argument("--widen", type=lambda s: [float(v) for v in s.split(",")], default=[graph_calls.WIDEN_LIMIT],
-                   help=f"ablation: replay a wider batch's graph padded by at most L x (the engine's: "
-                        f"{graph_calls.WIDEN_LIMIT}; 1 = off)")
+    add_options(p)
     run_ = start(p, argv, __file__, quick=dict(patterns=["burst", "0.9"], jobs=8, max_batch=4, steps=8, latent=8))
     args = run_.args
     torch.manual_seed(args.seed)
