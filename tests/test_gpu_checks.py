@@ -1,6 +1,6 @@
 """``ops/gpu_checks.sh`` fits the device's limit of 600 s a command: the stages its header names for
 each command (the default list, and the second command's) have time limits that add up to at most
-580 s, and every stage named there exists."""
+580 s, and every stage named there exists; the benchmarks' guide states the default stages' limits."""
 
 from __future__ import annotations
 
@@ -36,3 +36,10 @@ def test_each_documented_command_fits_the_device_limit() -> None:
 def test_every_stage_runs_in_some_documented_command() -> None:
     named = {n for names in _commands() for n in names}
     assert set(_stages()) <= named, set(_stages()) - named
+
+
+def test_the_benchmarks_guide_states_the_default_stages_limits() -> None:
+    guide = " ".join((SCRIPT.parents[1] / "docs" / "benchmarks.md").read_text().split())
+    stages = _stages()
+    for name in _commands()[0]:
+        assert f"`{name}` ({stages[name]} s" in guide, name
