@@ -35,7 +35,7 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,16 +103,16 @@ class Stencil:
         key = TemplateCacheKey("bench", "tpl", edits.side, edits.side, str(self.cfg["_class_name"]), edits.steps, 1.0,
                                "cfg2", _layout(self.runner.dtype))
         engine = Engine(self.runner, BatchScheduler(max_batch=1))
-        handle = engine.submit("warm", tensors, dict(meta, cache_mode="record", cache_key=key.to_dict()),
-                               total_steps=edits.steps)
-        _drive(engine, [handle])
+        (handle,), _ = _drive(engine, [(tensors, dict(meta, cache_mode="record", cache_key=key.to_dict()))],
+                              edits.steps)
         handle.future.result()["commit"].result(600)
         for step in range(edits.steps):
             assert self.runner.caches.wait(key, step, 120) is not None  # type: ignore[union-attr]
         return key
 
-    def burst(self, edits: Edits, args: Any, key: TemplateCacheKey | None) -> dict[str, Any]:
-        t0 = time.perf_counter()
+    def edit_jobs(self, edits: Edits, key: TemplateCacheKey | None) -> list[tuple[dict, dict]]:
+        """Every edit prepared (tensors, meta); with ``key``, masked on that template's cache with the
+        ``fast`` policy's refresh steps."""
         jobs = []
         for i, params in enumerate(edits.params):
             tensors, meta = self.prepare(edits.template, edits.mask_image(i), params, edits.side)
@@ -120,11 +120,15 @@ class Stencil:
                 meta = dict(meta, cache_mode="masked", cache_key=key.to_dict(),
                             refresh_steps=policy_schedule("fast", edits.steps))
             jobs.append((tensors, meta))
+        return jobs
+
+    def burst(self, edits: Edits, args: Any, key: TemplateCacheKey | None) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        jobs = self.edit_jobs(edits, key)
         sync(self.device)
         prepared = time.perf_counter()
         engine = Engine(self.runner, BatchScheduler(max_batch=args.max_batch))
-        handles = [engine.submit(f"j{i}", t, m, total_steps=edits.steps) for i, (t, m) in enumerate(jobs)]
-        done_at = _drive(engine, handles)
+        handles, done_at = _drive(engine, jobs, edits.steps)
         stepped = time.perf_counter()
         results = [h.future.result() for h in handles]
         for out in results:
@@ -149,42 +153,25 @@ class Stencil:
     def poisson(self, edits: Edits, args: Any, key: TemplateCacheKey, rate: float) -> dict[str, Any]:
         """The edits arriving at ``rate`` jobs/s (Poisson, seeded) into the mask-aware engine, from no
         graph captured; prepared beforehand and decoded after (as in the burst, not part of the latency)."""
-        jobs = []
-        for i, params in enumerate(edits.params):
-            tensors, meta = self.prepare(edits.template, edits.mask_image(i), params, edits.side)
-            jobs.append((tensors, dict(meta, cache_mode="masked", cache_key=key.to_dict(),
-                                       refresh_steps=policy_schedule("fast", edits.steps))))
+        jobs = self.edit_jobs(edits, key)
         at = np.cumsum(np.random.default_rng(args.seed).exponential(1.0 / rate, len(jobs)))
-        if self.runner.graphs is not None:
-            self.runner.graphs.clear()
-            self.runner.graphs.widened = 0
+        graphs = self.runner.graphs
+        if graphs is not None:
+            graphs.clear()
+            graphs.reset_counts()
         sync(self.device)
         engine = Engine(self.runner, BatchScheduler(max_batch=args.max_batch))
-        handles: list[Any] = []
-        done: dict[int, float] = {}
         ran_as: list[str] = []
         t0 = time.perf_counter()
-        while len(done) < len(jobs):
-            now = time.perf_counter() - t0
-            while len(handles) < len(jobs) and at[len(handles)] <= now:
-                tensors, meta = jobs[len(handles)]
-                handles.append(engine.submit(f"p{len(handles)}", tensors, meta, total_steps=edits.steps))
-            engine._drain_inbox(block=False)
-            progressed = engine.step_once()
-            if progressed:
-                ran_as.append(self.runner.last_step_graph)
-            now = time.perf_counter() - t0
-            for i, h in enumerate(handles):
-                if i not in done and h.future.done():
-                    done[i] = now
-            if not progressed and len(done) < len(jobs):
-                time.sleep(0.0005)
+        handles, done_at = _drive(engine, jobs, edits.steps, list(at),
+                                  lambda: ran_as.append(self.runner.last_step_graph))
         for h in handles:
             h.future.result()
-        latencies = [done[i] - at[i] for i in range(len(jobs))]
+        done = [d - t0 for d in done_at]
+        latencies = [d - a for d, a in zip(done, at)]
         second = ran_as[len(ran_as) // 2:]
-        widened = self.runner.graphs.widened if self.runner.graphs is not None else 0
-        return {"rate": rate, "jobs_per_s": len(jobs) / max(done.values()), "mean_s": float(np.mean(latencies)),
+        widened = graphs.widened if graphs is not None else 0
+        return {"rate": rate, "jobs_per_s": len(jobs) / max(done), "mean_s": float(np.mean(latencies)),
                 "p95_s": float(np.quantile(latencies, 0.95)), "steps": len(ran_as), "widened": widened / len(ran_as),
                 **{k: ran_as.count(k) / len(ran_as) for k in ("replayed", "captured", "eager")},
                 **{f"steady_{k}": second.count(k) / max(len(second), 1) for k in ("replayed", "captured", "eager")}}
@@ -215,19 +202,30 @@ def _layout(dtype: torch.dtype) -> str:
     return "kv+y" if name == "float32" else f"kv+y@{name}"
 
 
-def _drive(engine: Engine, handles: list[Any]) -> list[float]:
-    """Step the engine until every handle is done; each job's finishing time (perf_counter)."""
+def _drive(engine: Engine, jobs: list[tuple[dict, dict]], steps: int, arrivals: Sequence[float] | None = None,
+           on_step: Callable[[], None] | None = None) -> tuple[list[Any], list[float]]:
+    """Submit the prepared ``jobs`` (job i once ``arrivals[i]`` seconds have passed; all at once
+    without) and step the engine until every one is done (``on_step`` after each step that ran):
+    their handles and finishing times (perf_counter)."""
+    start = time.perf_counter()
+    handles: list[Any] = []
     done: dict[int, float] = {}
-    while len(done) < len(handles):
+    while len(done) < len(jobs):
+        while len(handles) < len(jobs) and (arrivals is None
+                                            or arrivals[len(handles)] <= time.perf_counter() - start):
+            tensors, meta = jobs[len(handles)]
+            handles.append(engine.submit(f"j{len(handles)}", tensors, meta, total_steps=steps))
         engine._drain_inbox(block=False)
         progressed = engine.step_once()
+        if progressed and on_step is not None:
+            on_step()
         now = time.perf_counter()
         for i, h in enumerate(handles):
             if i not in done and h.future.done():
                 done[i] = now
-        if not progressed and len(done) < len(handles):
-            time.sleep(0.001)
-    return [done[i] for i in range(len(handles))]
+        if not progressed and len(done) < len(jobs):
+            time.sleep(0.0005)
+    return handles, [done[i] for i in range(len(jobs))]
 
 
 def phase_profile(stencil: Stencil, edits: Edits, args: Any, key: TemplateCacheKey) -> list[dict[str, Any]]:

@@ -147,8 +147,7 @@ def _run(mut: ModelUnderTest, ctrl: MaskAwareUNet, pattern: str, every: int, arg
         engine.step_once()
     graphs = runner.graphs
     assert graphs is not None
-    graphs.captures = graphs.replays = graphs.eager = graphs.widened = 0
-    graphs.widened_rows = [0, 0]
+    graphs.reset_counts()
     signatures: set[Any] = set()
     inner = graphs.run
 

@@ -175,8 +175,12 @@ class StepGraphs:
         self._stretches: dict[Hashable, int] = {}  # runs of consecutive calls of a signature
         self._previous: Hashable = None
         self._failed: set[Hashable] = set()
-        self.captures = self.replays = self.eager = 0
         self.last = "eager"  # how the latest call ran: replayed | captured (then replayed) | eager
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        """Zero the counts of how calls ran (a benchmark's run starts from none)."""
+        self.captures = self.replays = self.eager = 0
         # replays of a wider batch's graph (``graph_calls``), and their padded / own token rows
         self.widened = 0
         self.widened_rows = [0, 0]

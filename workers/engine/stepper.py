@@ -60,38 +60,25 @@ class _DDIMStep:
     direction: torch.Tensor
 
 
-@dataclass(frozen=True)
-class _Numbers:
-    """A step's scalars as the numbers ``step_batch`` hands to multi-tensor operations (module doc),
-    worked out at admission so that a step dispatches nothing for them."""
-
-    exact: dict[str, float]
-    cast: dict[tuple[str, torch.dtype], float]  # the scalar cast to a 16-bit dtype
-    reciprocal: dict[str, float]  # 1 / scalar in float32
-
-    def multiplier(self, name: str, x: torch.Tensor) -> float:
-        """The number ``scalar * x`` multiplies by: on the CPU a leading 0-d operand is first cast to
-        ``x``'s dtype (TensorIterator's temporaries); on CUDA the kernel reads it as it is."""
-        return self.cast.get((name, x.dtype), self.exact[name]) if x.device.type == "cpu" else self.exact[name]
-
-    def divisor(self, name: str, x: torch.Tensor) -> tuple[str, float]:
-        """How ``x / scalar`` computes: on the CPU a division by the scalar as it is; on CUDA a
-        multiplication by its reciprocal, computed in float32 (``div_true_kernel_cuda``)."""
-        if x.device.type == "cpu":
-            return "divide", self.exact[name]
-        return "multiply", self.reciprocal[name]
+# The devices whose host-scalar arithmetic ``step_batch`` reproduces (elsewhere each job steps alone).
+_DEVICES = ("cpu", "cuda")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _numbers(steps: list[_DDIMStep]) -> list[_Numbers]:
-    """Every step's numbers, from one tensor per scalar (a handful of host operations per job)."""
-    names = [f.name for f in dataclasses.fields(_DDIMStep)]
-    values = {name: torch.stack([getattr(s, name) for s in steps]).to(torch.float32) for name in names}
-    exact = {name: v.tolist() for name, v in values.items()}
-    cast = {(name, dtype): v.to(dtype).tolist() for name, v in values.items()
-            for dtype in (torch.bfloat16, torch.float16)}
-    reciprocal = {name: (np.float32(1.0) / v.numpy()).tolist() for name, v in values.items()}
-    return [_Numbers({n: exact[n][i] for n in names}, {k: c[i] for k, c in cast.items()},
-                     {n: reciprocal[n][i] for n in names}) for i in range(len(steps))]
+def _operands(values: torch.Tensor) -> dict[torch.dtype | str, list[float]]:
+    """0-d host scalars (stacked, float32) as the numbers ``step_batch`` hands to multi-tensor
+    operations (module doc), worked out at admission so that a step dispatches nothing for them:
+    per dtype, what a leading scalar multiplies by on the CPU (cast to that dtype; float32: itself,
+    also CUDA's for every dtype), and ``"reciprocal"``: CUDA's divisor, ``1 / scalar`` in float32."""
+    numbers: dict[torch.dtype | str, list[float]] = {dtype: values.to(dtype).tolist() for dtype in _DTYPES}
+    numbers["reciprocal"] = (np.float32(1.0) / values.numpy()).tolist()
+    return numbers
+
+
+def _multiplier(numbers: dict[torch.dtype | str, list[float]], i: int, x: torch.Tensor) -> float:
+    """The number ``scalar * x`` multiplies by (step ``i``): on the CPU a leading 0-d operand is first
+    cast to ``x``'s dtype (TensorIterator's temporaries); on CUDA the kernel reads it as it is."""
+    return numbers[x.dtype if x.device.type == "cpu" else torch.float32][i]
 
 
 class DDIMStepper:
@@ -119,7 +106,8 @@ class DDIMStepper:
                 sqrt_alpha=alpha_prod_t ** (0.5), sqrt_beta=beta_prod_t ** (0.5),
                 sqrt_alpha_prev=alpha_prod_t_prev ** (0.5),
                 direction=(1 - alpha_prod_t_prev - std_dev_t**2) ** (0.5)))
-        self.numbers = _numbers(self.steps) if self.steps else []
+        self.numbers = {f.name: _operands(torch.stack([getattr(s, f.name) for s in self.steps]).float())
+                        for f in dataclasses.fields(_DDIMStep)} if self.steps else {}
 
     @staticmethod
     def supports(scheduler: Any) -> bool:
@@ -139,7 +127,7 @@ class DDIMStepper:
     @staticmethod
     def step_many(key: tuple[Any, ...], group: list[tuple[Any, int, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         _, prediction, clip = key[:3]
-        return _ddim_batch(prediction, clip, [stepper.numbers[i] for stepper, i, _, _ in group],
+        return _ddim_batch(prediction, clip, [(stepper.numbers, i) for stepper, i, _, _ in group],
                            [output for _, _, output, _ in group], [sample for _, _, _, sample in group])
 
     def step(self, i: int, model_output: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
@@ -157,11 +145,6 @@ class DDIMStepper:
             pred_original_sample = pred_original_sample.clamp(-self.clip, self.clip)
         pred_sample_direction = s.direction * pred_epsilon
         return s.sqrt_alpha_prev * pred_original_sample + pred_sample_direction
-
-
-# The devices whose host-scalar arithmetic ``step_batch`` reproduces (elsewhere each job steps alone).
-_DEVICES = ("cpu", "cuda")
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def step_batch(updates: Sequence[tuple[Stepper, int, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
@@ -193,17 +176,17 @@ def _batchable(output: torch.Tensor, sample: torch.Tensor) -> bool:
     return sample.device.type in _DEVICES and sample.dtype in _DTYPES and output.dtype in _DTYPES
 
 
-def _ddim_batch(prediction: str, clip: float | None, steps: list[_Numbers],
+def _ddim_batch(prediction: str, clip: float | None, steps: list[tuple[dict[str, Any], int]],
                 outputs: list[torch.Tensor], samples: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``DDIMStepper.step``'s expressions, operation by operation, over the jobs."""
+    """``DDIMStepper.step``'s expressions, operation by operation, over the jobs (``steps``: each
+    job's number tables and step index)."""
     def times(xs: list[torch.Tensor], name: str) -> list[torch.Tensor]:  # ``scalar * x``
-        return list(torch._foreach_mul(xs, [s.multiplier(name, x) for s, x in zip(steps, xs)]))
+        return list(torch._foreach_mul(xs, [_multiplier(t[name], i, x) for (t, i), x in zip(steps, xs)]))
 
     def over(xs: list[torch.Tensor], name: str) -> list[torch.Tensor]:  # ``x / scalar``
-        how = [s.divisor(name, x) for s, x in zip(steps, xs)]
-        if how[0][0] == "multiply":
-            return list(torch._foreach_mul(xs, [v for _, v in how]))
-        return list(torch._foreach_div(xs, [v for _, v in how]))
+        if xs[0].device.type == "cpu":  # divides by the scalar as it is
+            return list(torch._foreach_div(xs, [t[name][torch.float32][i] for t, i in steps]))
+        return list(torch._foreach_mul(xs, [t[name]["reciprocal"][i] for t, i in steps]))  # div_true_kernel_cuda
 
     if prediction == "epsilon":
         original = over(list(torch._foreach_sub(samples, times(outputs, "sqrt_beta"))), "sqrt_alpha")
@@ -229,10 +212,7 @@ class FlowMatchStepper:
     def __init__(self, scheduler: Any, begin: int, count: int) -> None:
         sigmas = scheduler.sigmas
         self.dts = [sigmas[i + 1] - sigmas[i] for i in range(begin, begin + count)]  # 0-d host tensors
-        dts = torch.stack(self.dts).to(torch.float32) if self.dts else torch.zeros(0)
-        # ``dt * output`` as step_batch multiplies (module doc): the exact value, and cast to 16 bits
-        self.multipliers = {dtype: dts.to(dtype).tolist() for dtype in (torch.bfloat16, torch.float16)}
-        self.multipliers[torch.float32] = dts.tolist()
+        self.numbers = _operands(torch.stack(self.dts).float() if self.dts else torch.zeros(0))
 
     @staticmethod
     def supports(scheduler: Any) -> bool:
@@ -255,10 +235,9 @@ class FlowMatchStepper:
 
     @staticmethod
     def step_many(key: tuple[Any, ...], group: list[tuple[Any, int, torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        _, device, dtype = key
-        exact = device.type != "cpu"  # on the CPU the leading 0-d ``dt`` is cast to the output's dtype
-        dts = [stepper.multipliers[torch.float32 if exact else dtype][i] for stepper, i, _, _ in group]
-        products = torch._foreach_mul([output for _, _, output, _ in group], dts)
+        outputs = [output for _, _, output, _ in group]
+        dts = [_multiplier(stepper.numbers, i, output) for (stepper, i, _, _), output in zip(group, outputs)]
+        products = torch._foreach_mul(outputs, dts)
         return list(torch._foreach_add([sample for _, _, _, sample in group], products))
 
 
