@@ -334,7 +334,7 @@ def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: 
     meta["cache_mode"] = "full"
     if policy == "exact":
         return {**full, "cache_note": "no exact cache for this edit"}
-    _trigger_warm(params, meta, (plain or base).digest())  # the template's own (without add-ons: see above)
+    _trigger_warm(job_id, params, meta, (plain or base).digest())  # the template's own (without add-ons: see above)
     return {**full, "cache_note": "template not warmed"}
 
 
@@ -363,16 +363,19 @@ def _send_prefetch(job_id: str, key: dict[str, Any], steps: int) -> None:
         log.warning("job %s: prefetch request failed: %s", job_id, exc)
 
 
-def _trigger_warm(params: JobParams, meta: dict[str, Any], digest: str) -> None:
+def _trigger_warm(job_id: str, params: JobParams, meta: dict[str, Any], digest: str) -> None:
     """Submit the template's warm-up for this cache key (recorded without the job's add-ons).
-    Uploads are warmed when their bytes come back a second time, not for a one-off edit."""
+    Uploads are warmed when their bytes come back in a second job, not for a one-off edit: the jobs
+    that used them are counted, so a job's prepare run again (redelivered, re-driven) is not."""
     s = ctx.settings()
     r = ctx.redis_client()
     if is_upload(params.template_id):
-        seen = f"stencil:seen:{digest}"
-        count = r.incr(seen)
-        r.expire(seen, s.job_ttl_seconds)
-        if count < 2:
+        seen = f"stencil:seen-jobs:{digest}"
+        pipe = r.pipeline()
+        pipe.sadd(seen, job_id)
+        pipe.expire(seen, s.job_ttl_seconds)
+        pipe.scard(seen)
+        if pipe.execute()[-1] < 2:
             return
     if not r.set(f"stencil:warming:{digest}", "1", nx=True, ex=3600):
         return  # a warm-up for this key is already under way (or recently was)
