@@ -20,9 +20,11 @@
 # sd15-inpaint--cuda.json in $OUT is the measured GPU cost model to ship in ops/sim/costmodels. Stage
 # `arrivals` (only when named, two to three minutes) runs the mask-aware engine under Poisson arrivals
 # with the engine's token buckets and coarser ones, each with steps widened to wider batches' graphs
-# and without (gpu_engine_loads.md): whether fewer eager steps pay for their padded tokens. The second
-# command for all three:
-#   device run (carry .gpu):  source .gpu/setup.sh && GPU_CHECKS=addons,profile,arrivals bash ops/gpu_checks.sh
+# and without (gpu_engine_loads.md): whether fewer eager steps pay for their padded tokens. Stage
+# `resnets` (only when named, about a minute) times SD 1.5's and SDXL's mask-aware step with their
+# ResNets computed at the masked tokens too (gpu_resnets.md; workers/maskaware/resnets.py). The
+# second command for all four:
+#   device run (carry .gpu):  source .gpu/setup.sh && GPU_CHECKS=addons,profile,arrivals,resnets bash ops/gpu_checks.sh
 set -uo pipefail
 # Each process of a stack would otherwise compile diffusers and the project anew where the
 # environment forbids caching bytecode (device time is scarce).
@@ -69,6 +71,8 @@ stage profile 120 bash -c "exec python3 -m ops.bench.profile --device cuda --mod
 # The engine's configuration first (growth 1.25, widening 1.5); the report is rewritten after each run.
 stage arrivals 170 bash -c "exec python3 -m ops.bench.gpu_engine --systems stencil-maskaware --jobs 32 --loads 0.8 \
   --growth 1.25,2 --widen 1.5,1 --out '$OUT/gpu_engine_loads.md' --json '$work/gpu_engine_loads.json' > '$work/gpu_engine_loads.log' 2>&1"
+stage resnets 80 bash -c "exec python3 -m ops.bench.gpu_step --parts resnets --models sd15,sdxl --ratios 0.1,0.2 \
+  --rounds 4 --out '$OUT/gpu_resnets.md' --json '$work/gpu_resnets.json' > '$work/gpu_resnets.log' 2>&1"
 (cd "$work" && shopt -s nullglob && files=(*.json *.log) && ((${#files[@]})) && tar -czf "$OUT/details.tar.gz" -- "${files[@]}")
 rm -rf "$work"
 cat "$summary"

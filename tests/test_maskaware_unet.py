@@ -173,13 +173,14 @@ def _snapshot(caches: list[list[dict[str, torch.Tensor]]]) -> list[tuple[torch.T
     return [(t, t.clone(), t._version) for c in caches for step in c for t in step.values()]
 
 
-@pytest.mark.parametrize(("model", "kv_source"), [
-    ("default", "cache"), ("tiny", "cache"), ("tiny", "recompute"),
-    ("sdxl_style", "cache"), ("sdxl_style", "recompute")])
-def test_exactness_mixed_batch(model: str, kv_source: str) -> None:
+@pytest.mark.parametrize(("model", "kv_source", "resnets"), [
+    ("default", "cache", "full"), ("tiny", "cache", "full"), ("tiny", "recompute", "full"),
+    ("sdxl_style", "cache", "full"), ("sdxl_style", "recompute", "full"),
+    ("default", "cache", "masked"), ("sdxl_style", "cache", "masked")])
+def test_exactness_mixed_batch(model: str, kv_source: str, resnets: str) -> None:
     ref_unet = MODELS[model](0)
     unet = MODELS[model](0)
-    ctrl = MaskAwareUNet(unet, kv_source=kv_source)
+    ctrl = MaskAwareUNet(unet, kv_source=kv_source, resnets=resnets)
     m = _masks()
     tpls = {
         "tiny": make_template(1, m["tiny"]),
@@ -234,11 +235,11 @@ def test_exactness_mixed_batch(model: str, kv_source: str) -> None:
             assert (step_mixed[k] - step_solo[k]).abs().max() <= TOL, k
 
 
-@pytest.mark.parametrize("kv_source", ["cache", "recompute"])
-def test_wrong_cache_changes_output(kv_source: str) -> None:
+@pytest.mark.parametrize(("kv_source", "resnets"), [("cache", "full"), ("recompute", "full"), ("cache", "masked")])
+def test_wrong_cache_changes_output(kv_source: str, resnets: str) -> None:
     """Guard against a vacuous exactness test: another template's cache must show."""
     unet = sdxl_style_unet(0)
-    ctrl = MaskAwareUNet(unet, kv_source=kv_source)
+    ctrl = MaskAwareUNet(unet, kv_source=kv_source, resnets=resnets)
     m = _masks()
     a, b = make_template(1, m["blob"]), make_template(2, m["blob"])
     rec_a, rec_b = Job(a, "record"), Job(b, "record")
@@ -327,8 +328,8 @@ def test_masked_forward_leaves_cache_untouched_and_packs_groups() -> None:
 
 def test_block_names_cache_size_and_passthrough() -> None:
     unet, ref = sdxl_style_unet(0), sdxl_style_unet(0)
-    for kv_source in ("cache", "recompute"):
-        ctrl = MaskAwareUNet(unet, kv_source=kv_source)
+    for kv_source, resnets in (("cache", "full"), ("recompute", "full"), ("cache", "masked")):
+        ctrl = MaskAwareUNet(unet, kv_source=kv_source, resnets=resnets)
         names = ctrl.block_names
         assert len(names) == len(set(names)) == 2 * 2 * 2 + 2 * 3 * 2 + 2  # down, up, mid (x2 layers)
         assert "down_blocks.1.attentions.0.transformer_blocks.1" in names
@@ -337,6 +338,7 @@ def test_block_names_cache_size_and_passthrough() -> None:
             assert torch.equal(unet(x, t, e).sample, ref(x, t, e).sample)  # no context: untouched
             with ctrl.batch([RowGroup(2, "record")]) as ctx:
                 unet(x, t, e)
+        assert set(ctx.recorded[0]) == set(ctrl.tensor_names())
         nbytes = sum(v.numel() * v.element_size() for v in ctx.recorded[0].values())
         assert nbytes == ctrl.cache_nbytes(*LATENT, rows=2)
         assert ctrl.cache_nbytes(*LATENT, rows=2, steps=30) == 30 * nbytes

@@ -199,13 +199,14 @@ def test_unit_costs_and_plan_decisions() -> None:
 # --- block-wise loading and the runner ----------------------------------------------------------
 
 
-def _runner_setup(tmp_path: Path, cache_plan: str, bandwidth: float = 20e6):  # type: ignore[no-untyped-def]
+def _runner_setup(tmp_path: Path, cache_plan: str, bandwidth: float = 20e6,  # type: ignore[no-untyped-def]
+                  resnets: str = "full"):
     from workers.engine.sd_runner import SDRunner
     from workers.engine.template_cache import CacheRecorder, StepCacheProvider
     from workers.models.tiny_sd import build_scheduler
 
     unet = MODELS["sdxl_style"](0)
-    ctrl = MaskAwareUNet(unet)
+    ctrl = MaskAwareUNet(unet, resnets=resnets)
     store = ThrottledStore(LocalStore(tmp_path / "store"), bandwidth, latency_s=0.002)
     acts = ActivationStore(store)
     caches = StepCacheProvider(acts, 1 << 30)
@@ -215,22 +216,24 @@ def _runner_setup(tmp_path: Path, cache_plan: str, bandwidth: float = 20e6):  # 
     return unet, ctrl, runner, caches, store, cfg
 
 
-def _job(runner, mode: str, key: TemplateCacheKey | None, steps: int, seed: int = 3):  # type: ignore[no-untyped-def]
+def _job(runner, mode: str, key: TemplateCacheKey | None, steps: int, seed: int = 3,  # type: ignore[no-untyped-def]
+         ratio: float = 0.15, latent: tuple[int, int] = LATENT):
     from workers.engine.job import EngineJob
 
-    tensors, meta = _job_inputs(mode, key, steps, seed)
+    tensors, meta = _job_inputs(mode, key, steps, seed, ratio, latent)
     job = EngineJob(job_id=f"{mode}-{seed}", total_steps=steps)
     job.state = runner.init_state(tensors, meta)
     return job
 
 
-def _job_inputs(mode: str, key: TemplateCacheKey | None, steps: int, seed: int = 3) -> tuple[dict, dict]:
-    """A CFG job's prepared tensors and meta at ``LATENT`` (a blob mask of ratio 0.15)."""
+def _job_inputs(mode: str, key: TemplateCacheKey | None, steps: int, seed: int = 3, ratio: float = 0.15,
+                latent: tuple[int, int] = LATENT) -> tuple[dict, dict]:
+    """A CFG job's prepared tensors and meta at ``latent`` (a blob mask of ``ratio``)."""
     from workers.maskaware.tokens import blob_mask
 
-    h, w = LATENT
+    h, w = latent
     g = torch.Generator().manual_seed(seed)
-    pix = blob_mask(h * 8, w * 8, 0.15, seed=seed)
+    pix = blob_mask(h * 8, w * 8, ratio, seed=seed)
     lat = torch.nn.functional.adaptive_max_pool2d(pix.float()[None, None], (h, w))
     tensors = {"latents": torch.randn(1, 4, h, w, generator=g),
                "mask": lat.expand(2, 1, h, w).contiguous(),
@@ -243,10 +246,11 @@ def _job_inputs(mode: str, key: TemplateCacheKey | None, steps: int, seed: int =
     return tensors, meta
 
 
-def _warm(runner, caches, key: TemplateCacheKey, steps: int, rec=None) -> None:  # type: ignore[no-untyped-def]
+def _warm(runner, caches, key: TemplateCacheKey, steps: int, rec=None,  # type: ignore[no-untyped-def]
+          latent: tuple[int, int] = LATENT) -> None:
     """The template's warm-up (``rec``, else an SD one) recorded and committed, every step then
     resident (a steady state)."""
-    rec = rec if rec is not None else _job(runner, "record", key, steps)
+    rec = rec if rec is not None else _job(runner, "record", key, steps, latent=latent)
     while not rec.finished:
         runner.step([rec])
         rec.steps_done += 1

@@ -31,11 +31,12 @@ COLUMNS = ("ratio", "ssim", "psnr", "ssim_unmasked", "psnr_unmasked", "ssim_mask
 
 
 def bench_family(name: str, traces: list[str], n: int, steps: int, seed: int, guidance: float,
-                 options: list[Option], model: str = "", pool_thresholds: tuple[float, ...] = (0.0,)
-                 ) -> list[dict[str, Any]]:
+                 options: list[Option], model: str = "", pool_thresholds: tuple[float, ...] = (0.0,),
+                 resnets: str = "full") -> list[dict[str, Any]]:
     """Rows of (edit, option) metrics vs full compute for one family at one guidance; SD options run
-    once per coarse-level token pooling threshold (named ``option+poolT`` when not the OR default)."""
-    fam = Family(name, model=model or DEFAULT_MODELS[name])
+    once per coarse-level token pooling threshold (named ``option+poolT`` when not the OR default);
+    ``resnets="masked"``: SD's ResNets mask-aware too (options named ``option+resnets``)."""
+    fam = Family(name, model=model or DEFAULT_MODELS[name], resnets=resnets)
     templates, keys = fam.warmed_templates(steps, guidance)
     rng = np.random.default_rng(seed)
     rows = []
@@ -58,6 +59,7 @@ def bench_family(name: str, traces: list[str], n: int, steps: int, seed: int, gu
                 fam.ctrl.pool_threshold = threshold  # type: ignore[union-attr]
                 out = edit(fam, opt, templates[t], mask, params, key)
                 label = opt.name if not threshold else f"{opt.name}+pool{threshold:g}"
+                label += "+resnets" if resnets == "masked" else ""
                 rows.append({"family": name, "trace": trace, "option": label, "guidance": guidance,
                              "ratio": float(pixel_mask.mean()), "refresh_steps": out["refresh_steps"],
                              **metrics(full, fam.decode(out["latents"]), pixel_mask)})
@@ -127,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="embedded model id or a pipeline folder ('' = the random-init tiny Flux Fill)")
     p.add_argument("--pool-thresholds", default="0",
                    help="comma-separated UNet coarse-level token pooling thresholds to compare (0 = OR, the default)")
+    p.add_argument("--resnets", default="full", help="full,masked: SD's ResNets on the whole map and/or at "
+                   "the masked tokens too (workers/maskaware/resnets.py; options named option+resnets)")
     p.add_argument("--json", default="", help="also write the summary as JSON here")
     p.add_argument("--write-expected", action="store_true",
                    help=f"write the policies' mean SSIM per model and guidance to {EXPECTED_FILE}")
@@ -145,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         rows: list[dict[str, Any]] = []
         for g in (float(x) for x in args.guidance.split(",")):
             for fam in models:
-                rows += bench_family(fam, args.traces.split(","), args.n, args.steps, args.seed, g, options,
-                                     models[fam], tuple(float(x) for x in args.pool_thresholds.split(",")))
+                for resnets in args.resnets.split(",") if fam == "sd" else ["full"]:
+                    rows += bench_family(fam, args.traces.split(","), args.n, args.steps, args.seed, g, options,
+                                         models[fam], tuple(float(x) for x in args.pool_thresholds.split(",")),
+                                         resnets)
         summary, elapsed, command = summarize(rows), run.elapsed(), run.command
     named = {f: m or "tiny-flux-fill (random init)" for f, m in models.items()}
     run.write(render(summary, command, elapsed, named))

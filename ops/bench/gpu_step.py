@@ -19,6 +19,13 @@ service pools them). Parts:
   wall time per step (host and device, synchronised): wall / kernel time says how host-bound it is.
 - ``dispatch`` (any machine): operators and host-sync operators of one full and one mask-aware
   step at true size, counted by dispatch on the meta device (no memory, no compute).
+- ``flops`` (any machine): FLOPs of one full and one mask-aware step per ratio at true size, counted
+  on the meta device by PyTorch's FLOP formulas: the speedup a step could reach were it bound by
+  its arithmetic alone, with the UNets' ResNets on the whole map and computed at the masked tokens
+  too (``workers/maskaware/resnets.py``).
+- ``resnets``: the UNets' mask-aware step with ResNets on the whole map and at the masked tokens
+  too (``workers/maskaware/resnets.py``), eager and graph (a graph replays the fixed masks it was
+  captured with), against the full step.
 - ``reuse``: temporal reuse (``turbo``, ``workers/maskaware/reuse.py``) per step at ratio 0.2: a
   step reusing a share of every unit's patches (eager: steps with reuse are not graph-captured)
   against the mask-aware step, eager and graph, and its kernels and wall / kernel time.
@@ -69,9 +76,10 @@ class Case:
 
 
 def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: Sequence[float] = (),
-              turbo: bool = False) -> Case:
+              turbo: bool = False, resnets: str = "full") -> Case:
     """Full and mask-aware calls of a true-size UNet (``jobs`` CFG jobs, one template cache each),
-    and ``stage int8``: staging every job's step from the int8 codec."""
+    and ``stage int8``: staging every job's step from the int8 codec. ``resnets="masked"``: a model
+    of its own whose ResNets are mask-aware too (``workers/maskaware/resnets.py``)."""
     from workers.engine import cache_codec
     from workers.engine.staging import pack
     from workers.maskaware.unet import MaskAwareUNet, RowGroup
@@ -81,7 +89,7 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
     comp = spec.components["unet"]
     cfg = comp.config
     t0 = time.perf_counter()
-    unet = _model(args, key, comp, dtype, device)
+    unet = _model(args, key, comp, dtype, device, variant=resnets)
     latent = (8 if key == "sd15" else 16) if args.quick else SIDE_PX[key] // 8
     text = 8 if args.quick else 77
     rows = 2 * jobs
@@ -96,7 +104,7 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
         kwargs["added_cond_kwargs"] = {
             "text_embeds": torch.randn(rows, pooled, generator=g).to(device, dtype),
             "time_ids": torch.tensor([[px, px, 0, 0, px, px]] * rows, dtype=dtype, device=device)}
-    ctrl = _controller(unet, MaskAwareUNet)
+    ctrl = _controller(unet, lambda model: MaskAwareUNet(model, resnets=resnets))
     ctrl.pool_threshold = POOL_THRESHOLD
     with torch.no_grad(), ctrl.batch([RowGroup(2, "record") for _ in range(jobs)]) as ctx:
         unet(x, t, **kwargs)
@@ -109,7 +117,7 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
         "jobs": jobs, "cache_mib_per_job": sum(v.numel() * v.element_size() for v in caches[0].values()) / 2**20,
         "blocks": len(ctrl.block_names)})
     full_groups = [RowGroup(2, "full") for _ in range(jobs)]
-    if device.type == "meta":  # counted by ``part_dispatch``
+    if device.type == "meta" and resnets == "full":  # counted by ``part_dispatch``
         # What a template warm-up stores (int8 K/V, 16-bit outputs, one row for both CFG rows),
         # staged for every job as the engine stages a step.
         def stored() -> cache_codec.DecodedStep:  # one host buffer, as a GPU host's tier holds a step
@@ -255,9 +263,11 @@ _MODEL_CACHE: dict[str, torch.nn.Module] = {}  # "<key>@<device>"
 _CONTROLLERS: dict[int, Any] = {}
 
 
-def _model(args: Any, key: str, comp: true_size.Component, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """One model per key and device for the whole run (the batch part reuses the step part's SD 1.5)."""
-    slot = f"{key}@{device}"
+def _model(args: Any, key: str, comp: true_size.Component, dtype: torch.dtype, device: torch.device,
+           variant: str = "full") -> torch.nn.Module:
+    """One model per key, device and controller variant for the whole run (the batch part reuses
+    the step part's SD 1.5)."""
+    slot = f"{key}@{device}" + ("" if variant == "full" else f"/{variant}")
     if slot not in _MODEL_CACHE:
         log.info("building %s on %s", MODELS[key], device)
         _MODEL_CACHE[slot] = build_on(comp, dtype, device, args.seed)
@@ -396,6 +406,9 @@ def part_dispatch(args: Any, device: torch.device) -> list[str]:
              "| model | jobs | full: operators / kernel-launching | mask-aware: operators / kernel-launching | ratio | "
              "host-sync operators (mask-aware) | token rows computed / masked: runs / ragged |",
              "|---|---|---|---|---|---|---|"]
+    resnet_lines = ["With the ResNets computed at the masked tokens too (`workers/maskaware/resnets.py`):", "",
+                    "| model | jobs | mask-aware: operators / kernel-launching | ratio to the full step | "
+                    "host-sync operators |", "|---|---|---|---|---|"]
     for key in args.models:
         for jobs in [1] if key == "flux" else DISPATCH_JOBS:
             case = (flux_case(args, meta, [0.2]) if key == "flux"
@@ -430,10 +443,90 @@ def part_dispatch(args: Any, device: torch.device) -> list[str]:
                          f"{masked.total} / {masked.kernels} | "
                          f"{masked.total / full.total:.3f} / {masked.kernels / full.kernels:.3f} | "
                          f"{sum(masked.syncs.values())} | {pad:.3f} / {ragged_pad:.3f} |")
-    return lines + [""] + (stage_lines + [""] if len(stage_lines) > 4 else [])
+            if key != "flux":
+                res = unet_case(key, args, meta, jobs=jobs, ratios=[0.2], resnets="masked").calls["masked 0.2 eager"]
+                with torch.no_grad():
+                    res()
+                counted = DispatchCounter()
+                with torch.no_grad(), counted:
+                    res()
+                args.results["dispatch"][key if jobs == 1 else f"{key} x{jobs}"]["masked_resnets"] = [
+                    counted.total, counted.kernels]
+                resnet_lines.append(f"| {case.label} | {jobs} | {counted.total} / {counted.kernels} | "
+                                    f"{counted.total / full.total:.3f} / {counted.kernels / full.kernels:.3f} | "
+                                    f"{sum(counted.syncs.values())} |")
+    return (lines + [""] + (resnet_lines + [""] if len(resnet_lines) > 4 else [])
+            + (stage_lines + [""] if len(stage_lines) > 4 else []))
 
 
 DISPATCH_JOBS = (1, 8)
+
+TARGET_AT_0_2 = {"sd15": 1.15, "sdxl": 2.5, "flux": 2.5}  # issue 37, one job
+
+
+def part_flops(args: Any, device: torch.device) -> list[str]:
+    """FLOP bounds of the mask-aware step (see the module doc), one job, on the meta device."""
+    from ops.bench.harness.flops import CONVOLUTION, FlopTally
+
+    meta = torch.device("meta")
+    lines = ["## FLOPs per step (one job; meta device, PyTorch's FLOP formulas)", "",
+             "The speedup bound is full FLOPs over mask-aware FLOPs: what the step reaches at best once the "
+             "GPU no longer waits for its host. *ResNets masked too*: the UNet's ResNets also computed at the "
+             "masked tokens (`workers/maskaware/resnets.py`; their GEMMs count as matmuls).", "",
+             "| model | ratio | full TFLOP (convolutions) | mask-aware TFLOP: ResNets on the whole map / masked too | "
+             "speedup bound: ResNets on the whole map / masked too | issue 37 target at 0.2 |",
+             "|---|---|---|---|---|---|"]
+    for key in args.models:
+        variants = ["full"] if key == "flux" else ["full", "masked"]
+        tallies: dict[str, FlopTally] = {}
+        for resnets in variants:
+            case = (flux_case(args, meta, args.ratios) if key == "flux"
+                    else unet_case(key, args, meta, ratios=args.ratios, resnets=resnets))
+            for name in ["full eager", *(f"masked {r:g} eager" for r in args.ratios)]:
+                with torch.no_grad():
+                    case.calls[name]()  # the first call of a batch builds its index on the host
+                tally = tallies[f"{resnets}/{name}"] = FlopTally()
+                with torch.no_grad(), tally:
+                    case.calls[name]()
+        full = tallies["full/full eager"]
+        conv = full.by_kind[CONVOLUTION]
+        for r in args.ratios:
+            masked = [tallies[f"{v}/masked {r:g} eager"] for v in variants]
+            row = {"full_tflop": full.total / 1e12, "conv_tflop": conv / 1e12,
+                   "masked_tflop": [m.total / 1e12 for m in masked], "bound": [full.total / m.total for m in masked]}
+            args.results.setdefault("flops", {}).setdefault(key, {})[f"{r:g}"] = row
+            target = f"{TARGET_AT_0_2[key]:g}x" if abs(r - 0.2) < 1e-9 else ""
+            lines.append(f"| {case.label} | {r:g} | {row['full_tflop']:.2f} ({conv / full.total:.0%}) | "
+                         + " / ".join(f"{v:.2f}" for v in row["masked_tflop"]) + " | "
+                         + " / ".join(f"{v:.2f}x" for v in row["bound"]) + f" | {target} |")
+    return lines + [""]
+
+
+def part_resnets(args: Any, device: torch.device) -> list[str]:
+    """The mask-aware step with the UNet's ResNets on the whole map and computed at the masked tokens
+    too (``workers/maskaware/resnets.py``), eager and graph, against the full step, one job; the
+    models' FLOP bounds are ``part_flops``'s."""
+    lines = ["## Mask-aware ResNets per step (one job): ResNets on the whole map / at the masked tokens too", "",
+             "| model | ratio | full eager / graph ms | masked eager / graph ms | masked + ResNets eager / graph ms | "
+             "speedup vs full graph: masked / + ResNets | speedup vs full eager: masked / + ResNets (eager) |",
+             "|---|---|---|---|---|---|---|"]
+    for key in [k for k in args.models if k != "flux"]:
+        base = unet_case(key, args, device, ratios=args.ratios)
+        masked = unet_case(key, args, device, ratios=args.ratios, resnets="masked")
+        case = Case(key, base.label, calls={k: v for k, v in base.calls.items() if k.endswith(("eager", "graph"))})
+        for r in args.ratios:
+            for mode in ("eager", "graph"):
+                case.calls[f"resnets {r:g} {mode}"] = masked.calls[f"masked {r:g} {mode}"]
+        t = {k: v * 1e3 for k, v in measure(case, args, device).items()}
+        args.results.setdefault("resnets", {})[key] = t
+        for r in args.ratios:
+            m = (t[f"masked {r:g} eager"], t[f"masked {r:g} graph"])
+            rn = (t[f"resnets {r:g} eager"], t[f"resnets {r:g} graph"])
+            lines.append(f"| {case.label} | {r:g} | {t['full eager']:.1f} / {t['full graph']:.1f} | "
+                         f"{m[0]:.1f} / {m[1]:.1f} | {rn[0]:.1f} / {rn[1]:.1f} | "
+                         f"{t['full graph'] / m[1]:.2f}x / {t['full graph'] / rn[1]:.2f}x | "
+                         f"{t['full eager'] / m[0]:.2f}x / {t['full eager'] / rn[0]:.2f}x |")
+    return lines + [""]
 
 
 REUSE_SHARES = (0.5, 1.0)  # of every unit's patches, on a step that may reuse
@@ -499,7 +592,7 @@ def part_reuse(args: Any, device: torch.device) -> list[str]:
 
 
 PARTS = {"step": part_step, "batch": part_batch, "profile": part_profile, "dispatch": part_dispatch,
-         "reuse": part_reuse}
+         "flops": part_flops, "resnets": part_resnets, "reuse": part_reuse}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -73,9 +73,9 @@ def timed(fn: Callable[[], object], timer: BlockTimer) -> Sample:
 
 
 def bench_layout(unet: UNet2DConditionModel, kv_source: str, args: argparse.Namespace,
-                 inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict[str, object]:
+                 inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], resnets: str = "full") -> dict[str, object]:
     x, t, e = inputs
-    ctrl = MaskAwareUNet(unet, kv_source=kv_source)  # type: ignore[arg-type]
+    ctrl = MaskAwareUNet(unet, kv_source=kv_source, resnets=resnets)  # type: ignore[arg-type]
     layout, step_bytes = ctrl.cache_layout, ctrl.cache_nbytes(args.latent, args.latent, rows=2)
     timer = BlockTimer(unet, CLOCKS[args.clock])
     try:
@@ -101,7 +101,7 @@ def bench_layout(unet: UNet2DConditionModel, kv_source: str, args: argparse.Name
             # right after it.
             pairs = interleave(args.repeats, args.ratios, lambda r: (timed(forward(full_groups), timer),
                                                                      timed(forward(masked_groups[r]), timer)),
-                               rng=random.Random(args.seed), label=f"{kv_source} ")
+                               rng=random.Random(args.seed), label=f"{kv_source}, ResNets {resnets} ")
     finally:
         timer.remove()
         ctrl.remove()
@@ -119,7 +119,8 @@ def bench_layout(unet: UNet2DConditionModel, kv_source: str, args: argparse.Name
         rows.append(dict(ratio=r, level0=level0, coarse=coarse, t_masked=median(s.step for s in masked),
                          blocks_masked=median(s.blocks for s in masked), speedup=speedup, bound=bound,
                          share=speedup / bound, spread=(min(s.step for s in masked), max(s.step for s in masked))))
-    return dict(kv_source=kv_source, layout=layout, t_full=t_full, f=f, blocks_full=median(s.blocks for s in full),
+    return dict(kv_source=kv_source, resnets=resnets, layout=layout, t_full=t_full, f=f,
+                blocks_full=median(s.blocks for s in full),
                 full_spread=(min(s.step for s in full), max(s.step for s in full)), rows=rows,
                 fit=linear_fit([row["ratio"] for row in rows], [row["t_masked"] for row in rows]),
                 cache_step_bytes=step_bytes)
@@ -144,7 +145,8 @@ def render(results: list[dict[str, object]], args: argparse.Namespace, loads: tu
              f"{os.cpu_count()} CPUs. Load average before/after: {loads[0]} / {loads[1]}.", ""]
     for res in results:
         slope, intercept, r2 = res["fit"]  # type: ignore[misc]
-        lines += [f"## kv_source = `{res['kv_source']}` (cache layout `{res['layout']}`, "
+        resnets = ", ResNets masked too" if res["resnets"] == "masked" else ""
+        lines += [f"## kv_source = `{res['kv_source']}`{resnets} (cache layout `{res['layout']}`, "
                   f"{res['cache_step_bytes'] / 2 ** 20:.2f} MiB per step per CFG job)", "",
                   f"Full step: {res['t_full'] * 1e3:.0f} ms (min/max {res['full_spread'][0] * 1e3:.0f}/"
                   f"{res['full_spread'][1] * 1e3:.0f}); transformer blocks "
@@ -196,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ratios", default="0.05,0.1,0.2,0.35,0.5,1.0")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-source", default="cache,recompute")
+    p.add_argument("--resnets", default="full", help="full,masked: ResNets on the whole map and/or "
+                   "at the masked tokens too (with kv-source cache; workers/maskaware/resnets.py)")
     run = cli.start(p, argv, __file__, quick=dict(hidden="32,64", latent=16, cross_dim=64, text_len=8,
                                                   ratios="0.2,1.0", repeats=1, kv_source="cache", threads=1))
     args = run.args
@@ -209,11 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     t = torch.tensor([int(900 - 800 * k / max(1, args.jobs - 1)) for k in range(args.jobs) for _ in range(2)])
     e = torch.randn(b, args.text_len, args.cross_dim, generator=g)
     results = []
-    for kv in args.kv_source.split(","):
-        res = bench_layout(unet, kv, args, (x, t, e))
+    variants = [(kv, rn) for kv in args.kv_source.split(",") for rn in args.resnets.split(",")
+                if rn == "full" or kv == "cache"]
+    for kv, rn in variants:
+        res = bench_layout(unet, kv, args, (x, t, e), resnets=rn)
         results.append(res)
         for row in res["rows"]:  # type: ignore[union-attr]
-            log.info("%s r=%.2f masked %.0f ms full %.0f ms speedup %.2fx bound %.2fx share %.0f%%", kv,
+            log.info("%s/%s r=%.2f masked %.0f ms full %.0f ms speedup %.2fx bound %.2fx share %.0f%%", kv, rn,
                      row["ratio"], row["t_masked"] * 1e3, res["t_full"] * 1e3, row["speedup"], row["bound"],
                      row["share"] * 100)
     run.write(render(results, args, (loads_before, loadavg()), run.command))

@@ -56,7 +56,7 @@ def _wider_graphs(graphs: StepGraphs, key: tuple[Any, ...], tokens: dict[Any, in
     between its own and ``WIDEN_LIMIT`` x that, fewest padded tokens first."""
     found = []
     for other in graphs.keys():
-        if other[:3] != key[:3] or other[3] is None or other == key:
+        if other[:3] != key[:3] or other[3] is None or other[4:] != key[4:] or other == key:
             continue
         wide = structure_tokens(other[3])
         if wide.keys() == tokens.keys() and all(tokens[k] <= wide[k] <= WIDEN_LIMIT * tokens[k] for k in tokens):
@@ -151,10 +151,17 @@ def unet_call(graphs: StepGraphs, unet: Any, ctrl: Any, args: tuple[torch.Tensor
 
     masked, jobs, spec = _job_inputs(groups, describe)
     structure = None if index is None else index.structure
-    key = ("unet", _signature(head), tuple(spec), structure)
+    # Mask-aware ResNets (``workers/maskaware/resnets.py``): their gathers, in token buckets, are
+    # one more input, and what fixes their shapes is in the signature.
+    resnets = getattr(ctrl, "resnets", None)
+    rplan = resnets.plan(list(groups), device, bucketed=True) if resnets is not None and groups is not None else None
+    key = ("unet", _signature(head), tuple(spec), structure, None if rplan is None else rplan.structure)
     if index is not None:
         key, index = _widened(graphs, ctrl, list(groups or ()), device, key, index)
         jobs.append(index.data)
+    if rplan is not None and rplan.data is not None:
+        jobs.append(rplan.data)
+    tail = (index is not None) + (rplan is not None and rplan.data is not None)  # trailing index inputs
 
     def forward(ts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[Any]]:
         kw: dict[str, Any] = {"encoder_hidden_states": ts[2], "return_dict": False}
@@ -162,14 +169,17 @@ def unet_call(graphs: StepGraphs, unet: Any, ctrl: Any, args: tuple[torch.Tensor
             kw["added_cond_kwargs"] = {"text_embeds": ts[3], "time_ids": ts[4]}
         if not masked:
             return unet(ts[0], ts[1], **kw)[0], [None] * len(groups or ())
-        rest = ts[len(head):len(ts) - (index is not None)]
+        rest = ts[len(head):len(ts) - tail]
         replayed = _replayed(groups, spec, rest,  # type: ignore[arg-type]
                              lambda g: RowGroup(g.rows, g.mode),
                              lambda g, sp, cache, parts: RowGroup(
                                  g.rows, "masked", cache=cache, full_units=g.full_units,
                                  token_mask=g.token_mask.with_indices(dict(zip(sp[5], parts)), device)))
-        return _untimed(ctrl, replayed, lambda: unet(ts[0], ts[1], **kw)[0], recorded=True,
-                        batch={"index": None if index is None else index.over(ts[-1]), "build_index": False})
+        batch: dict[str, Any] = {"index": None if index is None else index.over(ts[len(ts) - tail]),
+                                 "build_index": False}
+        if rplan is not None:
+            batch["resnet_plan"] = rplan if rplan.data is None else rplan.over(ts[-1])
+        return _untimed(ctrl, replayed, lambda: unet(ts[0], ts[1], **kw)[0], recorded=True, batch=batch)
 
     return graphs.run(key, head + jobs, forward, horizon)
 

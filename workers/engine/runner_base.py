@@ -246,7 +246,9 @@ class BaseRunner(ABC):
         self._units_on = (cache_plan != "step" and hasattr(maskaware, "units")
                           and hasattr(caches, "set_units") and hasattr(caches, "unit_status"))
         if self._units_on:
-            caches.set_units({u: maskaware.unit_tensor_names(u) for u in maskaware.units})  # type: ignore[union-attr]
+            loaded = getattr(maskaware, "loaded_units", None)
+            caches.set_units(loaded() if loaded is not None  # type: ignore[union-attr]
+                             else {u: maskaware.unit_tensor_names(u) for u in maskaware.units})
 
     def _init_invariance(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
         """Batched steps multiply each job's rows on their own (``workers/adapters/layout.py``): asked
@@ -462,7 +464,12 @@ class BaseRunner(ABC):
             return
         chosen = [b.name for b in blocks
                   if not b.name.startswith(GAP) and b.load_s < b.full_s - b.cached_s]
-        st.extra["store_names"] = {n for u in chosen for n in self.maskaware.unit_tensor_names(u)}
+        # Groups a provider loads besides the plan's units (mask-aware ResNets' tensors) are always
+        # stored: a masked step reads them whatever the plan loads.
+        loaded = getattr(self.maskaware, "loaded_units", lambda: {})()
+        chosen += [u for u in loaded if u not in units]
+        st.extra["store_names"] = {n for u in chosen
+                                   for n in (loaded[u] if u in loaded else self.maskaware.unit_tensor_names(u))}
         set_units = getattr(self.recorder, "set_units", None)
         if set_units is not None:
             set_units(key, chosen)
@@ -536,6 +543,8 @@ class BaseRunner(ABC):
             plan_jobs.append(PlanJob(st.rows, st.token_masks, (st.cache_key.digest(), batch[i].steps_done), resident,
                                      st.extra.get("absent_units", frozenset()), self._codec(st), self._shared(st)))
         units = self.maskaware.units
+        # Mask-aware ResNets' tensors (``MaskAwareUNet.loaded_units``): loaded with the chosen units.
+        extra = [u for u in getattr(self.maskaware, "loaded_units", lambda: {})() if u not in units]
         latent_hw = (int(batch[0].state.latents.shape[-2]), int(batch[0].state.latents.shape[-1]))
         chosen: set[str]
         deadline: float | dict[str, float]
@@ -559,6 +568,7 @@ class BaseRunner(ABC):
                 step_bound = now + min(self.max_wait_s, 0.05 + 2 * plan.predicted_s)
                 deadline = {b.name: min(step_bound, now + t.compute_start_s + max(0.0, b.full_s - b.cached_s))
                             for b, t in zip(blocks, plan.timeline) if b.name in chosen}
+                deadline.update({u: step_bound for u in extra})
         names = self.maskaware.tensor_names()
         requested: list[tuple[TemplateCacheKey, int, list[str]]] = []
         seen: set[tuple[str, int]] = set()
@@ -571,6 +581,8 @@ class BaseRunner(ABC):
             absent = st.extra.get("absent_units", frozenset())
             want = [u for u in units if u in chosen and u not in resident and u not in absent
                     and (ahead is None or u in ahead)]
+            if chosen:  # groups outside the plan's units are read by any masked step: first in the queue
+                want = [u for u in extra if u not in resident] + want
             if want and slot not in seen:
                 seen.add(slot)
                 requested.append((st.cache_key, job.steps_done, want))
@@ -579,7 +591,7 @@ class BaseRunner(ABC):
             st.extra["unit_cache"] = cache
             groups[i] = self._row_group(st.rows, "masked", st.token_masks,
                                         cache if st.delta is None else OffsetCache(cache, st.delta))
-        for u in units:  # one queue in block order across the batch's caches (the copy stream)
+        for u in extra + list(units):  # one queue in block order across the batch's caches (the copy stream)
             for key, step, want in requested:
                 if u in want:
                     self.caches.load_units(key, step, [u], complete=False)  # type: ignore[union-attr]
@@ -607,7 +619,7 @@ class BaseRunner(ABC):
                 continue
             resident, failed = self.caches.unit_status(st.cache_key, nxt)
             absent = st.extra.get("absent_units", frozenset())
-            if failed or len(resident | absent) == len(self.maskaware.units):
+            if failed or set(self.maskaware.units) <= resident | absent:
                 plan_jobs.append(PlanJob(st.rows, st.token_masks, full_units=absent))
                 continue
             ahead.append((i, resident | absent))

@@ -116,6 +116,9 @@ class SDRunner(BaseRunner):
         self.mixed_sizes = mixed_size_calls(mixed_sizes, self.device)
         # Steps replayed as CUDA graphs (``workers/engine/graphs.py``): on CUDA unless turned off.
         self.graphs = StepGraphs(self.device) if (self.device.type == "cuda" if graphs is None else graphs) else None
+        resnets = getattr(maskaware, "resnets", None)
+        if resnets is not None and self.graphs is not None:
+            resnets.bucketed = True  # eager steps then compute what graph-replayed ones do
 
     def init_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> SDJobState:
         """Build a job's state from its prepared tensors (validated against the model)."""

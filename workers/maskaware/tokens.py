@@ -102,6 +102,7 @@ class TokenMasks:
     _idx: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)
     _counts: dict[int, int] = field(default_factory=dict, repr=False)
     bucketed: bool = False
+    _grown: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
 
     @property
     def latent_hw(self) -> tuple[int, int]:
@@ -152,6 +153,14 @@ class TokenMasks:
         if n not in self._counts:
             self._counts[n] = int(self.flat(n).sum())
         return self._counts[n]
+
+    def grown(self, n: int, k: int) -> int:
+        """Tokens of the level with ``n`` tokens once its mask is grown by ``k`` in every direction
+        (a Python int, memoized: a 3x3 convolution's reach, ``resnets.py``)."""
+        key = (n, k)
+        if key not in self._grown:
+            self._grown[key] = int(dilate(self.levels[self.level_for_tokens(n)], k).sum())
+        return self._grown[key]
 
     def count(self, n: int) -> int:
         """Tokens computed at the level with ``n`` tokens: the masked ones, rounded up to their

@@ -99,6 +99,8 @@ from workers.compiled import BlockKernels
 from workers.maskaware import varlen
 from workers.maskaware.batched import BatchIndex, IndexMemo, LevelIndex, Member
 from workers.maskaware.lockstep import Lockstep
+from workers.maskaware.resnets import UNIT as RESNETS_UNIT
+from workers.maskaware.resnets import MaskedResnets
 from workers.maskaware.reuse import UnitReuse
 from workers.maskaware.tokens import TokenMasks, build_token_masks, row_index
 
@@ -106,6 +108,7 @@ log = logging.getLogger(__name__)
 
 Mode = Literal["full", "record", "masked"]
 KVSource = Literal["cache", "recompute"]
+ResnetMode = Literal["full", "masked"]
 _BLOCK_HOOK = "stencil_maskaware_block"
 _CAPTURE_HOOK = "stencil_maskaware_capture"
 _SUPPORTED_PROCESSORS = (AttnProcessor2_0, AttnProcessor)
@@ -173,6 +176,7 @@ class BatchContext:
     device_timed: bool = False  # timestamps are CUDA events, turned into seconds by ``resolve_timings``
     index: BatchIndex | None = None  # batch-wide token indices of every level (``batched.py``)
     extents: dict = field(default_factory=dict)  # ragged levels' int32 query extents (``varlen.py``)
+    resnet_plan: Any = None  # how mask-aware ResNets compute this call (``resnets.ResnetPlan``), built at first use
     _unit_t0: dict[str, Any] = field(default_factory=dict)
     _last_end: Any = None
     _spans: list[tuple[dict[str, float], str, Any, Any]] = field(default_factory=list)  # pending (CUDA)
@@ -370,9 +374,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, heads: i
 class MaskAwareUNet:
     """Installs mask-aware hooks on a ``UNet2DConditionModel``; see the module docstring."""
 
-    def __init__(self, unet: torch.nn.Module, kv_source: KVSource = "cache", compile: str = "off") -> None:
+    def __init__(self, unet: torch.nn.Module, kv_source: KVSource = "cache", compile: str = "off",
+                 resnets: ResnetMode = "full") -> None:
         if kv_source not in ("cache", "recompute"):
             raise ValueError(f"kv_source must be 'cache' or 'recompute', got {kv_source!r}")
+        if resnets not in ("full", "masked"):
+            raise ValueError(f"resnets must be 'full' or 'masked', got {resnets!r}")
         self.unet = unet
         self.kv_source: KVSource = kv_source
         # Row-aware Linear/Conv2d (adapter terms, job-by-job GEMMs) before any hook captures a forward.
@@ -429,7 +436,10 @@ class MaskAwareUNet:
                     lin = getattr(info.module.attn1, f"to_{slot}")
                     HookRegistry.check_if_exists_or_initialize(lin).register_hook(
                         _CaptureHook(self, slot), _CAPTURE_HOOK)
-        log.info("mask-aware hooks on %d transformer blocks (kv_source=%s)", len(self._blocks), kv_source)
+        # ResNets computed at masked tokens too (``resnets.py``): their outputs join the cache.
+        self.resnets = MaskedResnets(unet, lambda: self._ctx) if resnets == "masked" else None
+        log.info("mask-aware hooks on %d transformer blocks (kv_source=%s, resnets=%s)", len(self._blocks),
+                 kv_source, resnets)
 
     @property
     def _ctx(self) -> BatchContext | None:
@@ -457,6 +467,15 @@ class MaskAwareUNet:
     def units(self) -> list[str]:
         """Plan units (``Transformer2DModel`` paths) in execution order; see the module doc."""
         return list(self._units)
+
+    def loaded_units(self) -> dict[str, list[str]]:
+        """What a cache provider loads, by name: each plan unit's tensors, and with mask-aware
+        ResNets their tensors as one more group (``resnets.UNIT``: loaded with the step, never
+        planned; a group whose copy is not resident computes its ResNets fully)."""
+        out = {u: self.unit_tensor_names(u) for u in self.units}
+        if self.resnets is not None:
+            out[RESNETS_UNIT] = self.resnets.tensor_names()
+        return out
 
     def unit_tensor_names(self, unit: str) -> list[str]:
         """Names of the cached tensors a unit reads (a subset of ``tensor_names``)."""
@@ -503,7 +522,7 @@ class MaskAwareUNet:
     @property
     def cache_layout(self) -> str:
         """Goes into the template cache key: caches of the two layouts are not interchangeable."""
-        return "kv+y" if self.kv_source == "cache" else "y"
+        return ("kv+y" if self.kv_source == "cache" else "y") + ("+r" if self.resnets is not None else "")
 
     @property
     def temporal_reuse(self) -> bool:
@@ -526,7 +545,7 @@ class MaskAwareUNet:
                 names += [f"{b.name}.k", f"{b.name}.v"]
             if b.needs_y:
                 names.append(f"{b.name}.y")
-        return names
+        return names + (self.resnets.tensor_names() if self.resnets is not None else [])
 
     def token_masks(self, mask: torch.Tensor, latent_hw: tuple[int, int], dilation: int = 0) -> TokenMasks:
         """Per-level token masks for this UNet's depth (pixel or latent-size input mask);
@@ -547,15 +566,34 @@ class MaskAwareUNet:
         ``tensor_names()`` for a template warm-up whose CFG rows are bit-equal)."""
         hw = (latent_height, latent_width)
         if codec:
-            return steps * self._codec_nbytes(self._blocks, hw, rows, codec, shared)
-        return steps * self._dtype_nbytes(self._blocks, hw, rows, dtype, shared)
+            blocks = self._codec_nbytes(self._blocks, hw, rows, codec, shared)
+        else:
+            blocks = self._dtype_nbytes(self._blocks, hw, rows, dtype, shared)
+        return steps * (blocks + self._resnet_nbytes(hw, rows, dtype, codec, shared))
+
+    def _resnet_nbytes(self, latent_hw: tuple[int, int], rows: int, dtype: torch.dtype | None, codec: str = "",
+                       shared: Collection[str] = ()) -> int:
+        """Bytes of the mask-aware ResNets' tensors of one step (outputs and ``norm2`` statistics), in
+        ``dtype`` or as ``codec`` stores them."""
+        if self.resnets is None:
+            return 0
+        from workers.engine.cache_codec import stored_nbytes
+
+        n_up = len(self.unet.config.up_block_types)
+        shapes = self.resnets.tensor_shapes(lambda name: _level_hw(latent_hw, _unet_level(name, self.num_levels, n_up)))
+        if codec:
+            return sum(stored_nbytes((rows, *shape), name, codec, shared=name in shared)
+                       for name, shape in shapes.items())
+        elem = torch.empty((), dtype=dtype or next(self.unet.parameters()).dtype).element_size()
+        return sum((1 if name in shared else rows) * math.prod(shape) * elem for name, shape in shapes.items())
 
     @contextlib.contextmanager
     def batch(self, groups: list[RowGroup], index: BatchIndex | None = None,
-              build_index: bool = True) -> Iterator[BatchContext]:
+              build_index: bool = True, resnet_plan: Any = None) -> Iterator[BatchContext]:
         """Activate a row-group layout for one UNet call. ``index``: its batch index (``batched.py``),
         built here when omitted and ``build_index``; a captured step passes the one it takes as an
-        input, or none (nothing may be built and copied to the device while a graph is captured)."""
+        input, or none (nothing may be built and copied to the device while a graph is captured),
+        and likewise its mask-aware ResNets' plan (``resnet_plan``, ``resnets.py``)."""
         if self._ctx is not None:
             raise RuntimeError("a mask-aware batch is already active")
         self._validate(groups)
@@ -566,7 +604,8 @@ class MaskAwareUNet:
         recorded = [{} if g.mode == "record" else None for g in groups]
         if index is None and build_index and Lockstep.current() is None:
             index = self.batch_index(groups, next(self.unet.parameters()).device)
-        self._ctx = BatchContext(groups, starts, s, recorded, device_timed=self._device_timed, index=index)
+        self._ctx = BatchContext(groups, starts, s, recorded, device_timed=self._device_timed, index=index,
+                                 resnet_plan=resnet_plan)
         try:
             yield self._ctx
         finally:
@@ -651,6 +690,9 @@ class MaskAwareUNet:
                     getattr(info.module.attn1, f"to_{slot}")._diffusers_hook.remove_hook(
                         _CAPTURE_HOOK, recurse=False)
         self._blocks = []
+        if self.resnets is not None:
+            self.resnets.remove()
+            self.resnets = None
 
     # --- internals ----------------------------------------------------------------------------
 

@@ -60,16 +60,19 @@ class Family:
         """The scheduler config as a saved folder holds it (with its class name)."""
         return {**dict(self.pipe.scheduler.config), "_class_name": type(self.pipe.scheduler).__name__}
 
-    def __init__(self, name: str, activations: ActivationStore | None = None, model: str | None = None) -> None:
-        """``model``: an embedded model id or a pipeline folder (default: the family's trained one)."""
+    def __init__(self, name: str, activations: ActivationStore | None = None, model: str | None = None,
+                 resnets: str = "full") -> None:
+        """``model``: an embedded model id or a pipeline folder (default: the family's trained one);
+        ``resnets="masked"``: SD's ResNets computed at the masked tokens too (``workers/maskaware/resnets.py``)."""
         self.name, self.size = name, 128
         self.pipe = load_pipeline(name, DEFAULT_MODELS[name] if model is None else model)
         activations = activations or ActivationStore(LocalStore(tempfile.mkdtemp(prefix="stencil-bench-acts-")))
         caches = dict(caches=StepCacheProvider(activations, 1 << 30), recorder=CacheRecorder(activations),
                       prefetch_steps=64)
         if name == "sd":
-            denoiser, extra, self.layout = self.pipe.unet.eval(), (), "kv+y"
-            runner, self.ctrl = SDRunner, MaskAwareUNet(denoiser)
+            denoiser, extra = self.pipe.unet.eval(), ()
+            runner, self.ctrl = SDRunner, MaskAwareUNet(denoiser, resnets=resnets)
+            self.layout = self.ctrl.cache_layout
         else:
             denoiser, extra, self.layout = self.pipe.transformer.eval(), (self.pipe.vae_scale_factor,), "flux-kv-roped"
             runner, self.ctrl = FluxRunner, MaskAwareFlux(denoiser)
