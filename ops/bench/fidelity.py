@@ -32,11 +32,11 @@ COLUMNS = ("ratio", "ssim", "psnr", "ssim_unmasked", "psnr_unmasked", "ssim_mask
 
 def bench_family(name: str, traces: list[str], n: int, steps: int, seed: int, guidance: float,
                  options: list[Option], model: str = "", pool_thresholds: tuple[float, ...] = (0.0,),
-                 resnets: str = "full") -> list[dict[str, Any]]:
+                 resnets: str = "full", size: int = 128) -> list[dict[str, Any]]:
     """Rows of (edit, option) metrics vs full compute for one family at one guidance; SD options run
     once per coarse-level token pooling threshold (named ``option+poolT`` when not the OR default);
     ``resnets="masked"``: SD's ResNets mask-aware too (options named ``option+resnets``)."""
-    fam = Family(name, model=model or DEFAULT_MODELS[name], resnets=resnets)
+    fam = Family(name, model=model or DEFAULT_MODELS[name], resnets=resnets, size=size)
     templates, keys = fam.warmed_templates(steps, guidance)
     rng = np.random.default_rng(seed)
     rows = []
@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated UNet coarse-level token pooling thresholds to compare (0 = OR, the default)")
     p.add_argument("--resnets", default="full", help="full,masked: SD's ResNets on the whole map and/or at "
                    "the masked tokens too (workers/maskaware/resnets.py; options named option+resnets)")
+    p.add_argument("--size", type=int, default=128, help="image side in pixels (the trained models': 128; "
+                   "larger sizes put more of a mask's UNet levels on the masked paths)")
     p.add_argument("--json", default="", help="also write the summary as JSON here")
     p.add_argument("--write-expected", action="store_true",
                    help=f"write the policies' mean SSIM per model and guidance to {EXPECTED_FILE}")
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 for resnets in args.resnets.split(",") if fam == "sd" else ["full"]:
                     rows += bench_family(fam, args.traces.split(","), args.n, args.steps, args.seed, g, options,
                                          models[fam], tuple(float(x) for x in args.pool_thresholds.split(",")),
-                                         resnets)
+                                         resnets, args.size)
         summary, elapsed, command = summarize(rows), run.elapsed(), run.command
     named = {f: m or "tiny-flux-fill (random init)" for f, m in models.items()}
     run.write(render(summary, command, elapsed, named))

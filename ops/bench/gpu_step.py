@@ -502,27 +502,31 @@ def part_flops(args: Any, device: torch.device) -> list[str]:
     return lines + [""]
 
 
+RESNET_JOBS = {"sd15": (1, 8), "sdxl": (1,)}  # CFG jobs per step of ``part_resnets`` (issue 37: SD 1.5 at 1 and 8)
+
+
 def part_resnets(args: Any, device: torch.device) -> list[str]:
     """The mask-aware step with the UNet's ResNets on the whole map and computed at the masked tokens
-    too (``workers/maskaware/resnets.py``), eager and graph, against the full step, one job; the
-    models' FLOP bounds are ``part_flops``'s."""
-    lines = ["## Mask-aware ResNets per step (one job): ResNets on the whole map / at the masked tokens too", "",
-             "| model | ratio | full eager / graph ms | masked eager / graph ms | masked + ResNets eager / graph ms | "
-             "speedup vs full graph: masked / + ResNets | speedup vs full eager: masked / + ResNets (eager) |",
-             "|---|---|---|---|---|---|---|"]
-    for key in [k for k in args.models if k != "flux"]:
-        base = unet_case(key, args, device, ratios=args.ratios)
-        masked = unet_case(key, args, device, ratios=args.ratios, resnets="masked")
+    too (``workers/maskaware/resnets.py``), eager and graph, against the full step (``RESNET_JOBS``
+    jobs, each its own mask and template cache); the models' FLOP bounds are ``part_flops``'s."""
+    lines = ["## Mask-aware ResNets per step: ResNets on the whole map / at the masked tokens too", "",
+             "| model | jobs | ratio | full eager / graph ms | masked eager / graph ms | "
+             "masked + ResNets eager / graph ms | speedup vs full graph: masked / + ResNets | "
+             "speedup vs full eager: masked / + ResNets (eager) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, jobs in [(k, j) for k in args.models if k != "flux" for j in RESNET_JOBS[k]]:
+        base = unet_case(key, args, device, jobs=jobs, ratios=args.ratios)
+        masked = unet_case(key, args, device, jobs=jobs, ratios=args.ratios, resnets="masked")
         case = Case(key, base.label, calls={k: v for k, v in base.calls.items() if k.endswith(("eager", "graph"))})
         for r in args.ratios:
             for mode in ("eager", "graph"):
                 case.calls[f"resnets {r:g} {mode}"] = masked.calls[f"masked {r:g} {mode}"]
         t = {k: v * 1e3 for k, v in measure(case, args, device).items()}
-        args.results.setdefault("resnets", {})[key] = t
+        args.results.setdefault("resnets", {})[f"{key} x{jobs}"] = t
         for r in args.ratios:
             m = (t[f"masked {r:g} eager"], t[f"masked {r:g} graph"])
             rn = (t[f"resnets {r:g} eager"], t[f"resnets {r:g} graph"])
-            lines.append(f"| {case.label} | {r:g} | {t['full eager']:.1f} / {t['full graph']:.1f} | "
+            lines.append(f"| {case.label} | {jobs} | {r:g} | {t['full eager']:.1f} / {t['full graph']:.1f} | "
                          f"{m[0]:.1f} / {m[1]:.1f} | {rn[0]:.1f} / {rn[1]:.1f} | "
                          f"{t['full graph'] / m[1]:.2f}x / {t['full graph'] / rn[1]:.2f}x | "
                          f"{t['full eager'] / m[0]:.2f}x / {t['full eager'] / rn[0]:.2f}x |")

@@ -61,10 +61,11 @@ class Family:
         return {**dict(self.pipe.scheduler.config), "_class_name": type(self.pipe.scheduler).__name__}
 
     def __init__(self, name: str, activations: ActivationStore | None = None, model: str | None = None,
-                 resnets: str = "full") -> None:
+                 resnets: str = "full", size: int = 128) -> None:
         """``model``: an embedded model id or a pipeline folder (default: the family's trained one);
-        ``resnets="masked"``: SD's ResNets computed at the masked tokens too (``workers/maskaware/resnets.py``)."""
-        self.name, self.size = name, 128
+        ``resnets="masked"``: SD's ResNets computed at the masked tokens too (``workers/maskaware/resnets.py``);
+        ``size``: the images' side in pixels (the trained models were trained at 128)."""
+        self.name, self.size = name, size
         self.pipe = load_pipeline(name, DEFAULT_MODELS[name] if model is None else model)
         activations = activations or ActivationStore(LocalStore(tempfile.mkdtemp(prefix="stencil-bench-acts-")))
         caches = dict(caches=StepCacheProvider(activations, 1 << 30), recorder=CacheRecorder(activations),
