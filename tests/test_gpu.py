@@ -25,8 +25,9 @@ pytestmark = pytest.mark.gpu
 CUDA = "cuda"
 
 
-def _sd_world(tmp_path: Path, graphs: bool | None):  # type: ignore[no-untyped-def]
-    """The SDXL-layout test UNet in bfloat16 on the GPU with a provider staging onto it."""
+def _sd_world(tmp_path: Path, graphs: bool | None, resnets: str = "full"):  # type: ignore[no-untyped-def]
+    """The SDXL-layout test UNet in bfloat16 on the GPU with a provider staging onto it
+    (``resnets="masked"``: its ResNets mask-aware too, ``workers/maskaware/resnets.py``)."""
     from app.storage.local import LocalStore
     from tests.test_maskaware_unet import sdxl_style_unet
     from tests.test_plan_engine import _job
@@ -36,7 +37,7 @@ def _sd_world(tmp_path: Path, graphs: bool | None):  # type: ignore[no-untyped-d
     from workers.models.tiny_sd import build_scheduler
 
     unet = sdxl_style_unet().to(CUDA, torch.bfloat16)
-    ctrl = MaskAwareUNet(unet)
+    ctrl = MaskAwareUNet(unet, resnets=resnets)
     acts = ActivationStore(LocalStore(tmp_path / "store"))
     caches = StepCacheProvider(acts, 1 << 30, device=CUDA)
     caches.dtype = torch.bfloat16
@@ -291,6 +292,56 @@ def test_a_steady_masked_forward_never_synchronises_and_a_step_once(warmed) -> N
     for j in batch:
         j.steps_done += 1
     assert _step_syncs(runner, batch) == ([], 1)
+
+
+def test_masked_resnets_replay_cuda_graphs_equal_to_eager_steps_and_never_synchronise(tmp_path: Path) -> None:
+    """Mask-aware ResNets on the GPU: a steady masked forward has no synchronising operation, and
+    graph-replayed steps of two masks (their gathers among the graph's inputs) equal eager ones."""
+    from tests.test_masked_resnets import RUNNER_LATENT, _resnet_twins
+    from tests.test_plan_engine import _warm
+    from workers.engine.sd_runner import SDRunner
+    from workers.maskaware import RowGroup, TemplateCacheKey
+
+    steps, lat = 6, RUNNER_LATENT
+    unet, ctrl, runner, caches, cfg, job = _sd_world(tmp_path, graphs=False, resnets="masked")
+    key = TemplateCacheKey("t", "tpl", lat[0] * 8, lat[1] * 8, "ddim", steps, 1.0, "cfg2",
+                           ctrl.cache_layout + "@bfloat16")
+    try:
+        _warm(runner, caches, key, steps, latent=lat)
+        first, twin = _resnet_twins(ctrl, lat)
+        steady = job(runner, "masked", key, steps, seed=first, ratio=0.05, latent=lat).state
+        g = torch.Generator().manual_seed(0)
+        args = (torch.randn(2, 9, *lat, generator=g).to(CUDA, torch.bfloat16), torch.tensor([500, 500], device=CUDA),
+                torch.randn(2, 6, unet.config.cross_attention_dim, generator=g).to(CUDA, torch.bfloat16))
+        staged = runner.stager.take("x", 0, caches.ready(key, 0))
+        groups = [RowGroup(2, "masked", token_mask=steady.token_masks, cache=staged)]
+        with torch.no_grad(), ctrl.batch(groups):
+            unet(*args)  # the first call of a composition builds its gathers on the host
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.no_grad(), ctrl.batch(groups):
+                unet(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graphed = SDRunner(unet, cfg, CUDA, maskaware=ctrl, caches=caches, prefetch_steps=0)
+        graphed.graphs.min_horizon = 1
+        runner.bucket_tokens = graphed.bucket_tokens
+        assert ctrl.resnets.bucketed  # eager steps now pad the ResNets' columns as graphed ones do
+        latents = {}
+        for name, r in (("eager", runner), ("graphed", graphed)):
+            latents[name] = []
+            for seed in (first, twin):
+                j = job(r, "masked", key, steps, seed=seed, ratio=0.05, latent=lat)
+                while not j.finished:
+                    r.step([j])
+                    j.steps_done += 1
+                latents[name].append(r.result(j)["latents"])
+        assert graphed.graphs.replays >= steps
+        for a, b in zip(latents["eager"], latents["graphed"]):
+            assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
+    finally:
+        caches.close(wait=True)
 
 
 def test_an_engine_step_returns_while_its_device_work_runs(warmed) -> None:  # type: ignore[no-untyped-def]
