@@ -25,7 +25,7 @@
 # ResNets computed at the masked tokens too (gpu_resnets.md; workers/maskaware/resnets.py). The
 # second command for all four:
 #   device run (carry .gpu):  source .gpu/setup.sh && GPU_CHECKS=addons,profile,arrivals,resnets bash ops/gpu_checks.sh
-# A session's device time (15 minutes, a start included) holds the default command and about three
+# A lent machine's device time (15 minutes, a start included) holds the default command and about three
 # minutes more: spend them, with the machine still warm, on the stage that decides the most next,
 #   device run (carry .gpu):  source .gpu/setup.sh && GPU_CHECKS=resnets bash ops/gpu_checks.sh
 # (whether SDXL's mask-aware step reaches 2.5x once its ResNets compute around the mask).

@@ -466,7 +466,7 @@ TARGET_AT_0_2 = {"sd15": 1.15, "sdxl": 2.5, "flux": 2.5}  # issue 37, one job
 
 def part_flops(args: Any, device: torch.device) -> list[str]:
     """FLOP bounds of the mask-aware step (see the module doc), one job, on the meta device."""
-    from ops.bench.harness.flops import CONVOLUTION, FlopTally
+    from torch.utils.flop_counter import FlopCounterMode
 
     meta = torch.device("meta")
     lines = ["## FLOPs per step (one job; meta device, PyTorch's FLOP formulas)", "",
@@ -478,25 +478,28 @@ def part_flops(args: Any, device: torch.device) -> list[str]:
              "|---|---|---|---|---|---|"]
     for key in args.models:
         variants = ["full"] if key == "flux" else ["full", "masked"]
-        tallies: dict[str, FlopTally] = {}
+        tallies: dict[str, int] = {}  # total FLOPs of each call
+        conv = 0  # the full step's convolution FLOPs
         for resnets in variants:
             case = (flux_case(args, meta, args.ratios) if key == "flux"
                     else unet_case(key, args, meta, ratios=args.ratios, resnets=resnets))
             for name in ["full eager", *(f"masked {r:g} eager" for r in args.ratios)]:
                 with torch.no_grad():
                     case.calls[name]()  # the first call of a batch builds its index on the host
-                tally = tallies[f"{resnets}/{name}"] = FlopTally()
-                with torch.no_grad(), tally:
+                counter = FlopCounterMode(display=False)
+                with torch.no_grad(), counter:
                     case.calls[name]()
+                tallies[f"{resnets}/{name}"] = counter.get_total_flops()
+                if name == "full eager":
+                    conv = counter.get_flop_counts()["Global"].get(torch.ops.aten.convolution, 0)
         full = tallies["full/full eager"]
-        conv = full.by_kind[CONVOLUTION]
         for r in args.ratios:
             masked = [tallies[f"{v}/masked {r:g} eager"] for v in variants]
-            row = {"full_tflop": full.total / 1e12, "conv_tflop": conv / 1e12,
-                   "masked_tflop": [m.total / 1e12 for m in masked], "bound": [full.total / m.total for m in masked]}
+            row = {"full_tflop": full / 1e12, "conv_tflop": conv / 1e12,
+                   "masked_tflop": [m / 1e12 for m in masked], "bound": [full / m for m in masked]}
             args.results.setdefault("flops", {}).setdefault(key, {})[f"{r:g}"] = row
             target = f"{TARGET_AT_0_2[key]:g}x" if abs(r - 0.2) < 1e-9 else ""
-            lines.append(f"| {case.label} | {r:g} | {row['full_tflop']:.2f} ({conv / full.total:.0%}) | "
+            lines.append(f"| {case.label} | {r:g} | {row['full_tflop']:.2f} ({conv / full:.0%}) | "
                          + " / ".join(f"{v:.2f}" for v in row["masked_tflop"]) + " | "
                          + " / ".join(f"{v:.2f}x" for v in row["bound"]) + f" | {target} |")
     return lines + [""]

@@ -245,10 +245,14 @@ class BaseRunner(ABC):
         self._last_read = 0.0  # when the last read returned (monotonic)
         self._units_on = (cache_plan != "step" and hasattr(maskaware, "units")
                           and hasattr(caches, "set_units") and hasattr(caches, "unit_status"))
+        # What a provider loads: the plan's units, and with mask-aware ResNets one more group
+        # (``MaskAwareUNet.loaded_units``), loaded with the units the plan waits for.
+        loaded = getattr(maskaware, "loaded_units", None)
+        self._loaded: dict[str, list[str]] = loaded() if loaded is not None else {}
+        self._extra_loads = [u for u in self._loaded if u not in getattr(maskaware, "units", ())]
         if self._units_on:
-            loaded = getattr(maskaware, "loaded_units", None)
-            caches.set_units(loaded() if loaded is not None  # type: ignore[union-attr]
-                             else {u: maskaware.unit_tensor_names(u) for u in maskaware.units})
+            caches.set_units(self._loaded or {u: maskaware.unit_tensor_names(u)  # type: ignore[union-attr]
+                                              for u in maskaware.units})
 
     def _init_invariance(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
         """Batched steps multiply each job's rows on their own (``workers/adapters/layout.py``): asked
@@ -466,10 +470,9 @@ class BaseRunner(ABC):
                   if not b.name.startswith(GAP) and b.load_s < b.full_s - b.cached_s]
         # Groups a provider loads besides the plan's units (mask-aware ResNets' tensors) are always
         # stored: a masked step reads them whatever the plan loads.
-        loaded = getattr(self.maskaware, "loaded_units", lambda: {})()
-        chosen += [u for u in loaded if u not in units]
+        chosen += self._extra_loads
         st.extra["store_names"] = {n for u in chosen
-                                   for n in (loaded[u] if u in loaded else self.maskaware.unit_tensor_names(u))}
+                                   for n in self._loaded.get(u) or self.maskaware.unit_tensor_names(u)}
         set_units = getattr(self.recorder, "set_units", None)
         if set_units is not None:
             set_units(key, chosen)
@@ -543,8 +546,7 @@ class BaseRunner(ABC):
             plan_jobs.append(PlanJob(st.rows, st.token_masks, (st.cache_key.digest(), batch[i].steps_done), resident,
                                      st.extra.get("absent_units", frozenset()), self._codec(st), self._shared(st)))
         units = self.maskaware.units
-        # Mask-aware ResNets' tensors (``MaskAwareUNet.loaded_units``): loaded with the chosen units.
-        extra = [u for u in getattr(self.maskaware, "loaded_units", lambda: {})() if u not in units]
+        extra = self._extra_loads
         latent_hw = (int(batch[0].state.latents.shape[-2]), int(batch[0].state.latents.shape[-1]))
         chosen: set[str]
         deadline: float | dict[str, float]

@@ -41,6 +41,7 @@ terms, batch invariance: ``adapters.layout``) run the original forward.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -112,7 +113,8 @@ def build_index(groups: Sequence[MaskedRows], hw: tuple[int, int], device: torch
     up to token buckets (``buckets.token_bucket``), the pads repeating the last column (the same
     values computed again and written to the same place), so that graph-captured steps of other
     masks of the same buckets share shapes."""
-    return _with_device_data(*_host_index(groups, hw, grow, bucketed), device)
+    parts, p1, p2 = _host_index(groups, hw, grow, bucketed)
+    return ResnetIndex(*to_device(torch.cat(parts), device).split([t.numel() for t in parts]), p1=p1, p2=p2)
 
 
 def _host_index(groups: Sequence[MaskedRows], hw: tuple[int, int], grow: int,
@@ -174,11 +176,6 @@ def _repeat_last(t: torch.Tensor, length: int) -> torch.Tensor:
     return t if pad <= 0 else torch.cat([t, t[..., -1:].expand(*t.shape[:-1], pad)], dim=-1)
 
 
-def _with_device_data(host: list[torch.Tensor], p1: int, p2: int, device: torch.device) -> ResnetIndex:
-    sizes = [t.numel() for t in host]
-    return ResnetIndex(*to_device(torch.cat(host), device).split(sizes), p1=p1, p2=p2)  # one copy
-
-
 def stats(x: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
     """``GroupNorm`` statistics of ``x`` [B, C, H, W] per row and channel: [B, 2, C] float32 (mean,
     1/std), what ``norm2`` of a masked step uses (the module doc)."""
@@ -237,7 +234,7 @@ class LevelPlan:
     empty: tuple[tuple[int, int, int], ...]
     index: ResnetIndex | None
 
-    @property
+    @functools.cached_property
     def masked_rows(self) -> tuple[int, ...]:
         return tuple(s for _g, start, rows in self.masked for s in range(start, start + rows))
 
@@ -261,12 +258,13 @@ class ResnetPlan:
         return tuple((hw, lv.structure) for hw, lv in sorted(self.levels.items()))
 
     def over(self, data: torch.Tensor) -> "ResnetPlan":
-        """The same plan reading its gathers from ``data`` (a graph's static copy of ``self.data``)."""
+        """The same plan reading its gathers from ``data``: one tensor of every level's gathers in
+        level order (``self.data``, or a graph's static copy of it)."""
         levels, offset = {}, 0
         for hw, lv in self.levels.items():
             index = None
             if lv.index is not None:
-                sizes = [getattr(lv.index, f.name).numel() for f in fields(ResnetIndex) if f.name not in ("p1", "p2")]
+                sizes = [t.numel() for t in _gathers(lv.index)]
                 index = ResnetIndex(*data[offset:offset + sum(sizes)].split(sizes), p1=lv.index.p1, p2=lv.index.p2)
                 offset += sum(sizes)
             levels[hw] = dataclasses.replace(lv, index=index)
@@ -280,8 +278,6 @@ class ResnetPlan:
             starts.append(starts[-1] + grp.rows)
         shapes = {tuple(lvl.shape) for grp in groups if grp.mode == "masked" for lvl in grp.token_mask.levels}
         levels: dict[tuple[int, int], LevelPlan] = {}
-        host: list[torch.Tensor] = []
-        sized: list[tuple[tuple[int, int], int, int]] = []
         for hw in sorted(shapes):
             n = hw[0] * hw[1]
             full: list[int] = []
@@ -305,22 +301,19 @@ class ResnetPlan:
                 full.extend(range(s, s + grp.rows))
             if not masked and not empty:
                 continue  # the original forward for every row
-            if masked:
+            index = None
+            if masked:  # on the host for now: every level's gathers go to the device in one copy, below
                 parts, p1, p2 = _host_index([mr for _g, mr in masked], hw, GROW, bucketed)
-                host += parts
-                sized.append((hw, p1, p2))
+                index = ResnetIndex(*parts, p1=p1, p2=p2)
             levels[hw] = LevelPlan(tuple(full), tuple(record), tuple((g, mr.start, mr.rows) for g, mr in masked),
-                                   tuple(empty), None)
-        if not host:
-            return cls(levels)
-        sizes = [t.numel() for t in host]
-        data = to_device(torch.cat(host), device)  # every level's gathers in one copy
-        plan = cls({hw: lv for hw, lv in levels.items()}, data)
-        pieces = iter(data.split(sizes))
-        for hw, p1, p2 in sized:
-            index = ResnetIndex(*(next(pieces) for _ in range(6)), p1=p1, p2=p2)
-            plan.levels[hw] = dataclasses.replace(levels[hw], index=index)
-        return plan
+                                   tuple(empty), index)
+        host = [t for lv in levels.values() if lv.index is not None for t in _gathers(lv.index)]
+        return cls(levels).over(to_device(torch.cat(host), device)) if host else cls(levels)
+
+
+def _gathers(index: ResnetIndex) -> list[torch.Tensor]:
+    """An index's tensors in field order (how ``ResnetPlan.data`` lays them out)."""
+    return [getattr(index, f.name) for f in fields(ResnetIndex) if f.name not in ("p1", "p2")]
 
 
 class _ResnetHook(ModelHook):
