@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.test_maskaware_unet import LATENT, _one_forward, sdxl_style_unet
 from workers.maskaware import MaskAwareUNet, RowGroup
-from workers.maskaware.resnets import MaskedRows, build_index, masked_forward, stats, supported
+from workers.maskaware.resnets import MaskedRows, build_index, constants, masked_forward, stats, supported
 from workers.maskaware.tokens import blob_mask, rect_mask
 
 TOL = 1e-4
@@ -57,6 +57,49 @@ def test_masked_outputs_equal_the_modules_forward_at_the_masked_tokens(cin: int,
     expected = full.view(5, cout, h * w).transpose(1, 2)[index.out_rows, index.out_pos].t()
     assert (fresh - expected).abs().max() <= TOL * max(1.0, float(expected.abs().max()))
     assert index.out_rows.tolist().count(4) == int(border.sum())  # every row of every group, once
+
+
+def test_what_a_masked_forward_prepares_of_the_parameters_follows_changes_in_place() -> None:
+    """``norm2``'s affine in float32 and ``conv2``'s bias with the shortcut's are prepared once per
+    module and reused while its parameters stand; changed in place (as fusing an adapter changes
+    them), they are prepared anew and the masked outputs follow the module's forward."""
+    block = _resnet(16, 32)
+    first = constants(block)
+    assert constants(block, first) is first
+    h, w = 8, 8
+    g = torch.Generator().manual_seed(3)
+    x, temb = torch.randn(2, 16, h, w, generator=g), torch.randn(2, 24, generator=g)
+    index = build_index([MaskedRows(0, 2, 0, blob_mask(h, w, 0.3, seed=4))], (h, w), x.device)
+    with torch.no_grad():
+        block.norm2.weight.mul_(1.5)
+        block.conv_shortcut.bias.add_(0.5)  # type: ignore[union-attr]
+        again = constants(block, first)
+        assert again is not first and torch.equal(again.norm2_weight, block.norm2.weight)
+        captured: dict[str, torch.Tensor] = {}
+        hook = block.norm2.register_forward_pre_hook(
+            lambda mod, args: captured.update(n2=stats(args[0], mod.num_groups, mod.eps)))
+        full = block(x, temb)
+        hook.remove()
+        fresh = masked_forward(block, x, temb, index, captured["n2"], again)
+        stale = masked_forward(block, x, temb, index, captured["n2"], first)
+    expected = full.view(2, 32, h * w).transpose(1, 2)[index.out_rows, index.out_pos].t()
+    assert (fresh - expected).abs().max() <= TOL * max(1.0, float(expected.abs().max()))
+    assert (stale - expected).abs().max() > 0.1  # the check sees stale constants
+
+
+def test_sixteen_bit_statistics_are_read_as_they_are_cached() -> None:
+    """Statistics cached in 16 bits (a template cache's outputs) enter float32 arithmetic by type
+    promotion, with no copy of their own: the result equals that of the statistics made float32."""
+    block = _resnet(16, 16)
+    h, w = 8, 8
+    g = torch.Generator().manual_seed(5)
+    x, temb = torch.randn(2, 16, h, w, generator=g), torch.randn(2, 24, generator=g)
+    st = torch.stack([torch.randn(2, 16, generator=g), torch.rand(2, 16, generator=g) + 0.5], dim=1)
+    index = build_index([MaskedRows(0, 2, 0, rect_mask(h, w, 0.3, seed=6))], (h, w), x.device)
+    with torch.no_grad():
+        half = masked_forward(block, x, temb, index, st.bfloat16())
+        widened = masked_forward(block, x, temb, index, st.bfloat16().float())
+    assert torch.equal(half, widened)
 
 
 def test_a_step_takes_unmasked_tokens_from_the_cache_and_computes_masked_ones() -> None:

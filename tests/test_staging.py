@@ -41,8 +41,8 @@ def test_staging_int8_caches_costs_a_copy_and_one_kernel_per_tensor_and_equals_d
     kv = sum(1 for n in steps[0].stored if cache_codec.is_kv(n))
     other = len(steps[0].stored) - kv
     per_job = 2 * kv + other  # the copy, and dequantizing for int8
-    # + the buffer, + one multi-tensor add of every job's offsets
-    assert counter.kernels <= jobs * per_job + 1 + with_delta, (counter.kernels, jobs * per_job)
+    # + one multi-tensor add of every job's offsets (the buffer's allocation launches no kernel)
+    assert counter.kernels <= jobs * per_job + with_delta, (counter.kernels, jobs * per_job)
     for out, st, d in zip(staged, steps, deltas):
         for name, src in st.stored.items():
             want = cache_codec.decode_tensor(src, torch.bfloat16, None, 2)
@@ -68,7 +68,7 @@ def test_jobs_reading_one_template_step_decode_it_once() -> None:
     other_names = len(step.stored) - kv
     decoded_twice = 2 * (2 * kv + other_names)  # the template step once, the other step once
     broadcasts = len(step.stored)  # the three jobs of the first step: one broadcast per tensor
-    assert counter.kernels <= decoded_twice + broadcasts + 1 + 1, counter.kernels  # + buffer, + offsets
+    assert counter.kernels <= decoded_twice + broadcasts + 1, counter.kernels  # + offsets (no kernel: the buffer)
     alone = [CacheStager("cpu").stage(cache, delta)[0] for cache, delta in items]
     for got, want in zip(staged, alone):
         for name in want:

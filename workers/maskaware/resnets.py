@@ -185,10 +185,48 @@ def stats(x: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
     return torch.stack([mean, rstd], dim=1).repeat_interleave(c // groups, dim=2)
 
 
+@dataclass(frozen=True)
+class Constants:
+    """What a masked forward reads of a module's parameters, prepared once rather than every call
+    (each a kernel on a GPU): ``norm2``'s affine in float32, where the statistics are combined,
+    and ``conv2``'s bias with the shortcut's added (both outputs are summed into the block's)."""
+
+    norm2_weight: torch.Tensor
+    norm2_bias: torch.Tensor
+    out_bias: torch.Tensor | None  # [Cout, 1]
+    versions: tuple[int, ...]  # the parameters' versions it was made from
+
+
+def _parameters(module: ResnetBlock2D) -> list[torch.Tensor]:
+    sc = module.conv_shortcut
+    return [p for p in (module.norm2.weight, module.norm2.bias, module.conv2.bias, sc and sc.bias)
+            if p is not None]
+
+
+def constants(module: ResnetBlock2D, known: Constants | None = None) -> Constants:
+    """``module``'s ``Constants``: ``known`` when its parameters have not changed since (in place,
+    e.g. a fused adapter, or moved), else made anew."""
+    versions = tuple(v for p in _parameters(module) for v in (p._version, p.data_ptr()))
+    if known is not None and known.versions == versions:
+        return known
+    with torch.no_grad():
+        biases = [b for b in (module.conv2.bias, module.conv_shortcut and module.conv_shortcut.bias)
+                  if b is not None]
+        out_bias = None if not biases else (biases[0] if len(biases) == 1 else biases[0] + biases[1])[:, None]
+        return Constants(module.norm2.weight.float(), module.norm2.bias.float(),
+                         None if out_bias is None else out_bias.contiguous(), versions)
+
+
 def masked_forward(module: ResnetBlock2D, x: torch.Tensor, temb: torch.Tensor, index: ResnetIndex,
-                   norm2_stats: torch.Tensor) -> torch.Tensor:
+                   norm2_stats: torch.Tensor, const: Constants | None = None,
+                   temb_act: torch.Tensor | None = None) -> torch.Tensor:
     """Fresh outputs at the masked tokens, ``[Cout, P2]``: ``x`` [Bm, C, H, W] and ``temb`` [Bm, T]
-    are the call's masked rows, ``norm2_stats`` their template statistics [Bm, 2, Cout]."""
+    are the call's masked rows, ``norm2_stats`` their template statistics [Bm, 2, Cout] (as cached),
+    ``const`` the module's ``constants`` (made here when not given), ``temb_act`` the activated
+    ``temb`` where the caller has it (every ResNet of a call activates the same embedding)."""
+    const = constants(module) if const is None else const
+    if temb_act is None:
+        temb_act = temb if module.skip_time_act else module.nonlinearity(temb)
     bm, c, h, w = x.shape
     n = h * w
     cout = module.conv1.out_channels
@@ -198,27 +236,29 @@ def masked_forward(module: ResnetBlock2D, x: torch.Tensor, temb: torch.Tensor, i
     g1 = a.index_select(1, index.gather1).view(c * 9, index.p1)
     h1 = torch.addmm(module.conv1.bias[:, None], module.conv1.weight.reshape(cout, c * 9), g1) \
         if module.conv1.bias is not None else module.conv1.weight.reshape(cout, c * 9) @ g1
-    t = module.time_emb_proj(temb if module.skip_time_act else module.nonlinearity(temb)).float()  # [Bm, Cout]
-    mean, rstd = norm2_stats[:, 0], norm2_stats[:, 1]
-    scale = rstd * module.norm2.weight.float()
-    shift = torch.addcmul(module.norm2.bias.float(), t - mean, scale)
-    affine = torch.stack([scale, shift]).to(x.dtype).transpose(1, 2).index_select(2, index.rows1)  # [2, Cout, P1]
+    t = module.time_emb_proj(temb_act)  # [Bm, Cout]
+    # norm2(h1 + t) = h1 * scale + shift per row and channel: scale = rstd * weight and shift =
+    # bias - mean * scale + t * scale, computed in float32 (16-bit operands promoted, not copied)
+    # and written in the model's dtype
+    affine = x.new_empty(2, bm, cout)
+    torch.mul(norm2_stats[:, 1], const.norm2_weight, out=affine[0])
+    base = torch.addcmul(const.norm2_bias, norm2_stats[:, 0], affine[0], value=-1)
+    torch.addcmul(base, t, affine[0], out=affine[1])
+    affine = affine.transpose(1, 2).index_select(2, index.rows1)  # [2, Cout, P1]
     hp = x.new_empty(cout, index.p1 + 1)
     hp[:, -1].zero_()
     torch.ops.aten.silu.out(torch.addcmul(affine[1], h1, affine[0]), out=hp[:, :-1])
     g2 = hp.index_select(1, index.gather2).view(cout * 9, index.p2)
     conv2 = module.conv2
-    c2 = conv2.out_channels
-    h2 = torch.addmm(conv2.bias[:, None], conv2.weight.reshape(c2, cout * 9), g2) \
-        if conv2.bias is not None else conv2.weight.reshape(c2, cout * 9) @ g2
+    w2 = conv2.weight.reshape(conv2.out_channels, cout * 9)
+    h2 = w2 @ g2 if const.out_bias is None else torch.addmm(const.out_bias, w2, g2)  # both biases
     skip = x.view(bm, c, n).transpose(1, 2)[index.local_rows, index.out_pos].t()  # [C, P2]
     if module.conv_shortcut is not None:
-        sc = module.conv_shortcut
-        wsc = sc.weight.reshape(sc.out_channels, c)
-        skip = torch.addmm(sc.bias[:, None], wsc, skip) if sc.bias is not None else wsc @ skip
-    out = skip + h2
+        out = torch.addmm(h2, module.conv_shortcut.weight.reshape(-1, c), skip)
+    else:
+        out = h2.add_(skip)
     if module.output_scale_factor != 1.0:
-        out = out / module.output_scale_factor
+        out = out.div_(module.output_scale_factor)
     return out
 
 
@@ -311,6 +351,18 @@ class ResnetPlan:
         return cls(levels).over(to_device(torch.cat(host), device)) if host else cls(levels)
 
 
+@functools.lru_cache(maxsize=4096)
+def _span(rows: tuple[int, ...]) -> slice | None:
+    """``rows`` (not empty) as a slice where they follow each other (a view: no kernel), else None."""
+    return slice(rows[0], rows[0] + len(rows)) if rows == tuple(range(rows[0], rows[0] + len(rows))) else None
+
+
+def _select(t: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+    """Batch rows ``rows`` of ``t``: a view where they follow each other, else one gather."""
+    span = _span(rows)
+    return t[span] if span is not None else t.index_select(0, row_index(rows, t.device))
+
+
 def _gathers(index: ResnetIndex) -> list[torch.Tensor]:
     """An index's tensors in field order (how ``ResnetPlan.data`` lays them out)."""
     return [getattr(index, f.name) for f in fields(ResnetIndex) if f.name not in ("p1", "p2")]
@@ -339,6 +391,7 @@ class MaskedResnets:
         # so that eager steps compute what replayed ones do (set by the runner).
         self.bucketed = False
         self._indices: OrderedDict[Any, tuple[ResnetPlan, list[Any]]] = OrderedDict()
+        self._constants: dict[str, Constants] = {}
         self._handles = []
         for name, mod in self.modules.items():
             HookRegistry.check_if_exists_or_initialize(mod).register_hook(_ResnetHook(self, name), _RESNET_HOOK)
@@ -410,9 +463,12 @@ class MaskedResnets:
             for start, rows, t, _cache in cached:
                 out[start:start + rows] = t
         if level.full:
-            rows = row_index(level.full, x.device)
-            out.index_copy_(0, rows, self._full(name, original, x.index_select(0, rows), temb.index_select(0, rows),
-                                                ctx, level.record))
+            y = self._full(name, original, _select(x, level.full), _select(temb, level.full), ctx, level.record)
+            span = _span(level.full)
+            if span is None:
+                out.index_copy_(0, row_index(level.full, x.device), y)
+            else:
+                out[span] = y
         if level.masked:
             self._masked(name, module, x, temb, ctx, level, out)
         return out
@@ -440,15 +496,26 @@ class MaskedResnets:
         c2 = module.conv2.out_channels
         norm_stats = [t for _s, _r, t, _c in self._runs(ctx, list(level.masked), name, "n2",
                                                          (2, module.conv1.out_channels))]
-        if level.masked_rows == tuple(range(b)):
-            xm, tm = x, temb
-        else:
-            sel = row_index(level.masked_rows, x.device)
-            xm, tm = x.index_select(0, sel), temb.index_select(0, sel)
+        xm, tm = _select(x, level.masked_rows), _select(temb, level.masked_rows)
         st = norm_stats[0] if len(norm_stats) == 1 else torch.cat(norm_stats)
         assert level.index is not None
-        fresh = masked_forward(module, xm, tm, level.index, st.float())
+        const = self._constants[name] = constants(module, self._constants.get(name))
+        act = self._activated(module, temb, level.masked_rows, tm)
+        fresh = masked_forward(module, xm, tm, level.index, st, const, act)
         out.view(b, c2, h * w).transpose(1, 2).index_put_((level.index.out_rows, level.index.out_pos), fresh.t())
+
+    def _activated(self, module: ResnetBlock2D, temb: torch.Tensor, rows: tuple[int, ...],
+                   selected: torch.Tensor) -> torch.Tensor:
+        """The activated time embedding of a call's masked rows, computed by the first ResNet of
+        the call that needs it and reused by the others (one kernel each, otherwise). The memo holds
+        ``temb`` itself, so a later call's embedding is never mistaken for it."""
+        if module.skip_time_act:
+            return selected
+        key = (rows, type(module.nonlinearity))
+        memo = getattr(self._tls, "activated", None)
+        if memo is None or memo[0] is not temb or memo[1] != key:
+            memo = self._tls.activated = (temb, key, module.nonlinearity(selected))
+        return memo[2]
 
     def _runs(self, ctx: Any, groups: list[tuple[int, int, int]], name: str, kind: str,
               shape: tuple[int, ...]) -> list[tuple[int, int, torch.Tensor, Any]]:
@@ -482,5 +549,5 @@ class MaskedResnets:
         return t
 
 
-__all__ = ["UNIT", "LevelPlan", "MaskedResnets", "MaskedRows", "ResnetIndex", "ResnetPlan", "build_index",
-           "masked_forward", "stats", "supported"]
+__all__ = ["UNIT", "Constants", "LevelPlan", "MaskedResnets", "MaskedRows", "ResnetIndex", "ResnetPlan", "build_index",
+           "constants", "masked_forward", "stats", "supported"]

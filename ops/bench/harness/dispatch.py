@@ -5,7 +5,7 @@ boolean indexing, ...) stalls the host until the device has caught up: the step 
 the host. ``DispatchCounter`` (a ``TorchDispatchMode``) counts every ATen operator a region
 dispatches and, among them, those that synchronise on a device, so that a step's host syncs and
 its operator count (a proxy for kernel launches) can be checked on the CPU. View operators
-(no kernel) are counted apart.
+and allocations (no kernel) are counted apart.
 """
 
 from __future__ import annotations
@@ -35,6 +35,12 @@ VIEW_OPS = frozenset({
     "aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.alias.default",
     "aten.detach.default", "aten.unbind.int", "aten.as_strided.default", "aten.view_as_real.default",
     "aten.view_as_complex.default", "aten.unflatten.int", "aten.lift_fresh.default", "aten.view.dtype",
+})
+
+# Allocations: on a GPU the caching allocator hands out memory on the host, launching no kernel.
+ALLOC_OPS = frozenset({
+    "aten.empty.memory_format", "aten.empty_strided.default", "aten.new_empty.default",
+    "aten.new_empty_strided.default", "aten.empty_like.default",
 })
 
 
@@ -87,8 +93,8 @@ class DispatchCounter(TorchDispatchMode):
 
     @property
     def kernels(self) -> int:
-        """Operators that are not views (each one a kernel launch, or more, on a GPU)."""
-        return sum(v for k, v in self.ops.items() if k not in VIEW_OPS)
+        """Operators that are neither views nor allocations (each one a kernel launch, or more, on a GPU)."""
+        return sum(v for k, v in self.ops.items() if k not in VIEW_OPS and k not in ALLOC_OPS)
 
 
 class _FusedAttention(TorchFunctionMode):
