@@ -13,11 +13,14 @@ CUDA graphs of whole steps are ``workers/engine/graphs.py``'s (``STENCIL_CUDA_GR
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
+
+from workers.fused_projections import project
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +89,32 @@ def ff_residual(blk: Any, x: torch.Tensor) -> torch.Tensor:
     return blk.ff(blk.norm3(x)) + x
 
 
-class BlockKernels:
-    """The packed path's token-wise computations, compiled together under one mode."""
+def self_qkv_fused(blk: Any, x: torch.Tensor, passive: Sequence[str] = ()) -> tuple[torch.Tensor, ...]:
+    """``self_qkv`` as one GEMM (``workers/fused_projections.py``)."""
+    a1 = blk.attn1
+    return project((a1.to_q, a1.to_k, a1.to_v), blk.norm1(x), passive)
 
-    def __init__(self, mode: str = "off") -> None:
+
+def text_kv_fused(attn: Any, src: torch.Tensor, passive: Sequence[str] = ()) -> tuple[torch.Tensor, ...]:
+    """``text_kv`` as one GEMM (``workers/fused_projections.py``)."""
+    return project((attn.to_k, attn.to_v), src, passive)
+
+
+class BlockKernels:
+    """The packed path's token-wise computations, compiled together under one mode. Eager (mode
+    ``off``), a block's projections of one input run as one GEMM where the modules allow it
+    (``passive``: names of the caller's diffusers hooks on them that do nothing in the packed path);
+    compiled, inductor is given the stock modules."""
+
+    def __init__(self, mode: str = "off", passive: Sequence[str] = ()) -> None:
         self.mode = check_mode(mode)
-        self.self_qkv = Compiled(self_qkv, "packed self-attention Q/K/V", self.mode)
+        eager = self.mode == "off"
+        qkv = functools.partial(self_qkv_fused, passive=tuple(passive)) if eager else self_qkv
+        kv = functools.partial(text_kv_fused, passive=tuple(passive)) if eager else text_kv
+        self.self_qkv = Compiled(qkv, "packed self-attention Q/K/V", self.mode)
         self.attn_out = Compiled(attn_out_residual, "packed attention output", self.mode)
         self.cross_q = Compiled(cross_q, "packed cross-attention Q", self.mode)
-        self.text_kv = Compiled(text_kv, "packed cross-attention K/V", self.mode)
+        self.text_kv = Compiled(kv, "packed cross-attention K/V", self.mode)
         self.ff = Compiled(ff_residual, "packed feed-forward", self.mode)
 
 

@@ -101,6 +101,7 @@ from app.storage.hostcache import to_device
 from workers.adapters import layout
 from workers.adapters.patcher import install as install_row_aware
 from workers.compiled import Compiled
+from workers.fused_projections import fuse, project, unfuse
 from workers.maskaware.buckets import bucket_range, padded
 from workers.maskaware.flux_reuse import reuse_block
 from workers.maskaware.flux_tokens import pixel_to_token_mask
@@ -502,13 +503,32 @@ def _muladd(t: torch.Tensor, s: torch.Tensor, add: torch.Tensor) -> torch.Tensor
 def _qkv(attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if getattr(attn, "fused_projections", False):
         return attn.to_qkv(x).chunk(3, dim=-1)
-    return attn.to_q(x), attn.to_k(x), attn.to_v(x)
+    q, k, v = project((attn.to_q, attn.to_k, attn.to_v), x)
+    return q, k, v
 
 
 def _added_qkv(attn: Any, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if getattr(attn, "fused_projections", False) and hasattr(attn, "to_added_qkv"):
         return attn.to_added_qkv(c).chunk(3, dim=-1)
-    return attn.add_q_proj(c), attn.add_k_proj(c), attn.add_v_proj(c)
+    q, k, v = project((attn.add_q_proj, attn.add_k_proj, attn.add_v_proj), c)
+    return q, k, v
+
+
+def _single_projections(block: FluxSingleTransformerBlock, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A single block's Q, K, V and MLP input projection of ``h`` (one GEMM where they are fused)."""
+    attn = block.attn
+    if getattr(attn, "fused_projections", False):
+        return (*attn.to_qkv(h).chunk(3, dim=-1), block.proj_mlp(h))
+    return project((attn.to_q, attn.to_k, attn.to_v, block.proj_mlp), h)
+
+
+def fuse_projections(model: torch.nn.Module) -> None:
+    """Each block's projections of one input made views of one weight (``workers/fused_projections``)."""
+    for blk in model.transformer_blocks:
+        fuse((blk.attn.to_q, blk.attn.to_k, blk.attn.to_v))
+        fuse((blk.attn.add_q_proj, blk.attn.add_k_proj, blk.attn.add_v_proj))
+    for blk in model.single_transformer_blocks:
+        fuse((blk.attn.to_q, blk.attn.to_k, blk.attn.to_v, blk.proj_mlp))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -677,8 +697,8 @@ def single_block_forward(block: FluxSingleTransformerBlock, name: str, plan: _Pl
     attn = block.attn
     hd = attn.head_dim
     with plan.lay("tok"):
-        q, k, v = _qkv(attn, h)
-        mlp = block.act_mlp(block.proj_mlp(h))
+        q, k, v, mlp_in = _single_projections(block, h)
+        mlp = block.act_mlp(mlp_in)
     if plan.kv_format == "raw":
         plan.record(name, "k", k[nt:])
     plan.record(name, "v", v[nt:])
@@ -874,6 +894,7 @@ class MaskAwareFlux:
             if getattr(blk.norm1, "emb", None) is not None:
                 raise NotImplementedError("AdaLayerNormZero with its own embedding is not a Flux block")
         install_row_aware(transformer)  # adapter terms, job-by-job GEMMs: before any hook captures a forward
+        fuse_projections(transformer)
         self._install()
 
     @property
@@ -933,6 +954,7 @@ class MaskAwareFlux:
             module._diffusers_hook.remove_hook(HOOK_NAME, recurse=False)
         self._modules.clear()
         HookRegistry.check_if_exists_or_initialize(self.model).invalidate_child_registries_cache()
+        unfuse(self.model)
 
     @contextlib.contextmanager
     def batch(self, groups: Sequence[RowGroup]) -> Iterator[BatchContext]:

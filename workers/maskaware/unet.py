@@ -96,6 +96,7 @@ from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from workers.adapters import layout
 from workers.adapters.patcher import install as install_row_aware
 from workers.compiled import BlockKernels
+from workers.fused_projections import fuse, unfuse
 from workers.maskaware import varlen
 from workers.maskaware.batched import BatchIndex, IndexMemo, LevelIndex, Member
 from workers.maskaware.lockstep import Lockstep
@@ -386,7 +387,7 @@ class MaskAwareUNet:
         install_row_aware(unet)
         # STENCIL_COMPILE: the packed path's token-wise layers compiled (workers/compiled.py); eager
         # while per-row adapter layouts are in use (their Python bookkeeping is not graph material).
-        self.kernels = BlockKernels(compile)
+        self.kernels = BlockKernels(compile, passive=(_CAPTURE_HOOK,))
         self._tls = threading.local()  # one batch context per thread: calls in lockstep run on threads
         cfg = unet.config
         self.num_levels = len(cfg.down_block_types)
@@ -436,6 +437,13 @@ class MaskAwareUNet:
                     lin = getattr(info.module.attn1, f"to_{slot}")
                     HookRegistry.check_if_exists_or_initialize(lin).register_hook(
                         _CaptureHook(self, slot), _CAPTURE_HOOK)
+        # A block's projections of one input made views of one weight (``workers/fused_projections``):
+        # the packed path runs them as one GEMM, the stock forward reads the same memory.
+        for info in self._blocks:
+            a1, a2 = info.module.attn1, info.module.attn2
+            fuse((a1.to_q, a1.to_k, a1.to_v))
+            if a2 is not None:
+                fuse((a2.to_k, a2.to_v))
         # ResNets computed at masked tokens too (``resnets.py``): their outputs join the cache.
         self.resnets = MaskedResnets(unet, lambda: self._ctx) if resnets == "masked" else None
         log.info("mask-aware hooks on %d transformer blocks (kv_source=%s, resnets=%s)", len(self._blocks),
@@ -693,6 +701,7 @@ class MaskAwareUNet:
         if self.resnets is not None:
             self.resnets.remove()
             self.resnets = None
+        unfuse(self.unet)
 
     # --- internals ----------------------------------------------------------------------------
 

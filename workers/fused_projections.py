@@ -1,0 +1,136 @@
+"""One GEMM for the projections that read one input: attention's Q, K and V, cross-attention's K and
+V, and in Flux's single blocks Q, K, V and the MLP's input projection.
+
+Why: a mask-aware block computes few tokens, so on a GPU its projections are small GEMMs whose
+launches cost about what their arithmetic does; three (or two, or four) become one. The fused
+weight is not a copy: the modules' own parameters become views of it (``weight.data``), so the
+stock forward, the fused GEMM and in-place changes (an adapter merged in place) read one set of
+weights. diffusers' ``fuse_projections`` keeps both, which for an SDXL UNet is 648 M parameters
+more (1.3 GB in bfloat16).
+
+``project`` falls back to one GEMM per module, the stock path, wherever the fused one would not
+compute what the modules do or would need a copy:
+- a module that is not a plain ``nn.Linear`` forward (its own hooks, a PEFT layer, adapter terms
+  of the step) or a step computing job by job (``workers/adapters/layout.py``);
+- parameters pointed elsewhere (a merged adapter set is swapped in that way,
+  ``workers/adapters/merge.py``): the fusion serves again once they come back.
+Only ``fuse`` points parameters at new memory, and the mask-aware controllers call it when they are
+installed: a step never does, so no captured CUDA graph can be left reading memory that a later
+fusion freed. A model moved or cast after that (``to``) computes each projection on its own until
+fused again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.adapters import layout
+from workers.adapters.patcher import LoraLinear
+
+_PLAIN = (torch.nn.Linear, LoraLinear)  # LoraLinear: the adapter patcher's class, stock without terms
+
+
+@dataclass(frozen=True)
+class Fused:
+    """The modules' weights (and biases) as one tensor each, rows in module order."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    sizes: tuple[int, ...]  # each module's output features
+    modules: tuple[weakref.ref, ...]  # the modules, in order (weak: the model owns them)
+    places: tuple[int, ...]  # where each module's weight (then bias) starts in memory, as fused
+
+    def serves(self, linears: Sequence[torch.nn.Module]) -> bool:
+        """Whether ``linears`` are this fusion's modules and their parameters still its views."""
+        return (len(linears) == len(self.modules) and all(r() is m for r, m in zip(self.modules, linears))
+                and _places(linears) == self.places)
+
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether parameter ``p`` lies in the fused weight's or bias's memory."""
+        mine = [t.untyped_storage().data_ptr() for t in (self.weight, self.bias) if t is not None]
+        return p.untyped_storage().data_ptr() in mine
+
+
+_FUSED: weakref.WeakKeyDictionary[torch.nn.Module, Fused] = weakref.WeakKeyDictionary()
+
+
+def _plain(m: torch.nn.Module, passive: Sequence[str]) -> bool:
+    """Whether ``m``'s forward is ``F.linear`` of its parameters now (diffusers hooks named in
+    ``passive``: the caller's own, which do nothing in its call)."""
+    registry = getattr(m, "_diffusers_hook", None)
+    hooks = set(registry.hooks) if registry is not None else set()
+    # an instance ``forward`` is diffusers' own where it holds hooks (it wraps theirs around the stock one)
+    return (type(m) in _PLAIN and ("forward" not in m.__dict__ or bool(hooks)) and hooks <= set(passive)
+            and not m._forward_hooks and not m._forward_pre_hooks and getattr(m, "_stencil_terms", None) is None)
+
+
+def _fusable(linears: Sequence[torch.nn.Module]) -> bool:
+    first = linears[0]
+    return (len(linears) > 1 and all(isinstance(m, torch.nn.Linear) for m in linears)
+            and all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
+                    and m.weight.device == first.weight.device for m in linears)
+            and len({m.bias is None for m in linears}) == 1)
+
+
+@torch.no_grad()
+def fuse(linears: Sequence[torch.nn.Linear]) -> Fused | None:
+    """Make ``linears``' parameters views of one weight (and bias); None where they cannot be."""
+    if not _fusable(linears):
+        return None
+    known = _FUSED.get(linears[0])
+    if known is not None and known.serves(linears):
+        return known
+    weight = torch.cat([m.weight for m in linears])
+    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+    row = 0
+    for m in linears:
+        size = m.weight.shape[0]
+        m.weight.data = weight[row:row + size]
+        if bias is not None:
+            m.bias.data = bias[row:row + size]
+        row += size
+    fused = _FUSED[linears[0]] = Fused(weight, bias, tuple(m.weight.shape[0] for m in linears),
+                                       tuple(weakref.ref(m) for m in linears), _places(linears))
+    return fused
+
+
+def _places(linears: Sequence[torch.nn.Module]) -> tuple[int, ...]:
+    return tuple(p.data_ptr() for m in linears for p in (m.weight, m.bias) if p is not None)
+
+
+def unfuse(model: torch.nn.Module) -> None:
+    """Give the fused modules of ``model`` parameters of their own again (the stock layout)."""
+    with torch.no_grad():
+        for owner in list(model.modules()):
+            fused = _FUSED.pop(owner, None)
+            for ref in fused.modules if fused is not None else ():
+                m = ref()
+                for p in (m.weight, m.bias) if m is not None else ():
+                    if p is not None and fused.holds(p):  # a merged set's weight is left where it is
+                        p.data = p.data.clone()
+
+
+def _current(linears: Sequence[torch.nn.Linear], passive: Sequence[str]) -> Fused | None:
+    """The fusion serving ``linears`` now, if any."""
+    if layout.wanted() or not all(_plain(m, passive) for m in linears):
+        return None
+    known = _FUSED.get(linears[0])
+    return known if known is not None and known.serves(linears) else None
+
+
+def project(linears: Sequence[torch.nn.Linear], x: torch.Tensor,
+            passive: Sequence[str] = ()) -> tuple[torch.Tensor, ...]:
+    """Each module of ``linears`` applied to ``x``: one GEMM where their fusion serves, else one
+    each (``passive``: names of the caller's diffusers hooks on them that do nothing in this call)."""
+    fused = _current(linears, passive)
+    if fused is None:
+        return tuple(m(x) for m in linears)
+    return tuple(F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1))
+
+
+__all__ = ["Fused", "fuse", "project", "unfuse"]
