@@ -79,6 +79,7 @@ def supported(module: ResnetBlock2D) -> bool:
             and module.conv1.stride == (1, 1) and module.conv2.stride == (1, 1)
             and module.conv1.dilation == (1, 1) and module.conv2.dilation == (1, 1)
             and module.conv1.groups == 1 and module.conv2.groups == 1 and module.time_emb_proj is not None
+            and module.norm2.affine
             and (module.conv_shortcut is None or module.conv_shortcut.kernel_size == (1, 1)))
 
 
