@@ -4,6 +4,8 @@ masked UNet step does a fraction of the full step's convolution FLOPs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from diffusers.models.resnet import ResnetBlock2D
@@ -75,13 +77,15 @@ def test_what_a_masked_forward_prepares_of_the_parameters_follows_changes_in_pla
         block.conv_shortcut.bias.add_(0.5)  # type: ignore[union-attr]
         again = constants(block, first)
         assert again is not first and torch.equal(again.norm2_weight, block.norm2.weight)
+        assert again.out_bias is first.out_bias  # updated in place: a captured graph reads the new values
         captured: dict[str, torch.Tensor] = {}
         hook = block.norm2.register_forward_pre_hook(
             lambda mod, args: captured.update(n2=stats(args[0], mod.num_groups, mod.eps)))
         full = block(x, temb)
         hook.remove()
         fresh = masked_forward(block, x, temb, index, captured["n2"], again)
-        stale = masked_forward(block, x, temb, index, captured["n2"], first)
+        stale = masked_forward(block, x, temb, index, captured["n2"], dataclasses.replace(
+            again, out_bias=block.conv2.bias[:, None] + block.conv_shortcut.bias[:, None] - 0.5))  # type: ignore[union-attr]
     expected = full.view(2, 32, h * w).transpose(1, 2)[index.out_rows, index.out_pos].t()
     assert (fresh - expected).abs().max() <= TOL * max(1.0, float(expected.abs().max()))
     assert (stale - expected).abs().max() > 0.1  # the check sees stale constants

@@ -205,8 +205,9 @@ def _parameters(module: ResnetBlock2D) -> list[torch.Tensor]:
 
 
 def constants(module: ResnetBlock2D, known: Constants | None = None) -> Constants:
-    """``module``'s ``Constants``: ``known`` when its parameters have not changed since (in place,
-    e.g. a fused adapter, or moved), else made anew."""
+    """``module``'s ``Constants``: ``known`` when its parameters have not changed since; changed in
+    place (e.g. a fused adapter), ``known``'s tensors updated in place, so that a captured CUDA graph
+    reading them sees the change rather than freed memory; moved or cast, made anew."""
     versions = tuple(v for p in _parameters(module) for v in (p._version, p.data_ptr()))
     if known is not None and known.versions == versions:
         return known
@@ -214,8 +215,16 @@ def constants(module: ResnetBlock2D, known: Constants | None = None) -> Constant
         biases = [b for b in (module.conv2.bias, module.conv_shortcut and module.conv_shortcut.bias)
                   if b is not None]
         out_bias = None if not biases else (biases[0] if len(biases) == 1 else biases[0] + biases[1])[:, None]
-        return Constants(module.norm2.weight.float(), module.norm2.bias.float(),
-                         None if out_bias is None else out_bias.contiguous(), versions)
+        fresh = Constants(module.norm2.weight.float(), module.norm2.bias.float(),
+                          None if out_bias is None else out_bias.contiguous(), versions)
+        if known is None or known.norm2_weight.device != fresh.norm2_weight.device or (
+                (known.out_bias is None) != (fresh.out_bias is None)):
+            return fresh
+        for old, new in ((known.norm2_weight, fresh.norm2_weight), (known.norm2_bias, fresh.norm2_bias),
+                         (known.out_bias, fresh.out_bias)):
+            if old is not None and new is not None and old.data_ptr() != new.data_ptr():
+                old.copy_(new)
+        return dataclasses.replace(known, versions=versions)
 
 
 def masked_forward(module: ResnetBlock2D, x: torch.Tensor, temb: torch.Tensor, index: ResnetIndex,
