@@ -99,7 +99,7 @@ class ResnetIndex:
 
     gather1: torch.Tensor  # [9 * P1]: conv1's inputs at R, tap-major; rows*N = the zero column
     rows1: torch.Tensor  # [P1]: local row of each conv1 output column
-    gather2: torch.Tensor  # [9 * P2]: conv2's inputs (conv1 output columns) at M, tap-major; P1 = zero
+    gather2: torch.Tensor  # [9 * P2]: conv2's inputs at M, tap-major: 0 = the zero column, j + 1 = conv1's column j
     out_rows: torch.Tensor  # [P2]: batch row of each output column
     out_pos: torch.Tensor  # [P2]: token of each output column
     local_rows: torch.Tensor  # [P2]: local row of each output column
@@ -153,7 +153,7 @@ def _host_index(groups: Sequence[MaskedRows], hw: tuple[int, int], grow: int,
             row = grp.local + k
             g1.append(torch.where(t1 >= 0, row * n + t1, zero1))
             rows1.append(torch.full((pos1.numel(),), row, dtype=torch.long))
-            g2.append(torch.where(t2 >= 0, p1 + t2, -1))  # the zero column is known at the end
+            g2.append(torch.where(t2 >= 0, p1 + t2 + 1, 0))  # conv1's columns follow the zero column
             out_rows.append(torch.full((pos2.numel(),), grp.start + k, dtype=torch.long))
             out_pos.append(pos2)
             local_rows.append(torch.full((pos2.numel(),), row, dtype=torch.long))
@@ -167,7 +167,6 @@ def _host_index(groups: Sequence[MaskedRows], hw: tuple[int, int], grow: int,
         gather1, r1 = _repeat_last(gather1, b1), _repeat_last(r1, b1)
         gather2, o_rows, o_pos, l_rows = (_repeat_last(t, b2) for t in (gather2, o_rows, o_pos, l_rows))
         p1, p2 = b1, b2
-    gather2 = torch.where(gather2 >= 0, gather2, p1)  # the zero column follows every conv1 column
     return [gather1.reshape(-1), r1, gather2.reshape(-1), o_rows, o_pos, l_rows], p1, p2
 
 
@@ -240,8 +239,11 @@ def masked_forward(module: ResnetBlock2D, x: torch.Tensor, temb: torch.Tensor, i
     bm, c, h, w = x.shape
     n = h * w
     cout = module.conv1.out_channels
-    a = x.new_empty(c, bm * n + 1)  # silu(norm1(x)) channel-first, then one zero column (padding)
-    a[:, -1].zero_()
+    # One buffer for both convolutions' inputs, channel-first, sharing one zero column (the padding):
+    # silu(norm1(x)) in its columns before it, conv2's input (norm2's output) in those after it.
+    buf = x.new_empty(max(c, cout), bm * n + 1 + index.p1)
+    buf[:, bm * n].zero_()
+    a = buf[:c, :bm * n + 1]
     torch.ops.aten.silu.out(module.norm1(x), out=a[:, :-1].view(c, bm, h, w).transpose(0, 1))
     g1 = a.index_select(1, index.gather1).view(c * 9, index.p1)
     h1 = torch.addmm(module.conv1.bias[:, None], module.conv1.weight.reshape(cout, c * 9), g1) \
@@ -255,9 +257,8 @@ def masked_forward(module: ResnetBlock2D, x: torch.Tensor, temb: torch.Tensor, i
     base = torch.addcmul(const.norm2_bias, norm2_stats[:, 0], affine[0], value=-1)
     torch.addcmul(base, t, affine[0], out=affine[1])
     affine = affine.transpose(1, 2).index_select(2, index.rows1)  # [2, Cout, P1]
-    hp = x.new_empty(cout, index.p1 + 1)
-    hp[:, -1].zero_()
-    torch.ops.aten.silu.out(torch.addcmul(affine[1], h1, affine[0]), out=hp[:, :-1])
+    hp = buf[:cout, bm * n:]  # the zero column, then conv1's columns
+    torch.ops.aten.silu.out(torch.addcmul(affine[1], h1, affine[0]), out=hp[:, 1:])
     g2 = hp.index_select(1, index.gather2).view(cout * 9, index.p2)
     conv2 = module.conv2
     w2 = conv2.weight.reshape(conv2.out_channels, cout * 9)
