@@ -47,8 +47,12 @@ class Fused:
 
     def serves(self, linears: Sequence[torch.nn.Module]) -> bool:
         """Whether ``linears`` are this fusion's modules and their parameters still its views."""
-        return (len(linears) == len(self.modules) and all(r() is m for r, m in zip(self.modules, linears))
-                and _places(linears) == self.places)
+        if len(linears) != len(self.modules):
+            return False
+        for ref, m in zip(self.modules, linears):
+            if ref() is not m:
+                return False
+        return _places(linears) == self.places
 
     def holds(self, p: torch.Tensor) -> bool:
         """Whether parameter ``p`` lies in the fused weight's or bias's memory."""
@@ -56,17 +60,23 @@ class Fused:
         return p.untyped_storage().data_ptr() in mine
 
 
-_FUSED: weakref.WeakKeyDictionary[torch.nn.Module, Fused] = weakref.WeakKeyDictionary()
+_ATTR = "_stencil_fused"  # where the first module of a fusion keeps it (in its ``__dict__``)
 
 
 def _plain(m: torch.nn.Module, passive: Sequence[str]) -> bool:
     """Whether ``m``'s forward is ``F.linear`` of its parameters now (diffusers hooks named in
-    ``passive``: the caller's own, which do nothing in its call)."""
-    registry = getattr(m, "_diffusers_hook", None)
-    hooks = set(registry.hooks) if registry is not None else set()
-    # an instance ``forward`` is diffusers' own where it holds hooks (it wraps theirs around the stock one)
-    return (type(m) in _PLAIN and ("forward" not in m.__dict__ or bool(hooks)) and hooks <= set(passive)
-            and not m._forward_hooks and not m._forward_pre_hooks and getattr(m, "_stencil_terms", None) is None)
+    ``passive``: the caller's own, which do nothing in its call). Read from the instance's
+    ``__dict__``: a missing attribute through ``nn.Module.__getattr__`` costs microseconds."""
+    own = m.__dict__
+    registry = own.get("_diffusers_hook")
+    hooks = registry.hooks if registry is not None else None
+    if hooks:  # an instance ``forward`` is then diffusers' own (it wraps theirs around the stock one)
+        if any(name not in passive for name in hooks):
+            return False
+    elif "forward" in own:
+        return False
+    return (type(m) in _PLAIN and not own["_forward_hooks"] and not own["_forward_pre_hooks"]
+            and own.get("_stencil_terms") is None)
 
 
 def _fusable(linears: Sequence[torch.nn.Module]) -> bool:
@@ -82,7 +92,7 @@ def fuse(linears: Sequence[torch.nn.Linear]) -> Fused | None:
     """Make ``linears``' parameters views of one weight (and bias); None where they cannot be."""
     if not _fusable(linears):
         return None
-    known = _FUSED.get(linears[0])
+    known = linears[0].__dict__.get(_ATTR)
     if known is not None and known.serves(linears):
         return known
     weight = torch.cat([m.weight for m in linears])
@@ -94,20 +104,27 @@ def fuse(linears: Sequence[torch.nn.Linear]) -> Fused | None:
         if bias is not None:
             m.bias.data = bias[row:row + size]
         row += size
-    fused = _FUSED[linears[0]] = Fused(weight, bias, tuple(m.weight.shape[0] for m in linears),
-                                       tuple(weakref.ref(m) for m in linears), _places(linears))
+    fused = Fused(weight, bias, tuple(m.weight.shape[0] for m in linears), tuple(weakref.ref(m) for m in linears),
+                  _places(linears))
+    linears[0].__dict__[_ATTR] = fused
     return fused
 
 
 def _places(linears: Sequence[torch.nn.Module]) -> tuple[int, ...]:
-    return tuple(p.data_ptr() for m in linears for p in (m.weight, m.bias) if p is not None)
+    out = []
+    for m in linears:
+        params = m._parameters  # not ``m.weight``: ``nn.Module.__getattr__`` is slow on a step's path
+        out.append(params["weight"].data_ptr())
+        if params.get("bias") is not None:
+            out.append(params["bias"].data_ptr())
+    return tuple(out)
 
 
 def unfuse(model: torch.nn.Module) -> None:
     """Give the fused modules of ``model`` parameters of their own again (the stock layout)."""
     with torch.no_grad():
         for owner in list(model.modules()):
-            fused = _FUSED.pop(owner, None)
+            fused = owner.__dict__.pop(_ATTR, None)
             for ref in fused.modules if fused is not None else ():
                 m = ref()
                 for p in (m.weight, m.bias) if m is not None else ():
@@ -119,7 +136,7 @@ def _current(linears: Sequence[torch.nn.Linear], passive: Sequence[str]) -> Fuse
     """The fusion serving ``linears`` now, if any."""
     if layout.wanted() or not all(_plain(m, passive) for m in linears):
         return None
-    known = _FUSED.get(linears[0])
+    known = linears[0].__dict__.get(_ATTR)
     return known if known is not None and known.serves(linears) else None
 
 
