@@ -206,6 +206,26 @@ def test_refresh_steps_replay_cuda_graphs_and_equal_eager_steps(warmed) -> None:
         assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ragged_attention_takes_queries_as_columns_of_one_fused_projection(dtype: torch.dtype) -> None:
+    """The fused projections (``workers/fused_projections.py``) hand attention its queries as the
+    first columns of one [T, 3C] GEMM output, row stride 3C: the variable-length kernels take them
+    as they are and give what they give for the same queries made contiguous."""
+    from workers.maskaware import varlen
+
+    torch.manual_seed(0)
+    rows, length, heads, hd = 3, 64, 4, 64
+    width = heads * hd
+    cu_q = torch.tensor([0, 10, 15, 52], device="cuda")
+    qkv = torch.randn(52, 3 * width, device="cuda", dtype=dtype)
+    k = torch.randn(rows, length, width, device="cuda", dtype=dtype)
+    v = torch.randn(rows, length, width, device="cuda", dtype=dtype)
+    columns = qkv.split(width, dim=-1)[0]
+    assert not columns.is_contiguous()
+    out = varlen.attend(columns, k, v, cu_q, heads, length)
+    assert torch.equal(out, varlen.attend(columns.contiguous(), k, v, cu_q, heads, length))
+
+
 def test_a_ragged_graph_replays_other_counts_on_cuda_and_equals_the_per_group_path() -> None:
     """Ragged batch indices on CUDA (the variable-length attention kernel): steps whose jobs' counts
     differ but whose totals share a bucket replay one CUDA graph, and each replay equals the eager
