@@ -135,6 +135,38 @@ def test_a_step_takes_unmasked_tokens_from_the_cache_and_computes_masked_ones() 
     assert (step(outside) - base).abs().max() > 1e-3
 
 
+def test_a_graphed_call_computes_fully_the_resnets_of_a_job_whose_cache_lacks_them() -> None:
+    """A job whose cache does not hold the ResNets' tensors (``resnets`` in its full units) computes
+    its ResNets fully in a graph-captured call, as in an eager one, and both calls agree."""
+    from workers.engine.graph_calls import unet_call
+    from workers.engine.graphs import StepGraphs
+    from workers.engine.staging import CacheStager
+
+    unet = sdxl_style_unet(0)
+    ctrl = MaskAwareUNet(unet, resnets="masked")
+    x, t, e = _one_forward(unet)
+    with torch.no_grad(), ctrl.batch([RowGroup(2, "record")]) as ctx:
+        unet(x, t, e)
+    without = {k: v for k, v in ctx.recorded[0].items() if k not in set(ctrl.resnets.tensor_names())}  # type: ignore[union-attr]
+    mask = torch.zeros(LATENT, dtype=torch.bool)
+    mask[4:9, 5:11] = True
+    tm = ctrl.token_masks(mask, LATENT).prepare("cpu")
+
+    def group() -> RowGroup:
+        return RowGroup(2, "masked", token_mask=tm, cache=CacheStager("cpu").take("j", 0, without),
+                        full_units=frozenset({"resnets"}))
+
+    with torch.no_grad():
+        with ctrl.batch([group()]):
+            eager = unet(x, t, e).sample
+        graphs = StepGraphs("cpu", repeats=1)
+        for _ in range(2):  # captured, then replayed
+            graphed = unet_call(graphs, unet, ctrl, (x, t), {"encoder_hidden_states": e}, [group()],
+                                torch.device("cpu"))[0]
+            assert torch.equal(graphed, eager)
+    assert graphs.captures == 1
+
+
 def test_a_masked_step_does_a_fraction_of_the_convolution_flops() -> None:
     """Counted FLOPs (PyTorch's formulas) of a masked step at a 0.2 mask on a 32x32 latent: with
     mask-aware ResNets it does at least 40% of the step's convolution FLOPs less than with ResNets

@@ -31,6 +31,7 @@ import torch
 from workers.engine.graphs import StepGraphs
 from workers.engine.staging import StagedCache
 from workers.maskaware.batched import structure_tokens
+from workers.maskaware.resnets import UNIT as RESNETS_UNIT
 
 
 def graphable(groups: Sequence[Any] | None, record: bool = False) -> bool:
@@ -153,8 +154,12 @@ def unet_call(graphs: StepGraphs, unet: Any, ctrl: Any, args: tuple[torch.Tensor
     structure = None if index is None else index.structure
     # Mask-aware ResNets (``workers/maskaware/resnets.py``): their gathers, in token buckets, are
     # one more input, and what fixes their shapes is in the signature.
+    # A job whose cache lacks their tensors computes its ResNets fully, as in an eager call.
     resnets = getattr(ctrl, "resnets", None)
-    rplan = resnets.plan(list(groups), device, bucketed=True) if resnets is not None and groups is not None else None
+    rplan = None
+    if resnets is not None and groups is not None:
+        forced = frozenset(i for i, g in enumerate(groups) if g.mode == "masked" and RESNETS_UNIT in g.full_units)
+        rplan = resnets.plan(list(groups), device, forced, bucketed=True)
     key = ("unet", _signature(head), tuple(spec), structure, None if rplan is None else rplan.structure)
     if index is not None:
         key, index = _widened(graphs, ctrl, list(groups or ()), device, key, index)

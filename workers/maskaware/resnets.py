@@ -289,6 +289,11 @@ class LevelPlan:
     def masked_rows(self) -> tuple[int, ...]:
         return tuple(s for _g, start, rows in self.masked for s in range(start, start + rows))
 
+    @functools.cached_property
+    def cached(self) -> list[tuple[int, int, int]]:
+        """Groups whose output starts as their cached one (masked and empty), in row order."""
+        return sorted(self.empty + self.masked, key=lambda m: m[1])
+
     @property
     def structure(self) -> tuple[Any, ...]:
         sizes = (0, 0) if self.index is None else (self.index.p1, self.index.p2)
@@ -466,7 +471,7 @@ class MaskedResnets:
                       if grp.mode == "record"]
             return self._full(name, original, x, temb, ctx, record)
         c2 = module.conv2.out_channels
-        cached = self._runs(ctx, sorted(level.empty + level.masked, key=lambda m: m[1]), name, "r", (c2, h, w))
+        cached = self._runs(ctx, level.cached, name, "r", (c2, h, w))
         if not level.full and len(cached) == 1 and cached[0][1] == b and getattr(cached[0][3], "writable", False):
             out = cached[0][2]  # every row's cache in one private staged slab: the output, written in place
         else:
@@ -505,7 +510,7 @@ class MaskedResnets:
                 level: "LevelPlan", out: torch.Tensor) -> None:
         b, _c, h, w = x.shape
         c2 = module.conv2.out_channels
-        norm_stats = [t for _s, _r, t, _c in self._runs(ctx, list(level.masked), name, "n2",
+        norm_stats = [t for _s, _r, t, _c in self._runs(ctx, level.masked, name, "n2",
                                                          (2, module.conv1.out_channels))]
         xm, tm = _select(x, level.masked_rows), _select(temb, level.masked_rows)
         st = norm_stats[0] if len(norm_stats) == 1 else torch.cat(norm_stats)
@@ -528,7 +533,7 @@ class MaskedResnets:
             memo = self._tls.activated = (temb, key, module.nonlinearity(selected))
         return memo[2]
 
-    def _runs(self, ctx: Any, groups: list[tuple[int, int, int]], name: str, kind: str,
+    def _runs(self, ctx: Any, groups: Sequence[tuple[int, int, int]], name: str, kind: str,
               shape: tuple[int, ...]) -> list[tuple[int, int, torch.Tensor, Any]]:
         """The cached ``kind`` tensors of ``groups`` (group, first row, rows; in row order) as
         (first row, rows, tensor, cache) runs: groups whose rows follow each other and whose caches
