@@ -89,6 +89,24 @@ def test_a_packed_pinned_step_stages_on_cuda_as_decoding_each_tensor_does() -> N
         assert torch.equal(staged[1][name], delta[name] + want), name
 
 
+@pytest.mark.parametrize("kind", ["offset", "mapping"])
+def test_staging_adds_an_offset_only_once_the_compute_stream_has_written_it(kind: str) -> None:
+    """A job's offset is made on the compute stream (after a refresh step) and added to its staged
+    cache on the stager's side stream: the side stream waits for it. The offset is made behind a
+    long kernel here, so a side stream that did not wait would add memory not yet written."""
+    from workers.engine.staging import CacheStager, Offset
+
+    base = torch.zeros(2, 256, 64).pin_memory()
+    own = torch.ones(2, 256, 64, device=CUDA)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of the compute stream before the offset is written
+    tensors = {"b.k": own * 3}
+    delta = Offset.made_now(tensors) if kind == "offset" else tensors
+    staged = CacheStager(CUDA).take_batch([("a", 0, {"b.k": base}, delta)])
+    torch.cuda.synchronize()
+    assert torch.equal(staged[0]["b.k"], torch.full_like(own, 3.0))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batched_guidance_on_cuda_equals_each_jobs_expression(dtype: torch.dtype) -> None:
     """The multi-tensor guidance kernels compute what the pipeline's per-job expression computes on

@@ -10,7 +10,7 @@ import torch
 
 from ops.bench.harness.dispatch import DispatchCounter
 from workers.engine import cache_codec
-from workers.engine.staging import CacheStager, pack
+from workers.engine.staging import CacheStager, Offset, pack
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -90,3 +90,29 @@ def test_a_packed_step_is_staged_from_one_buffer_and_equals_its_tensors() -> Non
     on_cpu, _ = CacheStager("cpu").stage_batch([(cache_codec.DecodedStep(packed, torch.bfloat16, None, 2), None)])
     alone, _ = CacheStager("cpu").stage_batch([(step, None)])
     assert all(torch.equal(on_cpu[0][n], alone[0][n]) for n in alone[0])
+
+
+def test_a_step_staged_ahead_with_an_offset_a_refresh_replaced_is_staged_again() -> None:
+    """A job's next step staged ahead with its offset, then a refresh made a new one: taking the
+    step must add the new offset, not hand over the copy made with the old one (even where the
+    new offset object reuses the old one's id, as CPython does for a freed object)."""
+    stager = CacheStager("cpu")
+    cache = {"b.k": torch.zeros(2, 16, 8)}
+    for _ in range(20):  # CPython hands a freed object's memory to the next of its size
+        stale = Offset.made_now({"b.k": torch.ones(2, 16, 8)})
+        stager.ahead_batch([("job", 1, cache, stale)])
+        del stale
+        fresh = Offset.made_now({"b.k": torch.full((2, 16, 8), 2.0)})
+        staged = stager.take_batch([("job", 1, cache, fresh)])
+        assert torch.equal(staged[0]["b.k"], torch.full((2, 16, 8), 2.0))
+        stager.reset()
+
+
+def test_a_step_staged_ahead_with_the_same_offset_is_taken_as_staged() -> None:
+    stager = CacheStager("cpu")
+    cache = {"b.k": torch.zeros(2, 16, 8)}
+    delta = Offset.made_now({"b.k": torch.ones(2, 16, 8)})
+    stager.ahead_batch([("job", 1, cache, delta)])
+    ahead = stager._ahead[("job", 1)][0]
+    assert stager.take_batch([("job", 1, cache, delta)])[0] is ahead
+    assert not stager._ahead

@@ -50,6 +50,24 @@ def test_the_pool_is_bounded_by_count_and_bytes_and_failed_captures_run_eagerly(
     assert failing.captures == 0 and failing.eager == 3 and "k" in failing._failed
 
 
+def test_after_a_few_failed_captures_no_other_signature_is_tried() -> None:
+    """A model whose calls cannot be captured fails for every signature: each try costs an eager
+    call and a capture, so after ``MAX_FAILED_CAPTURES`` signatures none is tried any more."""
+    from workers.engine.graphs import MAX_FAILED_CAPTURES
+
+    tried: list[int] = []
+
+    def broken(forward, static, pool):  # type: ignore[no-untyped-def]
+        tried.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = StepGraphs("cpu", repeats=1, capture=broken)
+    for key in range(MAX_FAILED_CAPTURES + 3):
+        out = graphs.run(key, [torch.ones(2), torch.ones(2)], _double)
+        assert torch.equal(out, torch.full((2,), 3.0))
+    assert len(tried) == MAX_FAILED_CAPTURES and graphs.eager == MAX_FAILED_CAPTURES + 3
+
+
 def test_graphs_of_one_input_shape_share_their_buffers_and_replay_their_own_inputs() -> None:
     """Graphs whose inputs have the same shapes read the same static buffers (each replay copies
     its inputs in first), so interleaved replays of two graphs each compute from their own inputs;
@@ -262,3 +280,31 @@ def test_the_gpu_workers_runner_replays_graphs_for_steps_without_controlnets(tmp
         assert graphed.graphs.captures == 1 and graphed.graphs.replays == steps - 1
     finally:
         caches.close(wait=True)
+
+
+def test_a_graph_keeps_the_row_indices_its_call_read_past_the_memo() -> None:
+    """A captured graph reads memoized row indices by address: its entry keeps each one it read
+    alive, so clearing the memo cannot free memory a replay reads."""
+    from workers.maskaware import tokens
+
+    def select(ts):  # type: ignore[no-untyped-def]
+        return ts[0].index_select(0, tokens.row_index((2, 0), ts[0].device))
+
+    graphs = StepGraphs("cpu", repeats=1)
+    graphs.run("k", [torch.arange(3.0)], select)
+    read = tokens.row_index((2, 0), "cpu")
+    tokens._ROW_INDEX.clear()
+    assert any(t is read for t in graphs._graphs["k"].held)
+    assert torch.equal(graphs.run("k", [torch.arange(3.0) + 1], select), torch.tensor([3.0, 1.0]))
+
+
+def test_graph_outputs_count_against_the_pool_budget() -> None:
+    """Each graph owns its output (a refresh step's recorded activations among it): the pool
+    evicts least recently used graphs once inputs and outputs pass the budget."""
+    def wide(ts):  # type: ignore[no-untyped-def]
+        return ts[0].repeat(4)  # an output four times its input
+
+    graphs = StepGraphs("cpu", repeats=1, budget_bytes=100)
+    for key in ("a", "b", "c"):
+        graphs.run(key, [torch.ones(4)], wide)  # 16 bytes of shared input, 64 bytes of output each
+    assert list(graphs._graphs) == ["c"] and graphs.static_bytes + graphs.output_bytes <= 100

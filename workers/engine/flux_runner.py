@@ -23,7 +23,7 @@ from app.storage.hostcache import to_device
 from workers.adapters import layout
 from workers.compiled import Compiled
 from workers.engine.graph_calls import flux_call, graphable
-from workers.engine.graphs import StepGraphs
+from workers.engine.graphs import step_graphs
 from workers.engine.job import EngineJob
 from workers.engine.runner_base import BaseRunner, JobState, job_rows
 from workers.flux_inputs import flux_schedule
@@ -57,7 +57,7 @@ class FluxRunner(BaseRunner):
         self.vae_scale_factor = vae_scale_factor
         self.device = torch.device(device)
         # Steps replayed as CUDA graphs (``workers/engine/graphs.py``): on CUDA unless turned off.
-        self.graphs = StepGraphs(self.device) if (self.device.type == "cuda" if graphs is None else graphs) else None
+        self.graphs = step_graphs(self.device, graphs, compile)
 
     writable_caches = True  # MaskAwareFlux writes a step's fresh K/V (and output) into its staged cache
 
@@ -119,6 +119,7 @@ class FluxRunner(BaseRunner):
                 sub = [states[i] for i in idx]
                 hidden = _packed_inputs(sub)
                 out, _ = self._call(sub, hidden, times[idx], sub[0].image_ids, None)
+                out = self._owned(out)
                 for k, i in enumerate(idx):
                     outs[i] = out[k:k + 1]
             return outs, []
@@ -143,7 +144,7 @@ class FluxRunner(BaseRunner):
                       pooled_projections=torch.cat([s.pooled for s in states]),
                       encoder_hidden_states=torch.cat([s.prompt_embeds for s in states]),
                       txt_ids=states[0].text_ids, img_ids=img_ids, return_dict=False)
-        if self.graphs is not None and not layout.wanted() and graphable(groups):
+        if self.graphs is not None and not layout.wanted() and not self.weights_swapped() and graphable(groups):
             out = flux_call(self.graphs, self.transformer, self.maskaware, kwargs, groups, horizon)
             return out, [None] * len(groups or ())
         if groups is None:

@@ -22,8 +22,11 @@ first time in a row; one that comes back after other signatures ran (under conti
 step after a job joins, or a batch of a size seen before, recurs all the time) is captured then,
 however short its stretch: it will be seen again. Graphs share one memory pool (they
 never run concurrently and never read each other's outputs); the pool of graphs is an LRU bounded
-by count and by the bytes of its static inputs. A signature whose capture fails runs eagerly from
-then on (logged once), so an unsupported call costs nothing but its eager time.
+by count and by the bytes of its static inputs and outputs. A signature whose capture fails runs
+eagerly from then on (logged once), so an unsupported call costs nothing but its eager time; after
+``MAX_FAILED_CAPTURES`` such signatures no other is tried. A step of several calls (one per image
+size) copies each replayed call's output out before the next call: graphs of one pool may use
+each other's output memory as scratch. Memoized row indices a call reads are kept by its graph.
 
 Static input buffers are shared between graphs (vLLM's way): every replay first copies its inputs
 in, and graphs never run concurrently, so graphs whose inputs have the same shapes (every graph of
@@ -46,11 +49,16 @@ from typing import Any, Protocol
 import torch
 from torch.utils._pytree import tree_leaves
 
+from workers.maskaware.tokens import holding_row_indices
+
 log = logging.getLogger(__name__)
 
 Forward = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 MIN_HORIZON = 4  # steps a signature must have left to be worth a capture (a few eager steps' cost)
 MAX_GRAPHS = 256  # graphs kept (they share their input buffers: each holds only its outputs)
+# Signatures whose capture failed after which no other is tried: failures of a model's call are
+# systematic (an operator a graph cannot hold), and each try costs an eager call and a capture.
+MAX_FAILED_CAPTURES = 3
 
 
 class Replayable(Protocol):
@@ -83,12 +91,32 @@ class CudaGraphCall:
             self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 self.output = forward(static)
-            finally:
+            except BaseException:
+                self._abandon(device)
+                raise
+            try:
                 self.graph.capture_end()
+            except BaseException:
+                _end_allocating_to_pool(device, self.graph)
+                raise
         torch.cuda.current_stream(device).wait_stream(side)
+
+    def _abandon(self, device: torch.device) -> None:
+        """End a capture whose call raised, so that the caching allocator stops allocating to the
+        graphs' pool: ``capture_end`` on an invalidated capture raises before it ends that, and the
+        allocator would then keep deferring frees (and read this graph's state) for ever."""
+        try:
+            self.graph.capture_end()
+        except Exception:  # the capture was invalidated: the call's own error is the one to report
+            _end_allocating_to_pool(device, self.graph)
 
     def replay(self) -> None:
         self.graph.replay()
+
+
+def _end_allocating_to_pool(device: torch.device, graph: Any) -> None:
+    torch._C._cuda_endAllocateToPool(device.index if device.index is not None else torch.cuda.current_device(),
+                                     graph.pool())
 
 
 class EagerReplay:
@@ -106,8 +134,11 @@ class EagerReplay:
 
 
 class _Entry:
-    def __init__(self, call: Replayable, static: list[torch.Tensor], keys: list[Hashable]) -> None:
+    def __init__(self, call: Replayable, static: list[torch.Tensor], keys: list[Hashable],
+                 held: Sequence[torch.Tensor] = ()) -> None:
         self.call, self.static, self.keys = call, static, keys
+        self.held = held  # memoized tensors the graph reads by address (``tokens.holding_row_indices``)
+        self.output_bytes = 0
 
 
 class StaticArena:
@@ -197,6 +228,11 @@ class StepGraphs:
     def static_bytes(self) -> int:
         return self._arena.nbytes
 
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of the kept graphs' outputs (each graph's own memory)."""
+        return sum(e.output_bytes for e in self._graphs.values())
+
     def run(self, key: Hashable, inputs: Sequence[torch.Tensor], forward: Forward,
             horizon: int | None = None) -> torch.Tensor:
         """``forward(tensors)`` on ``inputs``, replayed from a graph once ``key`` has repeated.
@@ -229,7 +265,7 @@ class StepGraphs:
     def _maybe_capture(self, key: Hashable, inputs: Sequence[torch.Tensor], forward: Forward,
                        count_only: bool = False) -> _Entry | None:
         """Count a sighting of ``key``; capture it once seen ``repeats`` times (not if ``count_only``)."""
-        if key in self._failed:
+        if key in self._failed or len(self._failed) >= MAX_FAILED_CAPTURES:
             return None
         seen = self._seen[key] = self._seen.get(key, 0) + 1
         if len(self._seen) > 4096:  # bounded: sightings of long-gone signatures are forgotten
@@ -244,15 +280,23 @@ class StepGraphs:
             self._arena.release(self._graphs.popitem(last=False)[1].keys)  # least recently used
         static = self._arena.take(keys, inputs)
         try:
-            call = self.capture(forward, static, self.pool)
+            with holding_row_indices() as held:
+                call = self.capture(forward, static, self.pool)
         except Exception as exc:  # an unsupported call: eager from now on
             self._arena.release(keys)
             self._failed.add(key)
-            log.warning("CUDA graph capture failed (%s: %s); this step signature runs eagerly",
-                        type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else "")
+            log.warning("CUDA graph capture failed (%s: %s); this step signature runs eagerly%s",
+                        type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else "",
+                        "; no other will be captured" if len(self._failed) >= MAX_FAILED_CAPTURES else "")
             return None
         self.captures += 1
-        entry = self._graphs[key] = _Entry(call, static, keys)
+        entry = self._graphs[key] = _Entry(call, static, keys, held)
+        # A graph's outputs are its own (a refresh step's recorded activations among them): they
+        # count against the budget too, the least recently used graphs going first.
+        entry.output_bytes = sum(t.numel() * t.element_size() for t in tree_leaves(call.output)
+                                 if isinstance(t, torch.Tensor))
+        while len(self._graphs) > 1 and self.static_bytes + self.output_bytes > self.budget_bytes:
+            self._arena.release(self._graphs.popitem(last=False)[1].keys)
         return entry
 
     def clear(self) -> None:
@@ -263,13 +307,28 @@ class StepGraphs:
         self._previous = None
 
 
+# torch.compile modes that replay CUDA graphs of their own: those cannot run inside a capture.
+SELF_GRAPHED_COMPILE_MODES = frozenset({"reduce-overhead", "max-autotune"})
+
+
+def step_graphs(device: torch.device, wanted: bool | None, compile_mode: str = "off") -> StepGraphs | None:
+    """A runner's step graphs: on CUDA unless turned off (``wanted``), and never under a compile
+    mode that captures graphs itself (``SELF_GRAPHED_COMPILE_MODES``)."""
+    compile_mode = (compile_mode or "off").strip().lower()
+    if compile_mode in SELF_GRAPHED_COMPILE_MODES:
+        if wanted:
+            raise ValueError(f"step graphs cannot hold STENCIL_COMPILE={compile_mode!r}'s own CUDA graphs")
+        return None
+    return StepGraphs(device) if (device.type == "cuda" if wanted is None else wanted) else None
+
+
 def _default_budget(device: torch.device) -> int:
-    """Static-input bytes the graphs may hold: a quarter of the device memory free at start (the
-    caches they copy are a step's worth per job); unbounded off CUDA (tests)."""
+    """Bytes the graphs may hold (static inputs and outputs): a quarter of the device memory free
+    at start (the caches they copy are a step's worth per job); unbounded off CUDA (tests)."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return 1 << 62
     free, _total = torch.cuda.mem_get_info(device)
     return free // 4
 
 
-__all__ = ["CudaGraphCall", "EagerReplay", "StaticArena", "StepGraphs"]
+__all__ = ["CudaGraphCall", "EagerReplay", "StaticArena", "StepGraphs", "step_graphs"]

@@ -64,7 +64,7 @@ from workers.engine.bandwidth import host_read_gbps
 from workers.engine.job import EngineJob
 from workers.engine.plan import RESIDENT, UNAVAILABLE, BlockCost, StepPlan, Tier, UnitCostModel, plan_optimal
 from workers.engine.settle import LaunchedStep, finite_flags, read_failures, to_host
-from workers.engine.staging import CacheStager
+from workers.engine.staging import CacheStager, Offset
 from workers.engine.stepper import make_stepper, step_batch
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider, UnitCache, key_stored_steps
 from workers.maskaware.activation_store import TemplateCacheKey
@@ -364,6 +364,19 @@ class BaseRunner(ABC):
                 key = "lora_merged_steps" if demand.adapters == merged else "lora_term_steps"
                 job.state.extra[key] = job.state.extra.get(key, 0) + 1
         return batch
+
+    def weights_swapped(self) -> bool:
+        """Whether the model's weights hold a merged adapter set this step (``MergedWeights`` points
+        them at a slot): a captured graph reads the weights it was captured with, by address."""
+        return self.lora is not None and bool(self.lora.merged)
+
+    def _owned(self, out: Any) -> Any:
+        """A call's output that must outlive the step's next call: a replayed graph's output may
+        lie in memory another graph of the shared pool uses as scratch, so it is copied out."""
+        graphs = getattr(self, "graphs", None)
+        if graphs is None or graphs.last == "eager":
+            return out
+        return out.clone()
 
     @staticmethod
     def _effective(st: JobState) -> tuple[tuple[str, float], ...]:
@@ -731,6 +744,8 @@ class BaseRunner(ABC):
                 job.state.reuse.collect(job.steps_done)
         try:
             preds = self._guided_batch(batch, output)
+            if graphs is not None and graphs.last != "eager":  # a scheduler with state keeps its input
+                preds = [p if job.state.stepper.stateless else p.clone() for job, p in zip(batch, preds)]
             news = step_batch([(job.state.stepper, job.steps_done, pred, job.state.latents)
                                for job, pred in zip(batch, preds)])
             flags, ready = to_host(finite_flags(news))
@@ -825,7 +840,7 @@ class BaseRunner(ABC):
             st: JobState = job.state
             nxt = job.steps_done + 1
             if (st.mode != "masked" or st.cache_key is None or nxt >= len(st.timesteps) or nxt in st.refresh
-                    or st.anchor is not None):
+                    or st.anchor is not None or job.steps_done in st.refresh):  # a refresh: a new offset
                 continue
             cache = self.caches.peek(st.cache_key, nxt)  # type: ignore[union-attr]
             if cache is not None:
@@ -893,7 +908,7 @@ class BaseRunner(ABC):
         tpl = self.caches.ready(st.cache_key, step) if self.caches is not None else None  # type: ignore[arg-type]
         if tpl is None:
             return False
-        st.delta = {n: own[n] - tpl[n].to(own[n]) for n in own if n in tpl}
+        st.delta = Offset.made_now({n: own[n] - tpl[n].to(own[n]) for n in own if n in tpl})
         st.anchor = None
         return True
 

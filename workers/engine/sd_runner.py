@@ -33,7 +33,7 @@ from workers.compiled import Compiled
 from workers.controlnets.step import Concurrent, JobControl, Use, residuals
 from workers.engine.cache_codec import rows_equal
 from workers.engine.graph_calls import graphable, unet_call
-from workers.engine.graphs import StepGraphs
+from workers.engine.graphs import step_graphs
 from workers.engine.job import EngineJob
 from workers.engine.runner_base import BaseRunner, JobState, job_rows
 from workers.maskaware.lockstep import Lockstep
@@ -115,7 +115,7 @@ class SDRunner(BaseRunner):
         self._pool: ThreadPoolExecutor | None = None  # threads of lockstep calls (mixed sizes)
         self.mixed_sizes = mixed_size_calls(mixed_sizes, self.device)
         # Steps replayed as CUDA graphs (``workers/engine/graphs.py``): on CUDA unless turned off.
-        self.graphs = StepGraphs(self.device) if (self.device.type == "cuda" if graphs is None else graphs) else None
+        self.graphs = step_graphs(self.device, graphs, compile)
         resnets = getattr(maskaware, "resnets", None)
         if resnets is not None and self.graphs is not None:
             resnets.bucketed = True  # eager steps then compute what graph-replayed ones do
@@ -248,7 +248,10 @@ class SDRunner(BaseRunner):
             return out, recorded
         parts = list(shapes.values())
         if groups is None:  # no mask-aware hooks: one call per size (batched within each size)
-            results = [self._call([batch[i] for i in idx], None) for idx in parts]
+            results = []
+            for idx in parts:
+                out, recorded = self._call([batch[i] for i in idx], None)
+                results.append((self._owned(out), recorded))
         else:
             for gid, grp in enumerate(groups):  # each job's key in its call's layouts: its batch index
                 grp.gid = gid
@@ -259,7 +262,8 @@ class SDRunner(BaseRunner):
                 results = []
                 for idx in parts:
                     with layout.use(_rows_of(batch, idx) if rows else None):
-                        results.append(self._call([batch[i] for i in idx], [groups[i] for i in idx]))
+                        out, recorded = self._call([batch[i] for i in idx], [groups[i] for i in idx])
+                    results.append((self._owned(out), recorded))
         self.last_ctx = None  # per-unit timings of one size's call (lockstep: with waits): not the step's
         per_job: dict[int, tuple[torch.Tensor, Any]] = {}
         for idx, (out, recorded) in zip(parts, results):
@@ -350,7 +354,7 @@ class SDRunner(BaseRunner):
         """Whether this call may replay a CUDA graph (``graph_calls.graphable``), and nothing per
         step lives outside tensors: no ControlNet residuals, no per-job adapter terms."""
         return (not layout.wanted() and "down_block_additional_residuals" not in kwargs
-                and graphable(groups, record=True))
+                and not self.weights_swapped() and graphable(groups, record=True))
 
     def _rows_alike(self, st: JobState) -> bool:
         """CFG rows get bit-equal inputs when the prompt's and the negative prompt's conditioning

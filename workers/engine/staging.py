@@ -122,13 +122,49 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+class Offset(dict):  # type: ignore[type-arg]
+    """A job's offset (own minus template activations at its last refresh, ``runner_base``), made
+    on the compute stream and added to its staged caches on the stager's side stream.
+
+    On CUDA the side stream must not read it before the compute stream has written it (the host
+    runs a step ahead of the device), nor may the allocator hand its memory to the compute stream
+    while a staging that reads it is pending: ``ready`` is the event after which it is written, and
+    ``used_on`` orders a stream after that event and records the tensors on it, once per stream."""
+
+    ready: Any = None
+
+    @classmethod
+    def made_now(cls, tensors: Mapping[str, torch.Tensor]) -> "Offset":
+        """``tensors``, with an event on the current stream of their device when that is a GPU."""
+        out = cls(tensors)
+        first = next(iter(out.values()), None)
+        if first is not None and first.device.type == "cuda":
+            out.ready = torch.cuda.Event()
+            out.ready.record(torch.cuda.current_stream(first.device))
+        return out
+
+    def used_on(self, stream: Any) -> None:
+        """Make ``stream``'s later work wait until the offset is written, and keep its memory from
+        being reused before that work is done (once per stream: a stream runs in order)."""
+        streams = self.__dict__.setdefault("_streams", set())
+        if stream in streams:
+            return
+        if self.ready is not None:
+            stream.wait_event(self.ready)
+        for t in self.values():
+            if t.device.type == "cuda":
+                t.record_stream(stream)
+        streams.add(stream)
+
+
 class CacheStager:
     def __init__(self, device: torch.device | str, writable: bool = True) -> None:
         self.device = torch.device(device)
         self.writable = writable
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.stream = torch.cuda.Stream(self.device) if cuda else None
-        self._ahead: dict[tuple[str, int, int], tuple[StagedCache, Any]] = {}
+        # (job id, step) -> (staged cache, its event, the offset it was staged with)
+        self._ahead: dict[tuple[str, int], tuple[StagedCache, Any, Mapping[str, torch.Tensor] | None]] = {}
 
     @property
     def asynchronous(self) -> bool:
@@ -146,9 +182,14 @@ class CacheStager:
                     ) -> tuple[list[StagedCache], Any]:
         """``stage`` for several jobs' caches (cache, delta), in order: writable caches of one
         layout share one name-major buffer (module doc)."""
+        views = [(_stored_view(cache), delta) for cache, delta in items]
+        if self.stream is not None:
+            self._after_offsets([delta for _cache, delta in items if delta])
+            if any(_on_device(stored) for (stored, _dtype, _rows), _delta in views):
+                # a step already on the device (recorded by this process): written on the compute stream
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
         scope = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with scope:
-            views = [(_stored_view(cache), delta) for cache, delta in items]
             if self.writable:
                 outs = self._writable_batch(views)
             else:
@@ -158,6 +199,17 @@ class CacheStager:
                 event = torch.cuda.Event()
                 event.record(self.stream)
         return outs, event
+
+    def _after_offsets(self, deltas: list[Mapping[str, torch.Tensor]]) -> None:
+        """The side stream ordered after the compute stream's writing of these offsets (``Offset``;
+        any other mapping: after everything the compute stream was given so far)."""
+        for delta in deltas:
+            if isinstance(delta, Offset):
+                delta.used_on(self.stream)
+            else:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))  # type: ignore[union-attr]
+                for t in delta.values():
+                    t.record_stream(self.stream)
 
     def _decoded(self, stored: Mapping[str, torch.Tensor], dtype: torch.dtype | None, rows: int,
                  delta: Mapping[str, torch.Tensor] | None) -> StagedCache:
@@ -235,13 +287,22 @@ class CacheStager:
             return
         outs, event = self.stage_batch([(cache, delta) for _j, _s, cache, delta in entries])
         for (job_id, step, _cache, delta), out in zip(entries, outs):
-            self._ahead[(job_id, step, id(delta))] = (out, event)
+            self._ahead[(job_id, step)] = (out, event, delta)
+
+    def _staged_ahead(self, job_id: str, step: int,
+                      delta: Mapping[str, torch.Tensor] | None) -> tuple[StagedCache, Any] | None:
+        """What was staged ahead for this job's step, if it was staged with this very offset (a
+        refresh in between replaces the offset: that copy is stale)."""
+        entry = self._ahead.pop((job_id, step), None)
+        if entry is None or entry[2] is not delta:
+            return None
+        return entry[0], entry[1]
 
     def take_batch(self, entries: Sequence[tuple[str, int, Mapping[str, torch.Tensor],
                                                  Mapping[str, torch.Tensor] | None]]) -> list[StagedCache]:
         """``take`` for several jobs (job id, step, cache, delta): those not staged ahead are
         staged now, together."""
-        found = [self._ahead.pop((job_id, step, id(delta)), None) for job_id, step, _cache, delta in entries]
+        found = [self._staged_ahead(job_id, step, delta) for job_id, step, _cache, delta in entries]
         missing = [i for i, staged in enumerate(found) if staged is None]
         if missing:
             outs, event = self.stage_batch([(entries[i][2], entries[i][3]) for i in missing])
@@ -252,7 +313,7 @@ class CacheStager:
     def take(self, job_id: str, step: int, cache: Mapping[str, torch.Tensor],
              delta: Mapping[str, torch.Tensor] | None = None) -> StagedCache:
         """The job's staged step (staged ahead, else now); the compute stream waits for its copy."""
-        staged = self._ahead.pop((job_id, step, id(delta)), None)
+        staged = self._staged_ahead(job_id, step, delta)
         return self._on_compute_stream(*(staged if staged is not None else self.stage(cache, delta)))
 
     def _on_compute_stream(self, out: StagedCache, event: Any) -> StagedCache:
@@ -269,6 +330,16 @@ class CacheStager:
         self._ahead.clear()
 
 
+def _on_device(stored: Mapping[str, torch.Tensor]) -> bool:
+    """Whether a step's stored tensors are on a GPU (a step's tensors are all in one place)."""
+    if isinstance(stored, PackedStep):
+        return stored.buffer.device.type == "cuda"
+    if not isinstance(stored, dict):  # a lazy mapping: reading it could load or decode
+        return False
+    first = next(iter(stored.values()), None)
+    return isinstance(first, torch.Tensor) and first.device.type == "cuda"
+
+
 def _stored_view(cache: Mapping[str, torch.Tensor]) -> tuple[Mapping[str, torch.Tensor], torch.dtype | None, int]:
     """(stored tensors, compute dtype, row count) behind a provider's step mapping: a lazily
     decoding view exposes its stored tensors; any other mapping holds decoded tensors."""
@@ -277,4 +348,4 @@ def _stored_view(cache: Mapping[str, torch.Tensor]) -> tuple[Mapping[str, torch.
     return cache, None, 0
 
 
-__all__ = ["CacheStager", "PackedStep", "StagedCache", "pack"]
+__all__ = ["CacheStager", "Offset", "PackedStep", "StagedCache", "pack"]

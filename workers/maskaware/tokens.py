@@ -25,7 +25,10 @@ tests and benchmarks (never raster prefixes; see DESIGN.md section 3, pitfall 8)
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -203,6 +206,7 @@ def _device_key(device: torch.device | str) -> str:
 
 
 _ROW_INDEX: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
+_HOLDERS = threading.local()  # the row indices handed out during a graph capture (``holding_row_indices``)
 
 
 def row_index(rows: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
@@ -212,9 +216,25 @@ def row_index(rows: tuple[int, ...], device: torch.device | str) -> torch.Tensor
     t = _ROW_INDEX.get(key)
     if t is None:
         if len(_ROW_INDEX) > 4096:
-            _ROW_INDEX.clear()
-        t = _ROW_INDEX[key] = torch.tensor(rows, dtype=torch.long, device=device)
+            _ROW_INDEX.clear()  # graphs reading one keep it (``holding_row_indices``)
+        t = _ROW_INDEX[key] = to_device(torch.tensor(rows, dtype=torch.long), device)
+    held = getattr(_HOLDERS, "held", None)
+    if held is not None:
+        held.append(t)
     return t
+
+
+@contextlib.contextmanager
+def holding_row_indices() -> Iterator[list[torch.Tensor]]:
+    """The row indices ``row_index`` hands out meanwhile, collected: a captured CUDA graph reads
+    them by address, so the graph's keeper must keep them past the memo's clearing."""
+    held: list[torch.Tensor] = []
+    outer = getattr(_HOLDERS, "held", None)
+    _HOLDERS.held = held
+    try:
+        yield held
+    finally:
+        _HOLDERS.held = outer
 
 
 def coverage_levels(mask: torch.Tensor, latent_hw: tuple[int, int], num_levels: int,

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+HEAD_ALIGN = 8  # head sizes the CUDA kernels take (16-bit elements: 16-byte loads)
 
 
 def device_kernel(device: torch.device) -> bool:
@@ -43,14 +44,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor
         qh = q.view(-1, heads, hd)
         kh = k.reshape(rows * length, heads, hd)
         vh = v.reshape(rows * length, heads, hd)
-        if q.dtype in FLASH_DTYPES and hd % 8 == 0 and hd <= 256 and _flash_capable(q.device):
+        if hd % HEAD_ALIGN:
+            # Both kernels need a head size (and head stride) of a multiple of 8 in 16-bit: zero
+            # columns change no dot product and give zero output columns, cut off again.
+            pad = HEAD_ALIGN - hd % HEAD_ALIGN
+            qh, kh, vh = (F.pad(t, (0, pad)) for t in (qh, kh, vh))
+        scale = hd ** -0.5
+        if q.dtype in FLASH_DTYPES and qh.shape[-1] <= 256 and _flash_capable(q.device):
             out = torch.ops.aten._flash_attention_forward(
-                qh, kh, vh, cu_q32, cu_k32, max_q, length, 0.0, False, False)[0]
+                qh, kh, vh, cu_q32, cu_k32, max_q, length, 0.0, False, False, scale=scale)[0]
         else:
             out = torch.ops.aten._efficient_attention_forward(
                 qh.unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0), None, cu_q32, cu_k32, max_q, length,
-                0.0, 0)[0].squeeze(0)
-        return out.reshape(-1, width).to(q.dtype)
+                0.0, 0, scale=scale)[0].squeeze(0)
+        return out[..., :hd].reshape(-1, width).to(q.dtype)
     bounds = cu_q.tolist()  # the CPU: a free read (module doc)
     out = torch.empty_like(q)
     for r in range(rows):
