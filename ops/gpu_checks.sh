@@ -46,12 +46,18 @@ summary="$OUT/summary.txt"
   python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__)"
 } > "$summary" 2>&1
 
-stage() {  # name, seconds, command...
+pack() {  # the benchmarks' .json and .log so far into one file of $OUT (again after every stage:
+  # a command the device tool cuts at its limit still returns what the finished stages left)
+  (cd "$work" && shopt -s nullglob && files=(*.json *.log) && ((${#files[@]})) && tar -czf "$OUT/details.tar.gz" -- "${files[@]}")
+}
+
+stage() {  # name, seconds, command...; SIGNAL=INT for pytest (it prints its summary on INT, not on TERM)
   local name=$1 limit=$2; shift 2
   case ",$STAGES," in *",$name,"*) ;; *) return ;; esac
   local t0=$SECONDS
-  timeout -k 15 "$limit" "$@"  # TERM to the stage's process group (a benchmark stops its stacks), KILL 15 s on
+  timeout -s "${SIGNAL:-TERM}" -k 15 "$limit" "$@"  # to the stage's process group (a benchmark stops its stacks), KILL 15 s on
   echo "$name rc=$? ${limit}s-limit took=$((SECONDS - t0))s" >> "$summary"
+  pack
 }
 
 bench() {  # module [options]: its report into $OUT, its JSON and log into $work
@@ -60,7 +66,7 @@ bench() {  # module [options]: its report into $OUT, its JSON and log into $work
 }
 export -f bench
 
-stage tests 100 bash -c "python3 -m pytest -m gpu -p no:xdist -q -rA tests/test_gpu.py > '$OUT/tests.log' 2>&1"
+SIGNAL=INT stage tests 100 bash -c "exec python3 -m pytest -m gpu -p no:xdist -q -rA --durations=10 tests/test_gpu.py > '$OUT/tests.log' 2>&1"
 # 4 interleaved rounds (the benchmark's default is 10): its three models in the stage's time.
 stage step 130 bash -c "bench gpu_step --rounds 4"
 # temporal reuse (turbo) per step: SD 1.5 and Flux, its own report
@@ -77,6 +83,5 @@ stage arrivals 170 bash -c "exec python3 -m ops.bench.gpu_engine --systems stenc
   --growth 1.25,2 --widen 1.5,1 --out '$OUT/gpu_engine_loads.md' --json '$work/gpu_engine_loads.json' > '$work/gpu_engine_loads.log' 2>&1"
 stage resnets 80 bash -c "exec python3 -m ops.bench.gpu_step --parts resnets --models sd15,sdxl --ratios 0.1,0.2 \
   --rounds 4 --out '$OUT/gpu_resnets.md' --json '$work/gpu_resnets.json' > '$work/gpu_resnets.log' 2>&1"
-(cd "$work" && shopt -s nullglob && files=(*.json *.log) && ((${#files[@]})) && tar -czf "$OUT/details.tar.gz" -- "${files[@]}")
 rm -rf "$work"
 cat "$summary"

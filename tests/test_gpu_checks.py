@@ -12,7 +12,7 @@ BUDGET_S = 580  # of the 600 s a device command may run: set-up and packing the 
 
 
 def _stages() -> dict[str, int]:
-    return {m[1]: int(m[2]) for m in re.finditer(r"^stage (\w+) (\d+) ", SCRIPT.read_text(), re.MULTILINE)}
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(?:\w+=\w+ )?stage (\w+) (\d+) ", SCRIPT.read_text(), re.MULTILINE)}
 
 
 def _commands() -> list[list[str]]:

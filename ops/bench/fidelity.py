@@ -23,8 +23,18 @@ from app.fidelity import EXPECTED_FILE, REFRESHES
 from app.jobs import JobParams
 from app.maskgen import SHAPES, make_mask
 from ops.bench.harness import cli, load_trace
-from ops.bench.harness.edits import (DEFAULT_MODELS, EDIT_PROMPTS, OPTIONS, Family, Option, edit, metrics,
-                                     model_folder, warm)
+from ops.bench.harness.edits import (
+    DEFAULT_MODELS,
+    EDIT_PROMPTS,
+    OPTIONS,
+    Family,
+    Option,
+    edit,
+    metrics,
+    model_folder,
+    warm,
+)
+from workers.maskaware import resnets as resnets_module
 from workers.models.loader import model_identity
 
 COLUMNS = ("ratio", "ssim", "psnr", "ssim_unmasked", "psnr_unmasked", "ssim_masked", "psnr_masked")
@@ -131,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated UNet coarse-level token pooling thresholds to compare (0 = OR, the default)")
     p.add_argument("--resnets", default="full", help="full,masked: SD's ResNets on the whole map and/or at "
                    "the masked tokens too (workers/maskaware/resnets.py; options named option+resnets)")
+    p.add_argument("--resnet-grow", type=int, default=None, help="ablation: tokens by which masked ResNets "
+                   f"compute beyond the mask (the engine's: resnets.GROW = {resnets_module.GROW})")
     p.add_argument("--size", type=int, default=128, help="image side in pixels (the trained models': 128; "
                    "larger sizes put more of a mask's UNet levels on the masked paths)")
     p.add_argument("--json", default="", help="also write the summary as JSON here")
@@ -140,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                    "from an earlier run's --json")
     run = cli.start(p, argv, __file__, quick=dict(traces="spring", n=1, steps=2, options="cache-as-is,fast"))
     args = run.args
+    if args.resnet_grow is not None:
+        resnets_module.GROW = args.resnet_grow  # read at each plan: this process's models compute with it
     args.out = args.out or f"docs/bench/fidelity_{args.families.replace(',', '_')}.md"
     models = {f: (args.sd_model if f == "sd" else args.flux_model) for f in args.families.split(",")}
     if args.from_json:

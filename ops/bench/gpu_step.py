@@ -50,6 +50,7 @@ import torch
 from ops.bench.harness.cli import parser, report_parts, start
 from ops.bench.harness.gpu import DTYPES, Clock, build_on, device_of, hardware, sync
 from ops.bench.harness.models import pixel_mask
+from ops.bench.harness.policies import policy_costs, policy_row, policy_table
 from ops.bench.harness.timing import interleave, median
 from workers.engine.graph_calls import flux_call, unet_call
 from workers.engine.graphs import StepGraphs
@@ -73,6 +74,7 @@ class Case:
     label: str
     calls: dict[str, Callable[[], Any]] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)
+    graphs: list[Any] = field(default_factory=list)  # the ``StepGraphs`` its graph calls replay from
 
 
 def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: Sequence[float] = (),
@@ -115,7 +117,7 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
     case = Case(key, f"{MODELS[key]} {latent * 8} px", notes={
         "params_b": sum(p.numel() for p in unet.parameters()) / 1e9, "build_s": time.perf_counter() - t0,
         "jobs": jobs, "cache_mib_per_job": sum(v.numel() * v.element_size() for v in caches[0].values()) / 2**20,
-        "blocks": len(ctrl.block_names)})
+        "blocks": len(ctrl.block_names)}, graphs=[graphs])
     full_groups = [RowGroup(2, "full") for _ in range(jobs)]
     if device.type == "meta" and resnets == "full":  # counted by ``part_dispatch``
         # What a template warm-up stores (int8 K/V, 16-bit outputs, one row for both CFG rows),
@@ -235,7 +237,8 @@ def flux_case(args: Any, device: torch.device, ratios: Sequence[float], turbo: b
     case = Case(key, f"{MODELS[key]} {side * 16} px", notes={
         "params_b": sum(p.numel() for p in model.parameters()) / 1e9, "build_s": time.perf_counter() - t0, "jobs": 1,
         "blocks": len(ctrl.names), "kv_format": ctrl.kv_format,
-        "cache_mib_per_job": sum(v.numel() * v.element_size() for v in ctx.recorded[0].values()) / 2**20})
+        "cache_mib_per_job": sum(v.numel() * v.element_size() for v in ctx.recorded[0].values()) / 2**20},
+        graphs=[graphs])
 
     def eager(groups: list[Any] | None) -> Callable[[], Any]:
         def run() -> Any:
@@ -293,6 +296,11 @@ def measure(case: Case, args: Any, device: torch.device) -> dict[str, float]:
             torch.cuda.synchronize()
         samples = interleave(args.rounds, list(case.calls), lambda name: clock(case.calls[name], args.reps),
                              label=f"{case.label}: ")
+    if case.graphs:
+        counts = [sum(getattr(g, a) for g in case.graphs) for a in ("captures", "replays", "eager")]
+        case.notes["graph calls captured/replayed/eager"] = "/".join(map(str, counts))
+        if counts[2]:  # a "graph" timing that ran eagerly would pass for a graph's
+            log.warning("%s: %d graph calls ran eagerly (a capture failed or did not fit)", case.label, counts[2])
     return {name: median(v) for name, v in samples.items()}
 
 
@@ -517,10 +525,13 @@ def part_resnets(args: Any, device: torch.device) -> list[str]:
              "masked + ResNets eager / graph ms | speedup vs full graph: masked / + ResNets | "
              "speedup vs full eager: masked / + ResNets (eager) |",
              "|---|---|---|---|---|---|---|---|"]
+    policy_rows: list[str] = []
+    lines_notes: list[str] = []
     for key, jobs in [(k, j) for k in args.models if k != "flux" for j in RESNET_JOBS[k]]:
         base = unet_case(key, args, device, jobs=jobs, ratios=args.ratios)
         masked = unet_case(key, args, device, jobs=jobs, ratios=args.ratios, resnets="masked")
-        case = Case(key, base.label, calls={k: v for k, v in base.calls.items() if k.endswith(("eager", "graph"))})
+        case = Case(key, base.label, calls={k: v for k, v in base.calls.items() if k.endswith(("eager", "graph"))},
+                    graphs=[*base.graphs, *masked.graphs])
         for r in args.ratios:
             for mode in ("eager", "graph"):
                 case.calls[f"resnets {r:g} {mode}"] = masked.calls[f"masked {r:g} {mode}"]
@@ -533,7 +544,13 @@ def part_resnets(args: Any, device: torch.device) -> list[str]:
                          f"{m[0]:.1f} / {m[1]:.1f} | {rn[0]:.1f} / {rn[1]:.1f} | "
                          f"{t['full graph'] / m[1]:.2f}x / {t['full graph'] / rn[1]:.2f}x | "
                          f"{t['full eager'] / m[0]:.2f}x / {t['full eager'] / rn[0]:.2f}x |")
-    return lines + [""]
+            speedups = {"": t["full graph"] / m[1], "+resnets": t["full graph"] / rn[1]}
+            costs = policy_costs(speedups)
+            args.results.setdefault("resnets_policies", {})[f"{key} x{jobs} {r:g}"] = costs
+            policy_rows.append(policy_row(case.label, jobs, r, costs))
+        lines_notes.append(f"- {case.label}, {jobs} jobs: graph calls captured/replayed/eager "
+                           f"{case.notes.get('graph calls captured/replayed/eager', '-')}")
+    return lines + ["", *lines_notes, "", *policy_table(policy_rows, "the graph-replayed steps above"), ""]
 
 
 REUSE_SHARES = (0.5, 1.0)  # of every unit's patches, on a step that may reuse
@@ -620,10 +637,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = device_of(args)
     hw = hardware(device)
     log.info("gpu_step on %s", hw)
-    report_parts(run, f"Mask-aware steps on {hw}", PARTS, device)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"hardware": hw, "command": run.command, "dtype": args.dtype, **args.results}, fh, indent=1)
+
+    def save() -> None:
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"hardware": hw, "command": run.command, "dtype": args.dtype, **args.results}, fh, indent=1)
+
+    def saving(part: Callable[[Any, torch.device], list[str]]) -> Callable[[Any, torch.device], list[str]]:
+        def run_part(a: Any, d: torch.device) -> list[str]:
+            try:
+                return part(a, d)
+            finally:
+                save()  # after each part: a run cut short by its time limit keeps what it measured
+        return run_part
+
+    report_parts(run, f"Mask-aware steps on {hw}", {name: saving(part) for name, part in PARTS.items()}, device)
     return 0
 
 

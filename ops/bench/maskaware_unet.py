@@ -29,6 +29,7 @@ from diffusers.models.attention import BasicTransformerBlock
 
 from ops.bench.harness import cli
 from ops.bench.harness.models import add_unet_shape_args, job_masks, unet_from_args
+from ops.bench.harness.policies import policy_costs, policy_row, policy_table
 from ops.bench.harness.timing import CLOCK_TEXT, CLOCKS, interleave, linear_fit, loadavg, median
 from workers.maskaware.unet import MaskAwareUNet, RowGroup
 
@@ -162,6 +163,7 @@ def render(results: list[dict[str, object]], args: argparse.Namespace, loads: tu
                 f"{row['speedup']:.2f}x | {row['bound']:.2f}x | {row['share'] * 100:.0f}% |")
         lines += ["", f"Linear fit of masked step time vs r: slope {slope * 1e3:.0f} ms per unit ratio, "
                   f"intercept {intercept * 1e3:.0f} ms, R^2 = {r2:.4f}.", ""]
+    lines += policy_lines(results, args)
     lines += ["## Cache size of real models (`MaskAwareUNet.cache_nbytes`, fp16, CFG rows, 50 steps)", "",
               "| model | layout | blocks | MiB per step | GiB per template | MiB per step as template caches are "
               "stored (int8 codec, CFG rows shared) |", "|---|---|---|---|---|---|"]
@@ -193,6 +195,19 @@ def real_cache_sizes() -> list[tuple[str, int, str, int, int]]:
                         ctrl.cache_nbytes(latent, latent, rows=2, codec="int8", shared=ctrl.tensor_names())))
             ctrl.remove()
     return out
+
+
+def policy_lines(results: list[dict[str, object]], args: argparse.Namespace) -> list[str]:
+    """Where both ResNet modes were timed (K/V from the cache), a job's cost under each fidelity policy."""
+    by_mode = {res["resnets"]: res for res in results if res["kv_source"] == "cache"}
+    if set(by_mode) != {"full", "masked"}:
+        return []
+    rows = []
+    for whole, masked in zip(by_mode["full"]["rows"], by_mode["masked"]["rows"]):  # type: ignore[call-overload]
+        if whole["ratio"] < 1.0:
+            costs = policy_costs({"": whole["speedup"], "+resnets": masked["speedup"]})
+            rows.append(policy_row(f"UNet {args.hidden}", args.jobs, whole["ratio"], costs))
+    return ["## Fidelity policies", "", *policy_table(rows, "the speedups above"), ""]
 
 
 def main(argv: list[str] | None = None) -> int:

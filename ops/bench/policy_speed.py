@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--per-kind", type=int, default=2, help="steps of each kind per round")
     p.add_argument("--fidelity", default="", help="ops/bench/fidelity.py --json output(s), comma-separated")
+    p.add_argument("--resnets", default="full", help="full,masked: SD's ResNets on the whole map and/or at the "
+                   "masked tokens too (workers/maskaware/resnets.py; options named option+resnets, as in "
+                   "ops/bench/fidelity.py)")
     run = cli.start(p, argv, __file__, quick=dict(families="flux", warm_steps=2, rounds=1, per_kind=1))
     args = run.args
     torch.set_num_threads(1)  # thread CPU time counts all the work only with one thread
@@ -83,23 +86,27 @@ def main(argv: list[str] | None = None) -> int:
              "| family | model | ratio | full ms | masked ms | offset ms | refresh ms | "
              + " | ".join(f"{o} speedup" for o in OPTIONS) + " | balanced keeps |",
              "|---|---|---|---|---|---|---|" + "---|" * len(OPTIONS) + "---|"]
-    speed: dict[tuple[str, float], dict[str, float]] = {}
+    speed: dict[tuple[str, float], dict[str, float]] = {}  # (family, ratio) -> option (+resnets) -> speedup
     for family in args.families.split(","):
-        bench = Bench(family, args.warm_steps, args.seed)
-        bench.warm()
-        for ratio in (float(r) for r in args.ratios.split(",")):
-            costs = measure(bench, ratio, args.rounds, args.per_kind)
-            full_job = args.steps * costs["full"]
-            ups = {name: full_job / option_seconds(costs, o, args.steps) for name, o in OPTIONS.items()}  # type: ignore[operator]
-            speed[(family, ratio)] = ups
-            kept = (1 - 1 / ups["balanced"]) / (1 - 1 / ups["cache-as-is"])
-            lines.append(f"| {family} | {bench.shape} | {ratio:g} | "
-                         + " | ".join(f"{costs[k] * 1e3:.0f}" for k in KINDS) + " | "
-                         + " | ".join(f"{ups[o]:.2f}x" for o in OPTIONS) + f" | {kept:.0%} |")
-            log.info("%s r=%g %s", family, ratio, {k: round(v * 1e3) for k, v in costs.items()})
+        for resnets in args.resnets.split(",") if family == "sd" else ["full"]:
+            suffix = "+resnets" if resnets == "masked" else ""
+            bench = Bench(family, args.warm_steps, args.seed, resnets=resnets)
+            bench.warm()
+            for ratio in (float(r) for r in args.ratios.split(",")):
+                costs = measure(bench, ratio, args.rounds, args.per_kind)
+                full_job = args.steps * costs["full"]
+                ups = {name: full_job / option_seconds(costs, o, args.steps) for name, o in OPTIONS.items()}  # type: ignore[operator]
+                speed.setdefault((family, ratio), {}).update({name + suffix: up for name, up in ups.items()})
+                kept = (1 - 1 / ups["balanced"]) / (1 - 1 / ups["cache-as-is"])
+                lines.append(f"| {family}{suffix} | {bench.shape} | {ratio:g} | "
+                             + " | ".join(f"{costs[k] * 1e3:.0f}" for k in KINDS) + " | "
+                             + " | ".join(f"{ups[o]:.2f}x" for o in OPTIONS) + f" | {kept:.0%} |")
+                log.info("%s%s r=%g %s", family, suffix, ratio, {k: round(v * 1e3) for k, v in costs.items()})
     lines += ["", "`balanced keeps` = share of the per-job time that mask-aware compute without refresh "
               "(`cache-as-is`) saves which `balanced` still saves. `exact-region` runs masked steps only "
-              "(plus one warm-up of its own per region, not counted)."]
+              "(plus one warm-up of its own per region, not counted). `sd+resnets`: the UNet's ResNets "
+              "computed at the masked tokens too (`workers/maskaware/resnets.py`; its steps read the ResNets' "
+              "outputs from the cache as well)."]
     if args.fidelity:
         lines += ["", *frontier(args.fidelity.split(","), speed)]
     lines.append(f"\n({run.elapsed():.0f} s)")
@@ -119,13 +126,13 @@ def frontier(paths: list[str], speed: dict[tuple[str, float], dict[str, float]])
     for fam in sorted({r["family"] for r in rows}):
         ups = next((v for (f, _r), v in speed.items() if f == fam), None)
         for g in sorted({r["guidance"] for r in rows if r["family"] == fam}):
-            for opt in OPTIONS:
+            for opt in [o + suffix for suffix in ("", "+resnets") for o in OPTIONS]:
                 sel = [r for r in rows if r["family"] == fam and r["guidance"] == g and r["option"] == opt]
                 if not sel:
                     continue
                 n = sum(r["edits"] for r in sel)
                 mean = {c: sum(r[c] * r["edits"] for r in sel) / n for c in ("ssim", "ssim_masked", "psnr")}
-                up = f"{ups[opt]:.2f}x" if ups else "n/a"
+                up = f"{ups[opt]:.2f}x" if ups and opt in ups else "n/a"
                 out.append(f"| {fam} | {g:g} | {opt} | {mean['ssim']:.3f} | {mean['ssim_masked']:.3f} | "
                            f"{mean['psnr']:.1f} | {up} |")
     return out

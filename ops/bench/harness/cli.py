@@ -96,7 +96,10 @@ def report_parts(run: Run, title: str, parts: dict[str, Callable[..., list[str]]
     """A report of the parts named in ``--parts`` (each returns its Markdown lines), with the command,
     the machine's load before and after, and the total time."""
     lines = [f"# {title}\n", f"Command: `{run.command}`. Load at start: {uptime()}.\n"]
-    for name in run.args.parts.split(","):
+    names = run.args.parts.split(",")
+    for k, name in enumerate(names):
         lines += parts[name](run.args, *args)
+        if k + 1 < len(names):  # written after each part: a run cut short by its time limit keeps what it measured
+            run.write([*lines, f"(Parts not yet run: {', '.join(names[k + 1:])}; {run.elapsed():.0f} s so far.)"])
     lines.append(f"Total {run.elapsed():.0f} s; load at end: {uptime()}.")
     run.write(lines)

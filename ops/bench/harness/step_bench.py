@@ -29,7 +29,11 @@ class Bench:
 
     SHAPES = {"sd": "unet (320, 640), 4096 tokens, CFG", "flux": "flux 2+4 blocks, inner 512, 1024 tokens, T=64"}
 
-    def __init__(self, family: str, steps: int, seed: int = 0) -> None:
+    def __init__(self, family: str, steps: int, seed: int = 0, resnets: str = "full") -> None:
+        """``resnets="masked"``: the UNet's ResNets computed at the masked tokens too
+        (``workers/maskaware/resnets.py``; SD only)."""
+        if resnets != "full" and family != "sd":
+            raise ValueError(f"masked ResNets are the UNet's: family {family!r} has none")
         self.family, self.steps = family, steps
         self.activations = ActivationStore(LocalStore(tempfile.mkdtemp(prefix="stencil-polspeed-")))
         caches = StepCacheProvider(self.activations, 16 << 30)
@@ -37,9 +41,10 @@ class Bench:
         if family == "sd":
             model = build_sd_unet((320, 640), 64, 1, 1, 768, seed)
             cfg = ddim_config()
-            self.runner = SDRunner(model, cfg, maskaware=MaskAwareUNet(model), caches=caches,
+            ctrl = MaskAwareUNet(model, resnets=resnets)  # type: ignore[arg-type]
+            self.runner = SDRunner(model, cfg, maskaware=ctrl, caches=caches,
                                    recorder=CacheRecorder(self.activations), prefetch_steps=steps)
-            self.size, self.layout, self.shape = 512, "kv+y", self.SHAPES["sd"]
+            self.size, self.layout, self.shape = 512, ctrl.cache_layout, self.SHAPES["sd"]
             self.base = {"latents": torch.randn(1, 4, 64, 64, generator=g),
                          "mask": torch.zeros(2, 1, 64, 64),
                          "masked_image_latents": torch.randn(2, 4, 64, 64, generator=g),
