@@ -209,7 +209,8 @@ class CacheStager:
             else:
                 self.stream.wait_stream(torch.cuda.current_stream(self.device))  # type: ignore[union-attr]
                 for t in delta.values():
-                    t.record_stream(self.stream)
+                    if t.device.type == "cuda":
+                        t.record_stream(self.stream)
 
     def _decoded(self, stored: Mapping[str, torch.Tensor], dtype: torch.dtype | None, rows: int,
                  delta: Mapping[str, torch.Tensor] | None) -> StagedCache:
