@@ -308,3 +308,16 @@ def test_graph_outputs_count_against_the_pool_budget() -> None:
     for key in ("a", "b", "c"):
         graphs.run(key, [torch.ones(4)], wide)  # 16 bytes of shared input, 64 bytes of output each
     assert list(graphs._graphs) == ["c"] and graphs.static_bytes + graphs.output_bytes <= 100
+
+
+def test_no_step_graphs_under_a_compile_mode_with_graphs_of_its_own() -> None:
+    """``reduce-overhead`` and ``max-autotune`` replay CUDA graphs themselves, which cannot be
+    captured inside a step graph: the runner then steps eagerly, even where graphs were asked for
+    (a CUDA worker asks for them by default)."""
+    from workers.engine.graphs import step_graphs
+
+    cpu = torch.device("cpu")
+    assert step_graphs(cpu, True, "reduce-overhead") is None
+    assert step_graphs(cpu, True, "Max-Autotune") is None
+    assert isinstance(step_graphs(cpu, True, "default"), StepGraphs)
+    assert step_graphs(cpu, None, "off") is None  # off CUDA by default

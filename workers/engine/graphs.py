@@ -316,8 +316,8 @@ def step_graphs(device: torch.device, wanted: bool | None, compile_mode: str = "
     mode that captures graphs itself (``SELF_GRAPHED_COMPILE_MODES``)."""
     compile_mode = (compile_mode or "off").strip().lower()
     if compile_mode in SELF_GRAPHED_COMPILE_MODES:
-        if wanted:
-            raise ValueError(f"step graphs cannot hold STENCIL_COMPILE={compile_mode!r}'s own CUDA graphs")
+        if wanted or (wanted is None and device.type == "cuda"):
+            log.info("step graphs off: STENCIL_COMPILE=%s replays CUDA graphs of its own", compile_mode)
         return None
     return StepGraphs(device) if (device.type == "cuda" if wanted is None else wanted) else None
 
