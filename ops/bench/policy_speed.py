@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from ops.bench.harness import cli
-from ops.bench.harness.edits import OPTIONS, Option
+from ops.bench.harness.edits import OPTIONS
+from ops.bench.harness.policies import option_seconds
 from ops.bench.harness.step_bench import Bench
 from ops.bench.harness.timing import interleave
 
@@ -51,16 +52,6 @@ def measure(bench: Bench, ratio: float, rounds: int, per_kind: int) -> dict[str,
             for kind, seconds in got.items():
                 samples[kind] += seconds
     return {k: statistics.median(v) for k, v in samples.items()}
-
-
-def option_seconds(costs: dict[str, float], option: Option, steps: int) -> float | None:
-    """A job's denoising seconds under ``option`` (None: needs its own warm-up, not a per-step cost)."""
-    if option.region:
-        return steps * costs["masked"]  # exact cache: masked steps, no offset (its warm-up is extra)
-    refresh = len(option.schedule(steps))
-    if refresh == 0:
-        return steps * costs["masked"]
-    return refresh * costs["refresh"] + (steps - refresh) * costs["offset"]
 
 
 def main(argv: list[str] | None = None) -> int:

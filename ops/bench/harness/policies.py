@@ -9,23 +9,34 @@ is measured apart (``python -m ops.bench.fidelity --resnets full,masked``).
 
 from __future__ import annotations
 
-from app.fidelity import policy_schedule
+from ops.bench.harness.edits import OPTIONS, Option
 
 POLICY_VARIANTS = ("fast", "fast+resnets", "balanced", "balanced+resnets")
 POLICY_STEPS = 20  # steps of the job the policy table prices (the client's default)
 
 
+def option_seconds(costs: dict[str, float], option: Option, steps: int) -> float | None:
+    """A job's denoising seconds under ``option`` (None: needs its own warm-up, not a per-step cost),
+    from the cost of each step kind: ``masked`` (cache as is), ``offset`` and ``refresh``."""
+    if option.region:
+        return steps * costs["masked"]  # exact cache: masked steps, no offset (its warm-up is extra)
+    refresh = len(option.schedule(steps))
+    if refresh == 0:
+        return steps * costs["masked"]
+    return refresh * costs["refresh"] + (steps - refresh) * costs["offset"]
+
+
 def policy_costs(speedups: dict[str, float], steps: int = POLICY_STEPS) -> dict[str, float]:
     """A job's speedup over full compute under each policy of ``POLICY_VARIANTS``: its refresh steps
-    (``app.fidelity``) compute fully, its other steps at the graph-replayed masked step's speedup
-    (``speedups``: "" = ResNets on the whole map, "+resnets" = at the masked tokens too). Which
-    variants meet the fidelity targets is measured apart (``ops.bench.fidelity --resnets``)."""
+    compute fully, its other steps at the graph-replayed masked step's speedup (``speedups``: "" =
+    ResNets on the whole map, "+resnets" = at the masked tokens too). Which variants meet the
+    fidelity targets is measured apart (``ops.bench.fidelity --resnets``)."""
     out = {}
     for name in POLICY_VARIANTS:
         policy, _, resnets = name.partition("+")
-        refreshes = len(policy_schedule(policy, steps))
-        speed = speedups["+resnets" if resnets else ""]
-        out[name] = steps / (refreshes + (steps - refreshes) / speed)
+        masked = 1.0 / speedups["+resnets" if resnets else ""]
+        seconds = option_seconds({"masked": masked, "offset": masked, "refresh": 1.0}, OPTIONS[policy], steps)
+        out[name] = steps / seconds  # type: ignore[operator]
     return out
 
 
