@@ -22,6 +22,7 @@ from pathlib import Path
 
 import redis
 
+from app.launcher import LaunchedProcess, launcher_for
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class EmbeddedStack:
     settings: Settings
     redis_server: RedisServer | None  # None: an external Redis (``redis_url`` given)
     workdir: Path
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen | LaunchedProcess] = field(default_factory=dict)
     owns_workdir: bool = False
     metrics: bool = False
     metrics_ports: dict[str, int] = field(default_factory=dict)
@@ -98,15 +99,20 @@ class EmbeddedStack:
     extra_env: dict[str, str] = field(default_factory=dict)
     # Per GPU host (worker id): what its GPU worker and stage pool get on top, e.g. its device.
     host_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Start processes as forks of the preloaded launcher (``app.launcher``) where it can: a worker
+    # starts in about a second instead of importing torch and diffusers anew.
+    preload: bool = True
 
     @classmethod
     def start(cls, workdir: Path | None = None, *, gpu_workers: int = 1, cpu_concurrency: int = 1,
               dispatcher: bool = True, stock: bool = False, worker_env: dict[str, str] | None = None,
               metrics: bool = False, redis_appendonly: bool = False,
-              host_env: dict[str, dict[str, str]] | None = None, **overrides: object) -> "EmbeddedStack":
+              host_env: dict[str, dict[str, str]] | None = None, preload: bool = True,
+              **overrides: object) -> "EmbeddedStack":
         """Start the stack. ``stock=True`` starts the stock-diffusers baseline instead of Stencil
         (round-robin router + plain pipeline workers), for side-by-side benchmarks. ``host_env``:
-        environment of each GPU host's processes by worker id (``stencil serve --device``)."""
+        environment of each GPU host's processes by worker id (``stencil serve --device``).
+        ``preload=False``: each process a new interpreter (the ``stack_start`` benchmark's ablation)."""
         owns = workdir is None
         workdir = Path(workdir or tempfile.mkdtemp(prefix="stencil-"))
         workdir.mkdir(parents=True, exist_ok=True)
@@ -121,8 +127,10 @@ class EmbeddedStack:
         values["redis_url"] = external or server.url  # type: ignore[union-attr]
         settings = Settings.from_env(**values)
         stack = cls(settings=settings, redis_server=server, workdir=workdir, owns_workdir=owns, metrics=metrics,
-                    host_env=dict(host_env or {}))
+                    host_env=dict(host_env or {}), preload=preload)
         try:
+            if stack.preload:  # its imports overlap with saving the model
+                launcher_for(stack.env())
             # Save the embedded model once, before several processes race to do it.
             from workers.models.loader import ensure_model_dir
 
@@ -160,10 +168,9 @@ class EmbeddedStack:
         env.update(extra)
         return env
 
-    def _spawn(self, name: str, args: list[str], **extra_env: str) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], **extra_env: str) -> subprocess.Popen | LaunchedProcess:
         logdir = self.workdir / "logs"
         logdir.mkdir(parents=True, exist_ok=True)
-        logfile = open(logdir / f"{name}.log", "ab")
         if self.metrics:  # one Prometheus endpoint per process
             port = self.metrics_ports.setdefault(name, free_port())
             extra_env = dict(extra_env, STENCIL_METRICS_PORT=str(port))
@@ -173,26 +180,32 @@ class EmbeddedStack:
                 multiproc.mkdir(parents=True)
                 extra_env["PROMETHEUS_MULTIPROC_DIR"] = str(multiproc)
         spawned = time.time()
-        proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], env=self.env(**extra_env),
-                                cwd=self.cwd, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
-        logfile.close()
+        env = self.env(**extra_env)
+        proc: subprocess.Popen | LaunchedProcess | None = None
+        if self.preload:
+            proc = launcher_for(env).start(args, env, self.cwd, logdir / f"{name}.log")
+        if proc is None:
+            with open(logdir / f"{name}.log", "ab") as logfile:
+                proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], env=env, cwd=self.cwd,
+                                        stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         self.spawned[name] = spawned
-        log.info("started %s (pid %d)", name, proc.pid)
+        how = "forked by the preloaded launcher" if isinstance(proc, LaunchedProcess) else "a new interpreter"
+        log.info("started %s (pid %d, %s)", name, proc.pid, how)
         return proc
 
-    def start_cpu_worker(self, concurrency: int = 1, name: str = "cpu") -> subprocess.Popen:
+    def start_cpu_worker(self, concurrency: int = 1, name: str = "cpu") -> subprocess.Popen | LaunchedProcess:
         return self._spawn(name, ["cpu-worker", "--concurrency", str(concurrency), "--name", name])
 
-    def start_gpu_worker(self, worker_id: str, **extra_env: str) -> subprocess.Popen:
+    def start_gpu_worker(self, worker_id: str, **extra_env: str) -> subprocess.Popen | LaunchedProcess:
         env = {**self.host_env.get(worker_id, {}), **extra_env}
         return self._spawn(f"gpu{worker_id}", ["gpu-worker", "--worker-id", worker_id], **env)
 
-    def start_stage_worker(self, worker_id: str, **extra_env: str) -> subprocess.Popen:
+    def start_stage_worker(self, worker_id: str, **extra_env: str) -> subprocess.Popen | LaunchedProcess:
         env = {**self.host_env.get(worker_id, {}), **extra_env}
         return self._spawn(f"stage{worker_id}", ["stage-worker", "--worker-id", worker_id], **env)
 
-    def start_dispatcher(self) -> subprocess.Popen:
+    def start_dispatcher(self) -> subprocess.Popen | LaunchedProcess:
         return self._spawn("dispatcher", ["dispatcher"])
 
     def start_api(self, port: int | None = None, timeout: float = 60.0, **extra_env: str) -> str:
@@ -214,7 +227,7 @@ class EmbeddedStack:
                 raise RuntimeError(f"the gateway did not start; see {self.workdir / 'logs' / 'api.log'}")
             time.sleep(0.1)
 
-    def start_webhook_sender(self, **extra_env: str) -> subprocess.Popen:
+    def start_webhook_sender(self, **extra_env: str) -> subprocess.Popen | LaunchedProcess:
         return self._spawn("webhook-sender", ["webhook-sender"], **extra_env)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:

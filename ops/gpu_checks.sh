@@ -57,6 +57,8 @@ stage() {  # name, seconds, command...; SIGNAL=INT for pytest (it prints its sum
   local t0=$SECONDS
   timeout -s "${SIGNAL:-TERM}" -k 15 "$limit" "$@"  # to the stage's process group (a benchmark stops its stacks), KILL 15 s on
   echo "$name rc=$? ${limit}s-limit took=$((SECONDS - t0))s" >> "$summary"
+  # A stack's processes lead sessions of their own: any a killed stage left would hold the GPU.
+  pkill -KILL -f -- '-m app[.](cli|preloaded)( |$)' 2>/dev/null
   pack
 }
 

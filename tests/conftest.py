@@ -21,8 +21,19 @@ from app.embedded import EmbeddedStack, RedisServer  # noqa: E402
 log = logging.getLogger(__name__)
 
 
+# The modules that take longest (a minute or more of a test process), run first, longest first:
+# the suite's processes share out the rest (pytest-xdist's worksteal), and a long module left for
+# the end would keep one process busy while the other has nothing left to do.
+LONGEST_FIRST = ("test_bench_quick", "test_bf16_exactness", "test_trained_addons", "test_bf16_addons",
+                 "test_multihost", "test_catalog", "test_on_demand_models", "test_weight_uploads",
+                 "test_batch_invariance", "test_serve", "test_cli", "test_fault_recovery")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``gpu`` tests need CUDA: skipped (with the reason) on machines without it."""
+    """The longest modules first (each module's tests in their order); ``gpu`` tests need CUDA:
+    skipped (with the reason) on machines without it."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (a GPU machine: pytest -m gpu -p no:xdist tests/test_gpu.py)")

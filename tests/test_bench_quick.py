@@ -25,7 +25,8 @@ BENCHMARKS = sorted(m.name for m in pkgutil.iter_modules(ops.bench.__path__) if 
 # Extra options beside --quick and --out (where a benchmark's main output is not one Markdown file).
 EXTRA = {"profile": ["--report", "{tmp}/profile.md", "--plot", "{tmp}/cm.png"]}
 REPORT = {"e2e": "README.md", "profile": "profile.md"}
-STARTS_PROCESSES = {"e2e", "e2e_gpu", "recovery", "replay", "overheads", "api_load"}  # redis-server, Celery workers
+# redis-server, Celery workers
+STARTS_PROCESSES = {"e2e", "e2e_gpu", "recovery", "replay", "overheads", "api_load", "stack_start"}
 
 
 def _cases() -> list:  # type: ignore[type-arg]

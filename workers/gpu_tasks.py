@@ -237,6 +237,8 @@ def get_engine() -> Engine:
                 runner = SDRunner(unet, ctx.scheduler_config(), s.device, maskaware=maskaware, lora=lora, compile=s.compile,
                                   graphs=s.cuda_graphs_for(s.device),
                                   controlnets=controlnets, controlnet_parallel=True, **cache_options)
+            log.info("engine: %s model on %s in %s (mask-aware %s)", ctx.model_family(), s.device, s.dtype,
+                     "on" if s.mask_aware else "off")
             caches = cache_options.get("caches")
             if caches is not None:
                 from workers.engine.host_budget import host_cache_budget

@@ -16,7 +16,8 @@ with the exact command line that produced it. ``--quick`` is a smoke run in seco
   patch reuse from the last step on the frontier beside fixed-interval and whole-step reuse);
 - whole service: ``e2e`` (against a stock diffusers server), ``e2e_gpu`` (the whole stack on one GPU
   against the stock pipeline on the same card: service overhead, Poisson runs on the mask-ratio
-  traces, GPU busy share, time per phase), ``recovery`` (process faults),
+  traces, GPU busy share, time per phase), ``recovery`` (process faults), ``stack_start`` (a stack's
+  start and a GPU worker's restart: processes forked by the preloaded launcher vs new interpreters),
   ``replay`` (a trace against a real 2-worker stack), ``api_load`` (edits over the HTTP gateway by
   concurrent clients: request latency, RSS over the run, one result per job);
 - dispatch: ``profile`` (fits the cost model), ``simulate`` (8-64 worker cluster simulation),

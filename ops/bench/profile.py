@@ -22,8 +22,9 @@ What is measured (never fake data, DESIGN.md section 3):
   steps varied 20x (OpenMP threads spin while descheduled), so wall time measured the neighbours.
   A single thread's CPU time is what the step costs on a dedicated core. ``--clock wall`` fits
   wall time instead (use it on a dedicated machine).
-- On a GPU (``--device cuda``, bfloat16 unless ``--dtype``): the step's synchronised wall time (a
-  GPU step's cost includes its launches and the host work between them), the host tier as the
+- On a GPU (``--device cuda``, bfloat16 unless ``--dtype``): the period of steps run back to back
+  (wall time, as the engine runs them: it launches a step while the device runs the last, so a
+  step costs the longer of its host work and its kernels, not their sum), the host tier as the
   copy from pinned host memory to the device, and a device kind ``cuda-<GPU>-<dtype>``: the file
   a CUDA worker's routing and SLO admission pick (``app.costmodel.shipped_model``). A deployment
   profiles the model it serves (``--model tiny`` reads the configured model; ``--latent`` its
@@ -266,7 +267,9 @@ def profile_steps(mut: ModelUnderTest, args: argparse.Namespace, arch: UNetArch)
     rows = []
     t_start = time.monotonic()
     for i, specs in enumerate(comps):
-        wall, cpu, jobs = harness.time_batch(specs, args.repeats)
+        # On a GPU the engine's steady period: steps back to back (a synchronised step would price
+        # its host work on top of its kernels, which the engine overlaps).
+        wall, cpu, jobs = harness.time_batch(specs, args.repeats, pipelined=graphed)
         feats = np.sum([arch.job_features(j.masked_tokens if j.cached else None) for j in jobs], axis=0)
         times = cpu if args.clock == "cpu" else wall
         med = statistics.median(times)
@@ -624,8 +627,8 @@ def main(argv: list[str] | None = None) -> int:
     gpu = device_type(args.device) == "cuda"
     dtype = DTYPES["bfloat16" if gpu else "float32"] if args.dtype == "auto" else DTYPES[args.dtype]
     if gpu and args.clock == "cpu":
-        args.clock = "wall"  # a GPU step's cost is its synchronised wall time, not the launching thread's CPU
-        log.info("--device %s: timing synchronised wall time", args.device)
+        args.clock = "wall"  # a GPU step's cost is the period of back-to-back steps, not the launching thread's CPU
+        log.info("--device %s: timing the wall-time period of back-to-back steps", args.device)
     torch.manual_seed(args.seed)
     load_before = os.getloadavg()
     mut = load_model(args.model, args.latent, args.seed, args.device, dtype, quick=args.quick)

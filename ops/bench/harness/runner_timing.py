@@ -155,9 +155,13 @@ class RunnerTimer:
         log.info("recorded %d steps of template activations at latent %s (%.1f MiB per step)", self.steps, hw,
                  sum(t.numel() * t.element_size() for t in first.values()) / 2**20)
 
-    def time_batch(self, specs: list[JobSpec], repeats: int) -> tuple[list[float], list[float], list[Any]]:
+    def time_batch(self, specs: list[JobSpec], repeats: int, pipelined: bool = False
+                   ) -> tuple[list[float], list[float], list[Any]]:
         """(wall seconds, CPU seconds) of ``repeats`` steps after ``warm`` untimed ones. CPU: this
-        thread's, or with several sizes the process's (lockstep threads compute one at a time)."""
+        thread's, or with several sizes the process's (lockstep threads compute one at a time).
+        ``pipelined`` (on a GPU): the timed steps run back to back, as the engine launches a step
+        while the device still runs the last, and each one's wall time is their mean period; else
+        each step is synchronised on its own (its launch and its kernels one after the other)."""
         mode = lambda s: "masked" if (s.cached and s.ratio < 1.0) else "full"  # noqa: E731
         jobs = [self.make_job(s, mode(s), i) for i, s in enumerate(specs)]
         cpu_clock = time.process_time if len(self.sizes) > 1 else time.thread_time
@@ -165,15 +169,24 @@ class RunnerTimer:
         device = torch.device(self.device)
         if repeats + self.warm > self.steps:
             raise ValueError(f"{repeats} timed + {self.warm} warm steps exceed the template's {self.steps}")
+        back_to_back = pipelined and device.type == "cuda"
+        started = 0.0
         for r in range(repeats + self.warm):
-            sync(device)  # on a GPU: the step's wall time from its first launch to its last kernel
+            if not back_to_back or r <= self.warm:
+                sync(device)  # on a GPU: the step's wall time from its first launch to its last kernel
+            if r == self.warm:
+                started = time.perf_counter()
             c0, w0 = cpu_clock(), time.perf_counter()
             self.runner.step(jobs)
-            sync(device)
+            if not back_to_back:
+                sync(device)
             dw, dc = time.perf_counter() - w0, cpu_clock() - c0
             for j in jobs:
                 j.steps_done += 1
             if r >= self.warm:
                 wall.append(dw)
                 cpu.append(dc)
+        if back_to_back:
+            sync(device)
+            wall = [(time.perf_counter() - started) / repeats] * repeats
         return wall, cpu, jobs
