@@ -29,15 +29,20 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 # Read when a process uses them, never by the preloaded packages' imports: they may differ per
-# process (PYTEST_CURRENT_TEST: pytest renames it for every test of a process that starts stacks).
-RUNTIME_VARIABLES = frozenset({"TMPDIR", "PROMETHEUS_MULTIPROC_DIR", "CUDA_VISIBLE_DEVICES", "PYTEST_CURRENT_TEST"})
+# process. PYTEST_CURRENT_TEST: pytest renames it for every test of a process that starts stacks;
+# KMP_* below and _TORCHINDUCTOR_*: torch sets them in its own process once it has compiled a
+# function (for its compile workers): a stack started after that would need a launcher of its own.
+RUNTIME_VARIABLES = frozenset({"TMPDIR", "PROMETHEUS_MULTIPROC_DIR", "CUDA_VISIBLE_DEVICES", "PYTEST_CURRENT_TEST",
+                               "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"})
+RUNTIME_PREFIXES = ("STENCIL_", "_TORCHINDUCTOR_")  # Stencil's settings: its modules are never preloaded
 MAX_LAUNCHERS = 3  # per process, the least recently used closed first (each holds the imports' memory)
 START_TIMEOUT_S = 300.0  # importing the preloaded packages on a loaded 2-core machine
 
 
 def import_environment(env: dict[str, str]) -> frozenset[tuple[str, str]]:
     """What of ``env`` the preloaded packages could have read when they were imported."""
-    return frozenset((k, v) for k, v in env.items() if not k.startswith("STENCIL_") and k not in RUNTIME_VARIABLES)
+    return frozenset((k, v) for k, v in env.items()
+                     if not k.startswith(RUNTIME_PREFIXES) and k not in RUNTIME_VARIABLES)
 
 
 class LaunchedProcess:

@@ -138,6 +138,9 @@ def _launch(request: dict, wake: tuple[int, int]) -> dict:
 
 
 def serve(status_dir: Path) -> None:
+    # Should an import ask whether CUDA is there, NVML answers: the CUDA runtime's own answer would
+    # initialize the driver here, and a fork cannot use CUDA after that.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     preload()
     import torch
 

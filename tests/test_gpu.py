@@ -10,6 +10,7 @@ and stages on the GPU."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -515,7 +516,7 @@ def test_serve_with_device_cuda_finishes_an_edit_on_the_gpu(tmp_path: Path, mode
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The documented GPU path (docs/deployment.md): ``stencil serve --device cuda`` with its own
     Redis; one edit submitted as a client does, done, its result an edit of the template, the
-    engine and the stages (prepare, finalize) on the GPU."""
+    engine and the stages (prepare, finalize) on the GPU, in processes forked from the launcher."""
     from app.client import StencilClient
     from app.demo import demo_templates
     from tests.test_service import wait_until
@@ -543,6 +544,9 @@ def test_serve_with_device_cuda_finishes_an_edit_on_the_gpu(tmp_path: Path, mode
         result = np.asarray(handle.result().convert("RGB"), dtype=np.int16)
         assert result.shape == (128, 128, 3)
         assert np.abs(result[mask] - np.asarray(template, dtype=np.int16)[mask]).max() > 0  # the region was edited
+        # ... by a GPU worker forked from the preloaded launcher (which must not have touched CUDA)
+        assert re.search(r"started gpu0 \(pid \d+, forked by the preloaded launcher\)",
+                         (tmp_path / "serve.log").read_text()), (tmp_path / "serve.log").read_text()[-3000:]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(90) == 0, (tmp_path / "serve.log").read_text()[-3000:]
     finally:

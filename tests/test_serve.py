@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -55,8 +56,10 @@ def test_serve_runs_a_catalog_restarts_a_killed_child_and_stops_cleanly(tmp_path
                              text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         assert json.loads(out.stdout)["status"]["done"] == 3
-        # --device reached the GPU worker (it says where its engine runs)
+        # --device reached the GPU worker (it says where its engine runs), forked by the launcher
         assert "engine: sd model on cpu in" in (workdir / "logs" / "gpu0.log").read_text()
+        assert re.search(r"started gpu0 \(pid \d+, forked by the preloaded launcher\)",
+                         (tmp_path / "serve.log").read_text())
         os.killpg(children["gpu0"], signal.SIGKILL)
         wait_until(lambda: json.loads((workdir / "children.json").read_text())["pids"].get("gpu0")
                    not in (None, children["gpu0"]), timeout=60)
