@@ -27,6 +27,7 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import sys
 import tempfile
@@ -171,7 +172,8 @@ def serve(status_dir: Path) -> None:
         if 0 not in readable:
             continue
         data = os.read(0, 1 << 16)
-        if not data:  # the stack's process has gone: so does the launcher (its children stay)
+        if not data:  # the stack's process has gone: so does the launcher, and its status files (its children stay)
+            shutil.rmtree(status_dir, ignore_errors=True)
             return
         pending += data
         while b"\n" in pending:

@@ -27,6 +27,7 @@ def launcher() -> Iterator[PreloadedLauncher]:
     yield launcher
     launcher.close()  # the end of its input ends it (a stack's process that has gone takes it along)
     assert launcher.proc.returncode == 0, launcher._tail()
+    assert not launcher.status_dir.exists()  # nothing left in the temporary folder
 
 
 def _env(**extra: str) -> dict[str, str]:
