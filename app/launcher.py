@@ -8,8 +8,8 @@ file it would have had from ``subprocess.Popen``, and its handle (``LaunchedProc
 ``pid``, ``poll``, ``wait``, ``send_signal`` and ``returncode`` as a ``Popen`` does. One launcher
 serves every stack of a process whose environment matches what the preloaded packages read when
 they were imported (everything but Stencil's own settings and a few variables read at run time);
-a process whose environment differs there is started with ``subprocess.Popen``, as is every
-process where the launcher cannot start.
+an environment that differs there gets a launcher of its own, and a process the launcher cannot
+start is started with ``subprocess.Popen``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -76,13 +77,9 @@ class LaunchedProcess:
                 pass
 
     def terminate(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGKILL)
 
 
@@ -99,14 +96,14 @@ class PreloadedLauncher:
                                      cwd=str(Path(__file__).resolve().parents[1]), start_new_session=True)
         self._ready: bool | None = None
 
-    def _wait_ready(self) -> bool:
+    def wait_ready(self) -> bool:
         """Whether the launcher has imported the packages and can fork (the first call waits)."""
         if self._ready is None:
             line = self._readline(START_TIMEOUT_S)
             self._ready = line is not None and "ready" in json.loads(line)
             if not self._ready:
                 log.warning("the preloaded launcher did not start; processes start with Popen (%s)",
-                            self._tail())
+                            self.log_tail())
                 self.close()
         return self._ready
 
@@ -120,7 +117,7 @@ class PreloadedLauncher:
         line = self.proc.stdout.readline()
         return line.decode() if line else None
 
-    def _tail(self) -> str:
+    def log_tail(self) -> str:
         try:
             return (self.status_dir / "launcher.log").read_text()[-1000:].strip() or "no output"
         except OSError:
@@ -132,7 +129,7 @@ class PreloadedLauncher:
         if import_environment(env) != self.env_key:
             return None
         with self._lock:
-            if not self._wait_ready() or self.proc.poll() is not None:
+            if not self.wait_ready() or self.proc.poll() is not None:
                 return None
             request = {"argv": args, "env": env, "cwd": str(cwd or os.getcwd()), "log": str(log_path)}
             try:

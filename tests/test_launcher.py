@@ -26,7 +26,7 @@ def launcher() -> Iterator[PreloadedLauncher]:
     launcher = PreloadedLauncher(env)
     yield launcher
     launcher.close()  # the end of its input ends it (a stack's process that has gone takes it along)
-    assert launcher.proc.returncode == 0, launcher._tail()
+    assert launcher.proc.returncode == 0, launcher.log_tail()
     assert not launcher.status_dir.exists()  # nothing left in the temporary folder
 
 
@@ -36,7 +36,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _start(launcher: PreloadedLauncher, args: list[str], tmp_path: Path, **extra: str) -> LaunchedProcess:
     proc = launcher.start(args, _env(**extra), tmp_path, tmp_path / "process.log")
-    assert proc is not None, launcher._tail()
+    assert proc is not None, launcher.log_tail()
     return proc
 
 

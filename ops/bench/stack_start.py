@@ -32,21 +32,15 @@ MODES = ("preloaded", "interpreter")
 
 
 def warm_launcher(home: Path) -> float:
-    """Seconds until this process's launcher has imported its packages (0 if it already had)."""
-    t0 = time.monotonic()
-    launcher = launcher_for(_stack_env(home))
-    if not launcher._wait_ready():
-        raise RuntimeError("the preloaded launcher did not start")
-    return time.monotonic() - t0
-
-
-def _stack_env(home: Path) -> dict[str, str]:
-    """The environment an embedded stack gives its processes (the launcher's key), as ``start`` builds it."""
+    """Seconds until this process's launcher has imported its packages (0 if it already had): the
+    launcher of the environment ``EmbeddedStack`` gives its processes."""
     from app.settings import Settings
 
-    stack = EmbeddedStack(settings=Settings.from_env(home=home, torch_threads=1), redis_server=None,
-                          workdir=home)
-    return stack.env()
+    t0 = time.monotonic()
+    env = EmbeddedStack(settings=Settings.from_env(home=home), redis_server=None, workdir=home).env()
+    if not launcher_for(env).wait_ready():
+        raise RuntimeError("the preloaded launcher did not start")
+    return time.monotonic() - t0
 
 
 def one_round(mode: str, home: Path) -> dict[str, float]:
