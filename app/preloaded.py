@@ -62,6 +62,42 @@ def preload() -> None:
             sys.stderr.write(f"preload: {name} skipped ({exc})\n")
 
 
+def run_as_main(module: str, argv: list[str], env: dict[str, str], cwd: str) -> int:
+    """Run ``python -m module *argv`` in this forked process as a fresh interpreter would, and
+    return its exit code: its own environment, working directory, ``TMPDIR`` and random state; the
+    project's modules imported now, with that environment; at the end, non-daemon threads joined
+    and ``atexit`` handlers run. Output goes wherever file descriptors 1 and 2 point."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    tempfile.tempdir = None  # TMPDIR is this process's
+    if "numpy" in sys.modules:  # its global generator was seeded once, in the process that forked
+        sys.modules["numpy"].random.seed()
+    sys.argv = [module, *argv]
+    code = 1
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = int(exc.code or 0)
+        else:
+            sys.stderr.write(f"{exc.code}\n")
+    except BaseException:  # noqa: BLE001 - the process ends here, as an uncaught error would end it
+        traceback.print_exc()
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter does at exit
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return code
+
+
 def _child(request: dict, ready_w: int, closing: list[int]) -> None:
     """In the fork: become ``python -m app.cli *argv`` in a session of its own; never returns."""
     code = 1
@@ -81,33 +117,10 @@ def _child(request: dict, ready_w: int, closing: list[int]) -> None:
         os.close(log_fd)
         os.write(ready_w, b"1")
         os.close(ready_w)
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
-        tempfile.tempdir = None  # TMPDIR is this process's
-        if "numpy" in sys.modules:  # its global generator was seeded once, in the launcher
-            sys.modules["numpy"].random.seed()
-        sys.argv = ["app.cli", *request["argv"]]
-        try:
-            runpy.run_module("app.cli", run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exc:
-            if exc.code is None or isinstance(exc.code, int):
-                code = int(exc.code or 0)
-            else:
-                sys.stderr.write(f"{exc.code}\n")
-        except BaseException:  # noqa: BLE001 - the process ends here, as an uncaught error would end it
-            traceback.print_exc()
-        threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter does at exit
-        atexit._run_exitfuncs()
+        code = run_as_main("app.cli", request["argv"], request["env"], request["cwd"])
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
         os._exit(code)
 
 

@@ -7,7 +7,8 @@ benchmarks are some thirty processes: that import was a quarter of their cost. A
 child then behaves as ``python -m`` would in a fresh process: its own environment, working
 directory, ``sys.argv``, standard output and error in files, the project's modules imported anew
 (the forkserver never imports ``app``, ``workers`` or ``ops``, whose settings read the environment
-when they load), ``atexit`` handlers run, exit status from ``SystemExit``.
+when they load), ``atexit`` handlers run, exit status from ``SystemExit``: the set-up of
+``app.preloaded.run_as_main``, which the embedded stack's launcher runs its processes with.
 
 Fork-safety: nothing in the forkserver runs torch, so no thread pool exists when it forks (the
 server has one thread after the imports).
@@ -15,12 +16,8 @@ server has one thread after the imports).
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing
 import os
-import runpy
-import sys
-import tempfile
 from pathlib import Path
 
 # Third-party only: their import-time reads of the environment (HF_HUB_OFFLINE, HOME, OMP_NUM_THREADS)
@@ -30,25 +27,14 @@ PRELOAD = ["tests.support.bench_preload"]
 
 def _run(module: str, argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
     """The child: ``python -m module *argv`` in ``cwd`` with ``env``, output to the two files."""
-    os.environ.clear()
-    os.environ.update(env)
-    tempfile.tempdir = None  # TMPDIR is this run's
-    os.chdir(cwd)
+    from app.preloaded import run_as_main  # standard library only: nothing here reads the environment
+
     for fd, path in ((1, stdout), (2, stderr)):
         handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(handle, fd)
         os.close(handle)
-    sys.argv = [module, *argv]
-    code: int | str | None = 0
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    if code not in (0, None):
+    code = run_as_main(module, argv, env, cwd)
+    if code:
         raise SystemExit(code)
 
 
