@@ -255,12 +255,21 @@ class EmbeddedStack:
             missing = [k for k, since in need.items() if not self._published(r, k, since)]
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead:
-                raise RuntimeError(f"processes exited during start-up: {dead}; see {self.workdir / 'logs'}")
+                tails = "".join(f"\n--- {n}.log (end) ---\n{self.log_tail(n)}" for n in dead)
+                raise RuntimeError(f"processes exited during start-up: {dead}; see {self.workdir / 'logs'}{tails}")
             if not missing and self._cpu_ready():
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"stack not ready after {timeout}s: waiting for {missing}")
             time.sleep(0.2)
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        """The last lines of a process's log (what a start-up error needs to say why)."""
+        try:
+            text = (self.workdir / "logs" / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.rstrip().splitlines()[-lines:])
 
     @staticmethod
     def _published(r: redis.Redis, key: str, since: float) -> bool:

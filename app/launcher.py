@@ -46,6 +46,15 @@ def import_environment(env: dict[str, str]) -> frozenset[tuple[str, str]]:
                      if not k.startswith(RUNTIME_PREFIXES) and k not in RUNTIME_VARIABLES)
 
 
+def _parsed(line: str | None) -> dict | None:
+    """A protocol line as its object, or None where it is none (no line, or not a JSON object)."""
+    try:
+        reply = json.loads(line) if line else None
+    except ValueError:
+        return None
+    return reply if isinstance(reply, dict) else None
+
+
 class LaunchedProcess:
     """A ``subprocess.Popen``-like handle of a process the launcher forked (not our child: its
     exit code comes from the launcher's status file)."""
@@ -99,8 +108,14 @@ class PreloadedLauncher:
     def wait_ready(self) -> bool:
         """Whether the launcher has imported the packages and can fork (the first call waits)."""
         if self._ready is None:
-            line = self._readline(START_TIMEOUT_S)
-            self._ready = line is not None and "ready" in json.loads(line)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while True:  # what the interpreter's start-up printed (a sitecustomize, say) comes before it
+                line = self._readline(max(deadline - time.monotonic(), 0.0))
+                reply = _parsed(line)
+                if line is None or reply is not None:
+                    break
+                log.info("the preloaded launcher printed at start-up: %s", line.rstrip()[:200])
+            self._ready = reply is not None and "ready" in reply
             if not self._ready:
                 log.warning("the preloaded launcher did not start; processes start with Popen (%s)",
                             self.log_tail())
@@ -139,7 +154,7 @@ class PreloadedLauncher:
             except OSError:
                 return None
             line = self._readline(30.0)
-        reply = json.loads(line) if line else {"error": "no reply"}
+        reply = _parsed(line) or {"error": f"no reply ({line!r})" if line else "no reply"}
         if "pid" not in reply:
             log.warning("the preloaded launcher could not start %s: %s", args[0], reply.get("error"))
             return None

@@ -6,8 +6,9 @@ Celery (about 12 s of CPU on a 2-core machine), and an embedded stack starts sev
 the ones that die. A fork of a process that has imported them starts in well under a second
 (``app.launcher`` is the other end and says when a process is started this way).
 
-The protocol, one JSON line each way on standard input and output: ``{"argv", "env", "cwd", "log"}``
-in, ``{"pid"}`` (or ``{"error"}``) out, sent once the child leads a session of its own, so that
+The protocol, one JSON line each way on standard input and output (the launcher's own output,
+whatever its imports print, goes to standard error): ``{"argv", "env", "cwd", "log"}`` in, ``{"pid"}``
+(or ``{"error"}``) out, sent once the child leads a session of its own, so that
 signalling its process group reaches it. When a child ends, its exit code (negative: the signal
 that ended it, as ``subprocess`` reports it) is written to ``STATUS_DIR/<pid>``. End of input
 ends the launcher; its children go on.
@@ -138,12 +139,12 @@ def _reap(status_dir: Path) -> None:
         tmp.rename(status_dir / str(pid))
 
 
-def _launch(request: dict, wake: tuple[int, int]) -> dict:
+def _launch(request: dict, inherited: tuple[int, ...]) -> dict:
     ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(ready_r)
-        _child(request, ready_w, [*wake])
+        _child(request, ready_w, [*inherited])
     os.close(ready_w)
     with os.fdopen(ready_r, "rb") as ready:
         if ready.read(1) != b"1":  # it ended before leading its session: its status says how
@@ -151,7 +152,23 @@ def _launch(request: dict, wake: tuple[int, int]) -> dict:
     return {"pid": pid}
 
 
+def forks_can_use_cuda() -> bool:
+    """Whether a fork of this process may still initialize CUDA. torch marks every later fork as
+    unable to ("Cannot re-initialize CUDA in forked subprocess") once this process has asked the
+    CUDA runtime for its devices, which ``torch.cuda.is_initialized()`` does not show: a fork says."""
+    import torch
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
 def serve(status_dir: Path) -> None:
+    # The protocol gets standard output's pipe to itself; what the imports print goes to the log.
+    proto = os.dup(1)
+    os.dup2(2, 1)
     # Should an import ask whether CUDA is there, NVML answers: the CUDA runtime's own answer would
     # initialize the driver here, and a fork cannot use CUDA after that.
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
@@ -160,6 +177,8 @@ def serve(status_dir: Path) -> None:
 
     if torch.cuda.is_initialized() or threading.active_count() != 1:
         raise SystemExit("the launcher cannot fork safely: CUDA initialized or threads running after preload")
+    if not forks_can_use_cuda():
+        raise SystemExit("the launcher cannot fork safely: the preload asked the CUDA runtime for its devices")
     read_env = sorted(m for m in sys.modules if (m.split(".")[0] in PROJECT or m == "prometheus_client")
                       and m not in ("app", "app.preloaded"))  # this module and its package
     if read_env:
@@ -171,7 +190,7 @@ def serve(status_dir: Path) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C for the stack is for its processes, not this one
     signal.set_wakeup_fd(wake_w)
-    os.write(1, (json.dumps({"ready": os.getpid()}) + "\n").encode())
+    os.write(proto, (json.dumps({"ready": os.getpid()}) + "\n").encode())
     pending = b""
     while True:
         readable, _, _ = select.select([0, wake_r], [], [])
@@ -192,10 +211,10 @@ def serve(status_dir: Path) -> None:
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
             try:
-                reply = _launch(json.loads(line), (wake_r, wake_w))
+                reply = _launch(json.loads(line), (wake_r, wake_w, proto))
             except Exception as exc:  # noqa: BLE001 - the caller starts that process another way
                 reply = {"error": f"{type(exc).__name__}: {exc}"}
-            os.write(1, (json.dumps(reply) + "\n").encode())
+            os.write(proto, (json.dumps(reply) + "\n").encode())
 
 if __name__ == "__main__":
     serve(Path(sys.argv[1]))

@@ -44,6 +44,8 @@ summary="$OUT/summary.txt"
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
   python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__)"
+  # what the stack's processes import besides (the workers' metrics, the queue)
+  python3 -c "import celery, redis, prometheus_client; print('celery', celery.__version__, 'redis-py', redis.__version__, 'prometheus_client ok')"
 } > "$summary" 2>&1
 
 pack() {  # the benchmarks' .json and .log so far into one file of $OUT (again after every stage:

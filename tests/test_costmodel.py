@@ -211,6 +211,24 @@ def test_profiled_steps_are_graph_replays_where_the_engine_replays_graphs() -> N
         timer.time_batch([JobSpec(0.3, True, "blob", 1)], 7)
 
 
+def test_the_profilers_caches_serve_the_runners_stage_ahead_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the runner stages each masked job's next step while the current one computes (the
+    stager's side stream); the profiler's in-memory caches answer that path too. Here the stager
+    claims a side stream and stages inline, which runs the same runner code on the CPU."""
+    from ops.bench.harness.runner_timing import JobSpec, RunnerTimer, load_model
+    from workers.engine.staging import CacheStager
+
+    monkeypatch.setattr(CacheStager, "asynchronous", property(lambda self: True))
+    ahead: list[int] = []
+    original = CacheStager.ahead_batch
+    monkeypatch.setattr(CacheStager, "ahead_batch", lambda self, entries: (ahead.append(len(entries)),
+                                                                           original(self, entries))[1])
+    timer = RunnerTimer(load_model("sd15-inpaint", 8, 0, quick=True), steps=8)
+    wall, _, jobs = timer.time_batch([JobSpec(0.3, True, "blob", 1), JobSpec(0.1, True, "rect", 2)], 3)
+    assert len(wall) == 3 and all(j.state.mode == "masked" for j in jobs)
+    assert sum(ahead) > 0, ahead  # masked jobs' next steps were staged ahead
+
+
 def test_queue_integration_matches_step_by_step_simulation() -> None:
     rng = np.random.default_rng(3)
     for _ in range(200):

@@ -116,3 +116,22 @@ def test_the_dispatcher_survives_a_redis_restart(stack: EmbeddedStack, client: S
     assert stack.procs["dispatcher"].poll() is None, "the dispatcher exited on the Redis restart"
     after = StencilClient(stack.settings).submit(template=template(131), mask=mask, steps=4)
     assert after.wait(180).status == JobStatus.DONE
+
+
+def test_a_gpu_worker_whose_engine_cannot_start_exits_and_the_start_says_why(
+        tmp_path: Path, model_home: Path, saved_model: Path) -> None:
+    """An engine that fails to build (here: the UNet's weights file is not safetensors) ends the GPU
+    worker at once, instead of leaving a worker that never serves: the stack's start fails within
+    seconds, with the reason from the worker's log, not after its readiness timeout."""
+    import shutil
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(saved_model, broken)
+    weights = next((broken / "unet").glob("*.safetensors"))
+    weights.write_bytes(b"not a safetensors file")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"exited during start-up: \['gpu0'\]") as err:
+        with EmbeddedStack.start(tmp_path / "stack", home=model_home, model_dir=str(broken)):
+            pass
+    assert time.monotonic() - t0 < 90, "the start waited for the readiness timeout"
+    assert "the GPU worker exits: the engine could not start" in str(err.value), str(err.value)

@@ -81,3 +81,21 @@ def test_a_process_with_another_import_environment_is_not_forked(launcher: Prelo
     assert launcher.start(["--help"], _env(HF_HOME=str(tmp_path)), tmp_path, tmp_path / "log") is None
     assert launcher.start(["--help"], _env(OMP_NUM_THREADS="7"), tmp_path, tmp_path / "log") is None
     assert not (tmp_path / "log").exists()
+
+
+def test_what_the_preloaded_imports_print_goes_to_the_log_not_the_protocol(tmp_path: Path) -> None:
+    """What the interpreter's start-up prints (a ``sitecustomize``) and what a preloaded package
+    prints on import (here ``boto3``, shadowed) cannot break the launcher's replies."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("print('a line on standard output at start-up')\n")
+    (site / "boto3.py").write_text("print('a line on standard output on import')\n")
+    env = _env(PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    printing = PreloadedLauncher(env)
+    try:
+        assert printing.wait_ready(), printing.log_tail()
+        assert "a line on standard output on import" in printing.log_tail()
+        proc = printing.start(["--help"], env, tmp_path, tmp_path / "process.log")
+        assert proc is not None and proc.wait(30) == 0, printing.log_tail()
+    finally:
+        printing.close()

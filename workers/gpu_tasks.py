@@ -288,7 +288,13 @@ def get_engine() -> Engine:
 def _warm_engine(sender: Any = None, **_: Any) -> None:
     queues = {q.name for q in getattr(sender.app.amqp, "queues", {}).values()} if sender else set()
     if any(q.startswith("gpu.") for q in queues) or ctx.role() == "gpu":
-        get_engine()
+        try:
+            get_engine()
+        except BaseException as exc:  # noqa: BLE001 - Celery would log a handler's error and serve on without an engine
+            log.exception("the engine could not start")
+            log.critical("the GPU worker exits: the engine could not start (%s: %s)", type(exc).__name__, exc)
+            logging.shutdown()
+            os._exit(1)  # its supervisor (stencil serve, compose, the embedded stack) sees it at once
 
 
 @worker_shutdown.connect

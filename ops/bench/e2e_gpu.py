@@ -50,7 +50,7 @@ from ops.bench.harness.e2e_gpu_report import render
 from ops.bench.harness.gpu import DTYPES, UtilSampler, device_of, hardware
 from ops.bench.harness.openloop import Workload, busy_seconds, make_workload, run_rate, summarize
 from ops.bench.harness.phases import mean_phases
-from ops.bench.harness.report import Stopped, stop_on_sigterm, write_run
+from ops.bench.harness.report import Stopped, log_digest, stop_on_sigterm, write_run
 from ops.bench.harness.saved_models import MODELS, save_model
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,19 @@ def measure(stack: Any, client: Any, tids: list[str], templates: list[Any], work
 
 def run_stack(name: str, out: dict[str, Any], report: dict[str, Any], args: argparse.Namespace, device: torch.device,
               model_dir: Path, edits: Edits, templates: list[Any], until: float, sampler: UtilSampler) -> None:
-    """Start the system's stack, warm it, run its burst and rates into ``out`` (in ``report``)."""
+    """Start the system's stack, warm it, run its burst and rates into ``out`` (in ``report``); then
+    copy its processes' warnings and errors into this run's log (the stack's own logs stay in its
+    work folder, which a GPU machine does not send back)."""
+    try:
+        _drive_stack(name, out, report, args, device, model_dir, edits, templates, until, sampler)
+    finally:
+        log.info("%s: what its processes logged at WARNING and above, and how each log ends:\n%s", name,
+                 log_digest(Path(args.workdir) / name / "logs"))
+
+
+def _drive_stack(name: str, out: dict[str, Any], report: dict[str, Any], args: argparse.Namespace,
+                 device: torch.device, model_dir: Path, edits: Edits, templates: list[Any], until: float,
+                 sampler: UtilSampler) -> None:
     from app.client import StencilClient
     from app.embedded import EmbeddedStack
 
@@ -238,11 +250,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             out: dict[str, Any] = {"runs": {}, "notes": []}
             report["systems"][name] = out
             t0 = time.monotonic()
-            if name == "stock-inprocess":
-                run_inprocess(out, args, device, model_dir, edits, sampler)
-            else:
-                run_stack(name, out, report, args, device, model_dir, edits, templates,
-                          time.monotonic() + left * share, sampler)
+            try:  # one system's failure costs its rows only: the others still run
+                if name == "stock-inprocess":
+                    run_inprocess(out, args, device, model_dir, edits, sampler)
+                else:
+                    run_stack(name, out, report, args, device, model_dir, edits, templates,
+                              time.monotonic() + left * share, sampler)
+            except Exception as exc:  # noqa: BLE001 - reported in its notes and the log
+                log.exception("%s failed", name)
+                out["notes"].append(f"failed: {type(exc).__name__}: {str(exc)[-2000:]}")
             out["wall_s"] = time.monotonic() - t0
             report["elapsed_s"] = run.elapsed()
             write(report, args)

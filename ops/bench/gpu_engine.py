@@ -50,6 +50,7 @@ from ops.bench.harness.ablations import add_options, bucket_growth, floats, wide
 from ops.bench.harness.burst import Edits, row, run_stock
 from ops.bench.harness.cli import parser, start
 from ops.bench.harness.gpu import DTYPES, device_of, hardware, sync
+from ops.bench.harness.report import Stopped, stop_on_sigterm
 from workers.engine import graph_calls
 from workers.engine.engine import Engine
 from workers.engine.scheduler import BatchScheduler
@@ -356,6 +357,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     side = 64 if args.quick else MODELS[args.model][1]
     edits = Edits(side, args.jobs, args.steps, args.seed)
     report = Report(run, hardware(device), edits, side)
+    stop_on_sigterm()
+    try:
+        measure_systems(args, device, edits, report)
+    except Stopped:
+        log.warning("stopped by SIGTERM: the report holds the systems measured so far")
+        report.write()
+        return 143
+    report.write()
+    return 0
+
+
+def measure_systems(args: Any, device: torch.device, edits: Edits, report: Report) -> None:
+    """Each system named in ``--systems`` in turn, the report written after each."""
     with tempfile.TemporaryDirectory(prefix="stencil-gpu-engine-") as tmp:
         workdir = Path(tmp)
         folder = save_model(args.model, args.quick, args.dtype, workdir)
@@ -370,13 +384,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             stencil = Stencil(folder, args, device, True, workdir)
             key = stencil.warm(edits)
             report.rows.append(stencil.burst(edits, args, key))
-            report.phases = phase_profile(stencil, edits, args, key)
+            report.write()
+            try:  # the process's first profiler session, over graphs captured before it: never the rows' loss
+                report.phases = phase_profile(stencil, edits, args, key)
+            except Exception:  # noqa: BLE001 - reported, and the run goes on without the phases
+                log.exception("the phase profile failed; the report goes without it")
             report.write()
             report.capacity = len(edits.params) / report.rows[-1]["engine_s"]
             under_load(stencil, edits, args, key, report)
             stencil.runner.caches.close()  # type: ignore[union-attr]
-    report.write()
-    return 0
 
 
 if __name__ == "__main__":

@@ -27,6 +27,24 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
+WARNING_MARKS = (" WARNING ", " ERROR ", " CRITICAL ", "WARNING/", "ERROR/", "CRITICAL/", "Traceback", "Error: ")
+
+
+def log_digest(logs: Path, marked: int = 30, tail: int = 8) -> str:
+    """Each ``*.log`` under ``logs``: its last ``marked`` lines at WARNING and above (Python's and
+    Celery's formats, tracebacks' first and last lines) and its last ``tail`` lines; for a run whose
+    process logs will not come back with its results."""
+    parts = []
+    for path in sorted(logs.glob("*.log")) if logs.is_dir() else []:
+        lines = path.read_text(errors="replace").splitlines()
+        flagged = [line for line in lines if any(m in line for m in WARNING_MARKS)]
+        parts.append(f"--- {path.name}: {len(lines)} lines, {len(flagged)} at WARNING and above ---")
+        parts += flagged[-marked:]
+        parts.append(f"--- {path.name}: last {min(tail, len(lines))} lines ---")
+        parts += lines[-tail:]
+    return "\n".join(parts) or f"(no logs in {logs})"
+
+
 def write_run(out: str, json_path: str, lines: list[str], data: Any) -> None:
     """A run's Markdown report (``lines``) and its JSON (``data``), each where given; benchmarks that
     write them after every part, so that a run cut short keeps what it measured."""

@@ -94,6 +94,10 @@ class RecordedCaches:
         """Every recorded step is resident (``fetch`` only matters for a real store)."""
         return self.steps.get((key, step))
 
+    def peek(self, key: Any, step: int) -> dict[str, torch.Tensor] | None:
+        """What the runner stages a step ahead with (on CUDA, while the current step computes)."""
+        return self.steps.get((key, step))
+
 
 @dataclass
 class JobSpec:
