@@ -229,6 +229,17 @@ def test_the_profilers_caches_serve_the_runners_stage_ahead_path(monkeypatch: py
     assert sum(ahead) > 0, ahead  # masked jobs' next steps were staged ahead
 
 
+def test_the_profiler_records_and_replays_caches_in_half_precision() -> None:
+    """On a GPU the profiler runs in bfloat16 (``--device cuda``'s default): its warm-ups key their
+    caches by that dtype, as the service's do, so the runner accepts them for masked steps."""
+    from ops.bench.harness.runner_timing import JobSpec, RunnerTimer, load_model
+
+    timer = RunnerTimer(load_model("sd15-inpaint", 8, 0, dtype=torch.bfloat16, quick=True), steps=4)
+    wall, _, jobs = timer.time_batch([JobSpec(0.3, True, "blob", 1), JobSpec(0.1, True, "rect", 2)], 2)
+    assert len(wall) == 2 and all(j.state.mode == "masked" for j in jobs)
+    assert all(j.state.cache_key.layout.endswith("@bfloat16") for j in jobs)
+
+
 def test_queue_integration_matches_step_by_step_simulation() -> None:
     rng = np.random.default_rng(3)
     for _ in range(200):

@@ -270,8 +270,9 @@ def _cache_layout() -> str:
         layout = "flux-kv-roped"  # MaskAwareFlux.cache_layout of the service's controller
     else:
         layout = "kv+y"  # MaskAwareUNet's kv_source "cache": K/V and block outputs
-    dtype = ctx.settings().dtype
-    return layout if dtype == "float32" else f"{layout}@{dtype}"
+    from workers.maskaware.activation_store import recorded_layout
+
+    return recorded_layout(layout, ctx.settings().dtype)
 
 
 def _cache_plan(job_id: str, params: JobParams, meta: dict[str, Any], prepared: Any) -> dict[str, str]:

@@ -57,7 +57,7 @@ from workers.engine.scheduler import BatchScheduler
 from workers.engine.sd_runner import SDRunner
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider
 from workers.maskaware import buckets
-from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
+from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey, recorded_layout
 from workers.maskaware.unet import MaskAwareUNet
 from workers.models import true_size
 from workers.models.loader import load_cpu_pipeline, load_unet, scheduler_config
@@ -102,7 +102,7 @@ class Stencil:
         empty = Image.fromarray(np.zeros((edits.side, edits.side), np.uint8))
         tensors, meta = self.prepare(edits.template, empty, JobParams(prompt="", seed=0, steps=edits.steps), edits.side)
         key = TemplateCacheKey("bench", "tpl", edits.side, edits.side, str(self.cfg["_class_name"]), edits.steps, 1.0,
-                               "cfg2", _layout(self.runner.dtype))
+                               "cfg2", recorded_layout("kv+y", self.runner.dtype))
         engine = Engine(self.runner, BatchScheduler(max_batch=1))
         (handle,), _ = _drive(engine, [(tensors, dict(meta, cache_mode="record", cache_key=key.to_dict()))],
                               edits.steps)
@@ -202,11 +202,6 @@ def _shares(r: dict[str, Any], prefix: str) -> str:
     """Replayed / captured / eager shares of a Poisson run's steps, or "graphs off" (no step graphs here)."""
     shares = [r[f"{prefix}{k}"] for k in ("replayed", "captured", "eager")]
     return " / ".join(f"{v:.0%}" for v in shares) if sum(shares) else "graphs off"
-
-
-def _layout(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    return "kv+y" if name == "float32" else f"kv+y@{name}"
 
 
 def _drive(engine: Engine, jobs: list[tuple[dict, dict]], steps: int, arrivals: Sequence[float] | None = None,

@@ -17,7 +17,7 @@ from workers.engine.flux_runner import FluxRunner
 from workers.engine.job import EngineJob
 from workers.engine.template_cache import CacheRecorder, StepCacheProvider
 from workers.flux_inputs import prepare_flux_job_tensors
-from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey
+from workers.maskaware.activation_store import ActivationStore, TemplateCacheKey, recorded_layout
 from workers.maskaware.flux import MaskAwareFlux
 from workers.models.loader import scheduler_config
 
@@ -32,9 +32,8 @@ class FluxWorld:
         self.caches = StepCacheProvider(self.store, 1 << 30, device=device)
         self.caches.dtype = dtype
         self.ctrl = MaskAwareFlux(self.model)
-        recorded_in = "" if dtype == torch.float32 else "@" + str(dtype).removeprefix("torch.")
         self.key = TemplateCacheKey("m", "t", size[1], size[0], "FlowMatchEulerDiscreteScheduler", steps, 1.0,
-                                    "single", self.ctrl.cache_layout + recorded_in)
+                                    "single", recorded_layout(self.ctrl.cache_layout, dtype))
 
     def runner(self, **options: Any) -> FluxRunner:
         return FluxRunner(self.model, scheduler_config(FLUX_DIR), self.pipe.vae_scale_factor, self.device,

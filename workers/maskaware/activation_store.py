@@ -44,6 +44,14 @@ class CacheKeyMismatch(ValueError):
     """Stored objects were recorded under a different key than the one asked for."""
 
 
+def recorded_layout(layout: str, dtype: str | torch.dtype) -> str:
+    """A cache layout keyed by the compute dtype its activations are recorded in (``kv+y@bfloat16``;
+    float32's is the bare layout): an exact cache is exact only in that dtype, and the runner
+    refuses a key recorded in another one."""
+    name = str(dtype).removeprefix("torch.")
+    return layout if name == "float32" else f"{layout}@{name}"
+
+
 @dataclass(frozen=True)
 class TemplateCacheKey:
     """Everything a cache's validity depends on (DESIGN.md section 2, "Cache validity")."""

@@ -17,7 +17,7 @@ from ops.bench.harness.gpu import build_on, sync
 from ops.bench.harness.models import build_sd_unet, cfg_job, ddim_config, pixel_mask
 from workers.engine.job import EngineJob
 from workers.engine.sd_runner import SDRunner
-from workers.maskaware.activation_store import TemplateCacheKey
+from workers.maskaware.activation_store import TemplateCacheKey, recorded_layout
 from workers.maskaware.tokens import build_token_masks
 from workers.maskaware.unet import MaskAwareUNet
 from workers.models import true_size
@@ -128,7 +128,7 @@ class RunnerTimer:
         self.keys = {hw: TemplateCacheKey(
             model_id=mut.model_id, template_id="profile", height=hw[0] * 8, width=hw[1] * 8,
             scheduler=str(mut.scheduler_config["_class_name"]), steps=steps, strength=1.0, guidance="cfg2",
-            layout=self.maskaware.cache_layout).to_dict() for hw in self.sizes}
+            layout=recorded_layout(self.maskaware.cache_layout, mut.unet.dtype)).to_dict() for hw in self.sizes}
         for hw in self.sizes:
             self._record(hw)
 
