@@ -297,6 +297,27 @@ def test_choose_merges_uniform_batches_and_uses_terms_when_mixed(sd_world: World
     assert patcher.weights.ready(b) and patcher.choose([GroupDemand(b, 512, 20)]) == b  # staged: a swap
 
 
+def test_device_copies_of_adapters_the_host_tier_evicted_are_dropped_once_no_step_uses_them(
+        sd_world: World) -> None:
+    """A long tail of adapters must not pile up on the device: what the host tier (the adapter
+    bank) no longer holds leaves the device at the first step that does not use it."""
+    held = {"a", "b"}
+    patcher = LoraPatcher(copy.deepcopy(_sd_pipe().unet), "unet", sd_world.read, resident=lambda: held)
+    a, b = (("a", 1.0),), (("b", 1.0),)
+    try:
+        for groups, evicted in (([GroupDemand(a, 512, 2), GroupDemand(b, 512, 2)], None),
+                                ([GroupDemand(a, 512, 1), GroupDemand(b, 512, 1)], "a"),  # evicted, still used
+                                ([GroupDemand(b, 512, 20)], None)):
+            held.discard(evicted or "")
+            patcher.prepare(groups)
+            patcher.finish()
+            if evicted:
+                assert patcher.on_device == {"a", "b"}  # its job still steps with it
+        assert patcher.on_device == {"b"} and patcher.stats.device_copies_dropped == 1
+    finally:
+        patcher.weights.close()
+
+
 # -- Flux ---------------------------------------------------------------------------------------
 
 

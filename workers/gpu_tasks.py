@@ -217,7 +217,7 @@ def get_engine() -> Engine:
                 from workers.maskaware.flux import MaskAwareFlux
 
                 model = loader.load_flux_transformer(ctx.model_dir(), s.device, loader.torch_dtype(s.dtype))
-                lora = LoraPatcher(model, "transformer", bank.get)
+                lora = LoraPatcher(model, "transformer", bank.get, resident=bank.resident)
                 runner: Any = FluxRunner(model, ctx.scheduler_config(), loader.vae_scale_factor(ctx.model_dir()),
                                          s.device, compile=s.compile, graphs=s.cuda_graphs_for(s.device),
                                          maskaware=MaskAwareFlux(model, compile=s.compile) if s.mask_aware else None,
@@ -228,7 +228,7 @@ def get_engine() -> Engine:
                 from workers.maskaware.unet import MaskAwareUNet
 
                 unet = loader.load_unet(ctx.model_dir(), s.device, loader.torch_dtype(s.dtype))
-                lora = LoraPatcher(unet, "unet", bank.get)
+                lora = LoraPatcher(unet, "unet", bank.get, resident=bank.resident)
                 maskaware = MaskAwareUNet(unet, compile=s.compile) if s.mask_aware else None
                 if maskaware is not None:
                     maskaware.pool_threshold = POOL_THRESHOLD

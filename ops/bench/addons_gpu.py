@@ -178,18 +178,24 @@ def part_latency(b: Bench, deadline: float) -> dict[str, Any]:
     args, svc, stock = b.args, b.svc, b.lora_stock
     image, mask = lora_inputs(b.side, 0)
     warm = b.params(((WARM_ID, 0.8),), 0)
-    svc.job(image, mask, warm)  # warm-up both (lazy inits, kernels); the adapter is fresh to each
-    stock.job(image, mask, warm)
+    for p in (warm, b.params((), 0)):  # warm-up both (lazy inits, kernels; without adapters, graph captures)
+        svc.job(image, mask, p)
+        stock.job(image, mask, p)
     stock.lora_seconds.clear()
     configs = [(system, n) for system in ("stock", "stencil") for n in (0, 1, 2)]
+    replayed: dict[int, list[float]] = {0: [], 1: [], 2: []}  # Stencil's steps replayed as CUDA graphs
 
     def measure(config: tuple[str, int], rnd: int) -> float:
         system, n = config
         p = b.params(tuple((i, 0.8) for i in latency_ids(rnd)[n]), rnd + 1)
-        return stock.job(image, mask, p) if system == "stock" else svc.job(image, mask, p)[1]
+        if system == "stock":
+            return stock.job(image, mask, p)
+        seconds = svc.job(image, mask, p)[1]
+        replayed[n].append(svc.last_result.get("graph_replayed_steps", 0) / max(p.steps, 1))
+        return seconds
 
     lora, weights = svc.lora, svc.lora.weights
-    before = (lora.term_seconds, weights.sync_seconds, weights.staged_seconds)
+    before = (lora.stats.term_seconds, weights.sync_seconds, weights.staged_seconds)
     samples, rounds = rounds_until(deadline, args.latency_rounds, configs, measure, random.Random(args.seed),
                                    "latency")
     if rounds < args.latency_rounds:
@@ -198,7 +204,7 @@ def part_latency(b: Bench, deadline: float) -> dict[str, Any]:
     # not waited for): terms added in the steps, merges on the critical path and in the background.
     jobs = 2 * rounds
     term_s, sync_s, staged_s = (now - then for now, then in
-                                zip((lora.term_seconds, weights.sync_seconds, weights.staged_seconds), before))
+                                zip((lora.stats.term_seconds, weights.sync_seconds, weights.staged_seconds), before))
     out: dict[str, Any] = {"rounds": rounds, "stock_lora_s": median(stock.lora_seconds),
                            "stencil_lora": {"term_host_s_per_job": term_s / jobs, "merge_sync_s_per_job": sync_s / jobs,
                                             "merge_staged_s_per_job": staged_s / jobs,
@@ -213,6 +219,7 @@ def part_latency(b: Bench, deadline: float) -> dict[str, Any]:
                           "stock_added_s": added_stock, "stencil_added_s": added_ours,
                           "added_ratio": added_ours / added_stock if added_stock > 0 else float("nan")}
     out["none"] = {"stock_s": median(samples[("stock", 0)]), "stencil_s": median(samples[("stencil", 0)])}
+    out["graph_replayed_share"] = {n: sum(v) / len(v) if v else 0.0 for n, v in replayed.items()}
     out["samples"] = {f"{s}-{n}": v for (s, n), v in samples.items()}
     return out
 

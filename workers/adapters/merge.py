@@ -91,6 +91,11 @@ class MergedWeights:
                     buf.view(flat.shape).copy_(torch.addmm(flat.float(), ups, downs))
         slot.adapters = adapters
 
+    def held(self) -> set[str]:
+        """The adapters the merge buffers hold or are being filled with."""
+        with self._lock:
+            return {i for slot in self._slots if slot.adapters for i, _ in slot.adapters}
+
     def ready(self, adapters: AdapterSet) -> bool:
         """Would ``switch(adapters)`` be a pointer swap (base, current or a finished slot)?"""
         if not adapters or adapters == self.current:

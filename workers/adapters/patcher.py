@@ -43,7 +43,7 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -242,6 +242,7 @@ class PatchStats:
     steps_merged: int = 0
     steps_terms: int = 0
     last_merged: AdapterSet = ()
+    device_copies_dropped: int = 0
 
 
 class _Rate:
@@ -263,10 +264,15 @@ class LoraPatcher:
     """Per-step adapter application for one model (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, component: str, resolve: Resolver, *,
-                 max_term_cache: int = 256, merge_buffers: int = 2) -> None:
+                 max_term_cache: int = 256, merge_buffers: int = 2,
+                 resident: Callable[[], Collection[str]] | None = None) -> None:
         self.model = model
         self.component = component
         self.resolve = resolve
+        # The adapters the host tier holds (``AdapterBank.resident``): a device copy of one it has
+        # evicted is dropped once no step uses it, so a long tail of adapters does not pile up on the
+        # device. None: keep every device copy (a patcher with a fixed set, the CPU's text encoders).
+        self.resident = resident
         self.modules = install(model)
         self.weights = MergedWeights(self.modules, self._mods, merge_buffers)
         self._lock = threading.Lock()  # _mods is also called from the background merge thread
@@ -294,6 +300,12 @@ class LoraPatcher:
         """The set the weights hold now (``()``: the pristine base weights)."""
         return self.weights.current
 
+    @property
+    def on_device(self) -> set[str]:
+        """The adapters whose factors are on the model's device now."""
+        with self._lock:
+            return set(self._device_mods)
+
     def _mods(self, lora_id: str) -> dict[str, LoraModule]:
         with self._lock:
             mods = self._device_mods.get(lora_id)
@@ -311,9 +323,19 @@ class LoraPatcher:
         """Drop an adapter's device copy (it must not be merged)."""
         if any(i == lora_id for i, _ in self.merged):
             raise RuntimeError(f"adapter {lora_id} is merged")
-        self._device_mods.pop(lora_id, None)
+        with self._lock:
+            self._device_mods.pop(lora_id, None)
         self._units_memo.pop(lora_id, None)
         self._term_cache = {k: v for k, v in self._term_cache.items() if all(i != lora_id for i, _ in k[1])}
+
+    def _drop_evicted(self, used: set[str]) -> None:
+        """Forget the device copies of adapters the host tier no longer holds and that neither this
+        step nor a merge buffer uses (a later job that needs one reads it again, as a first use does)."""
+        resident = set(self.resident())  # type: ignore[misc]
+        held = self.weights.held()
+        for lora_id in [i for i in self._device_mods if i not in resident and i not in used and i not in held]:
+            self.forget(lora_id)
+            self.stats.device_copies_dropped += 1
 
     def _units(self, lora_id: str) -> tuple[float, float]:
         """(term FLOPs per token row, merge FLOPs) of one adapter on this model."""
@@ -398,6 +420,8 @@ class LoraPatcher:
             # with what is ready (terms for the rest); a later step swaps it in at no cost.
             merged = self.choose(groups, ready_only=True)
         self.merge(merged)
+        if self.resident is not None:
+            self._drop_evicted({i for demand in groups for i, _ in demand.adapters} | {i for i, _ in merged})
         active: dict[str, _Terms] = {}
         for g, demand in enumerate(groups):
             diff = self.diff(demand.adapters, merged)

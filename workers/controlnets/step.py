@@ -14,8 +14,10 @@ are all off this step add zeros, which changes nothing. A ControlNet whose facto
 Concurrency (``Concurrent``): the UNet needs the residuals only after its down blocks, so the
 ControlNets run on a second thread while the UNet's conv-in, time embedding and down path run; the
 UNet reads the down residuals lazily (``LazyResiduals``: iterating waits) and a hook adds the mid
-residual to the mid block's output (the UNet then adds a zero). On a GPU host the same split puts
-the ControlNets on a side stream or another device (SwiftDiffusion's ControlNet-as-a-service).
+residual to the mid block's output (the UNet then adds a zero). On a GPU the thread issues the
+ControlNets' kernels on the engine's stream: what overlaps is the host's launching of the two
+models, not their device time (a side stream, or SwiftDiffusion's ControlNet on another device,
+is not built).
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def residuals(get: Callable[[str], torch.nn.Module], sample: torch.Tensor, times
     mid: torch.Tensor | None = None
     with torch.no_grad():
         for (_order, controlnet_id), group in sorted(groups.items(), key=lambda kv: kv[0][0]):
-            idx = torch.cat([torch.arange(u.row0, u.row0 + u.rows) for u in group]).to(sample.device)
+            # Made on the device: a host tensor's copy would wait for the GPU's queued work (pageable memory).
+            idx = torch.cat([torch.arange(u.row0, u.row0 + u.rows, device=sample.device) for u in group])
             d, m = get(controlnet_id)(sample.index_select(0, idx), timesteps.index_select(0, idx),
                                       encoder_hidden_states=embeds.index_select(0, idx),
                                       controlnet_cond=torch.cat([u.image for u in group]), conditioning_scale=1.0,
@@ -80,7 +83,7 @@ def residuals(get: Callable[[str], torch.nn.Module], sample: torch.Tensor, times
             # The factor stays float32 and each product is rounded once to the residual's dtype, as
             # the stock ``sample * conditioning_scale`` (a Python float) is: a bf16 factor (0.8 ->
             # 0.80078125) moved bf16 edits 6/255 from the stock pipeline.
-            factor = torch.cat([torch.full((u.rows,), u.factor, dtype=torch.float32) for u in group]).to(m.device)
+            factor = torch.cat([torch.full((u.rows,), u.factor, dtype=torch.float32, device=m.device) for u in group])
             factor = factor.view(-1, 1, 1, 1)
             if down is None:
                 down = [torch.zeros((sample.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device) for x in d]

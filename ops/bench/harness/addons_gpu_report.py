@@ -58,6 +58,11 @@ def render(report: dict[str, Any]) -> list[str]:
             lines.append(f"| {n} | {row['stock_s']:.3f} s | {row['stock_added_s'] * 1e3:.0f} ms | "
                          f"{row['stencil_s']:.3f} s | {row['stencil_added_s'] * 1e3:.0f} ms | "
                          f"{row['added_ratio']:.3f} ({met}) |")
+        shares = r.get("graph_replayed_share")
+        if shares:  # steps with adapter terms are never graph-replayed: part of what adapters add on a GPU
+            lines += ["", "Stencil's steps replayed as CUDA graphs, by adapters per job: "
+                      + ", ".join(f"{n}: {float(v):.0%}" for n, v in sorted(shares.items(), key=lambda kv: int(kv[0])))
+                      + " (a step with adapter terms runs eagerly)."]
         lines.append("")
     if "trace" in parts:
         r = parts["trace"]

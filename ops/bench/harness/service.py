@@ -11,6 +11,7 @@ host's stage pool: ``STENCIL_STAGE_PLACEMENT=gpu_host``), in ``dtype``.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from app.adapters import lora_weights_key
+from app.adapters import lora_meta_key, lora_weights_key
 from app.jobs import JobParams
 from app.storage import ObjectStore
 from workers.adapters.bank import AdapterBank
@@ -39,9 +40,10 @@ from workers.sd_inputs import decode_latents, prepare_job_tensors
 
 
 def add_lora(store: ObjectStore, model_dir: Path, lora_id: str, file: Path) -> LoraWeights:
-    """What ``stencil lora add`` stores (the canonical weights)."""
+    """What ``stencil lora add`` stores (the canonical weights and their description)."""
     weights = canonical_lora(file.read_bytes(), model_dir, lora_id, max_bytes=1 << 32)
     store.put(lora_weights_key(lora_id), weights.to_bytes())
+    store.put(lora_meta_key(lora_id), json.dumps({"id": lora_id, **weights.describe()}, sort_keys=True).encode())
     return weights
 
 
@@ -59,7 +61,8 @@ class InProcess:
         read = lambda i: LoraWeights.from_bytes(store.get(lora_weights_key(i)))  # noqa: E731
         self.bank = AdapterBank(read, lora_cache_bytes)
         self.text = LoraPatcher(self.cpu.text_encoder, "text_encoder", read)  # the CPU worker's text adapters
-        self.lora = LoraPatcher(unet, "unet", self.bank.get, merge_buffers=merge_buffers)
+        self.lora = LoraPatcher(unet, "unet", self.bank.get, merge_buffers=merge_buffers,
+                                resident=self.bank.resident)
         self.controlnets = ControlNetBank(store_loader(store.get, device, unet.dtype), controlnet_cache_bytes)
         caches: dict[str, Any] = {}
         if mask_aware:  # after the patcher (its forwards must be the ones the hooks wrap)
@@ -70,6 +73,8 @@ class InProcess:
                                controlnet_parallel=controlnet_parallel, **caches)
         self.engine = Engine(self.runner, BatchScheduler(max_batch=max_batch)).start()
         self._n = 0
+        self._described: dict[str, dict[str, Any]] = {}
+        self.last_result: dict[str, Any] = {}
 
     def route(self, params: JobParams) -> None:
         """The dispatcher's part for a routed job: fetch its add-ons (and, on an idle engine, merge
@@ -82,10 +87,17 @@ class InProcess:
         if params.controls:
             self.controlnets.prefetch(c[0] for c in params.controls)
 
+    def _components(self, lora_id: str) -> dict[str, Any]:
+        """What the adapter adapts, from its stored description (as the CPU worker decides which
+        text-encoder adapters a job needs, ``workers/adapter_tasks.text_encoder_sets``: no weights read)."""
+        if lora_id not in self._described:
+            self._described[lora_id] = json.loads(self.store.get(lora_meta_key(lora_id)))["components"]
+        return self._described[lora_id]
+
     def prepare(self, image: Image.Image, mask: np.ndarray, params: JobParams,
                 controls: list[Image.Image] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
         h, w = mask.shape
-        self.text.apply(tuple((i, sc) for i, sc in params.loras if self.text._mods(i)))
+        self.text.apply(tuple((i, sc) for i, sc in params.loras if "text_encoder" in self._components(i)))
         prep = prepare_job_tensors(self.cpu, self.cfg, image, Image.fromarray(mask.astype(np.uint8) * 255), params,
                                    h, w)
         tensors = dict(prep.tensors, **prepare_control_images(self.cpu, list(controls), h, w,
@@ -107,7 +119,8 @@ class InProcess:
         t0 = time.perf_counter()
         self.route(params)
         job = self.submit(*self.prepare(image, mask, params, controls))
-        image_out = self.decode(job.future.result()["latents"])
+        self.last_result = job.future.result()  # the engine's record of it (graph-replayed steps, ...)
+        image_out = self.decode(self.last_result["latents"])
         return image_out, time.perf_counter() - t0
 
     def close(self) -> None:
