@@ -230,6 +230,28 @@ def test_a_steady_flux_engine_step_reads_the_device_once(tmp_path: Path) -> None
         world.caches.close(wait=True)
 
 
+def test_flux_jobs_of_mixed_sizes_step_and_are_admitted_without_reading_the_device(tmp_path: Path) -> None:
+    """Two image sizes in one Flux step: still one read per step (the batch's token grid and its
+    image ids come from the host, not from the jobs' ids on the device), and none at admission."""
+    from tests.support.flux_world import FluxWorld
+
+    world = FluxWorld(tmp_path)
+    runner = world.runner()
+    try:
+        batch = [world.job(runner, 20)]
+        world.size = (64, 96)
+        batch.append(world.job(runner, 21))
+        admission = DispatchCounter()
+        with admission:
+            grids = [runner.latent_hw(job.state) for job in batch]
+        assert admission.syncs == {} and grids[0] != grids[1], (admission.syncs, grids)
+        counts = [c.syncs for c in counted_steps(runner, batch, world.steps)]
+        # The first step compares the batch's new rotary tables once (memoised per table shape).
+        assert all(c == {"aten._local_scalar_dense.default": 1} for c in counts[1:]), counts
+    finally:
+        world.caches.close(wait=True)
+
+
 def test_attention_on_the_meta_device_counts_as_the_one_fused_kernel_it_is_on_a_gpu() -> None:
     """True-size counts run on the meta device, where attention would decompose into a dozen
     operators; the counter counts it once (positional or keyword call) and keeps its shape."""

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from app.storage.hostcache import to_device
 from workers.adapters import layout
 from workers.adapters.lora import LoraModule, LoraWeights
 from workers.adapters.merge import MergedWeights
@@ -315,7 +316,9 @@ class LoraPatcher:
                 for path, m in weights.modules(self.component).items():
                     if path not in self.modules:
                         raise KeyError(f"adapter {lora_id}: {self.component} has no module {path}")
-                    mods[path] = m.to(self.device, self.dtype)
+                    # pinned, on a copy stream: a pageable copy would wait for the GPU's queue mid-step
+                    mods[path] = LoraModule(to_device(m.down, self.device).to(self.dtype),
+                                            to_device(m.up, self.device).to(self.dtype), m.scaling)
                 self._device_mods[lora_id] = mods
             return mods
 

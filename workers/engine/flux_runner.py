@@ -39,6 +39,7 @@ class FluxJobState(JobState):
     pooled: torch.Tensor | None = None
     text_ids: torch.Tensor | None = None
     image_ids: torch.Tensor | None = None
+    grid: tuple[int, int] = (0, 0)  # the token grid (packed 2x2 latents), read from the host's ids once
     guidance: float = 30.0
     guidance_t: torch.Tensor | None = None  # ``guidance`` on the compute device (one row)
 
@@ -58,6 +59,7 @@ class FluxRunner(BaseRunner):
         self.device = torch.device(device)
         # Steps replayed as CUDA graphs (``workers/engine/graphs.py``): on CUDA unless turned off.
         self.graphs = step_graphs(self.device, graphs, compile)
+        self._grid_ids_memo: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     writable_caches = True  # MaskAwareFlux writes a step's fresh K/V (and output) into its staged cache
 
@@ -85,6 +87,7 @@ class FluxRunner(BaseRunner):
             pooled=to_device(tensors["pooled_prompt_embeds"], self.device).to(dtype),
             text_ids=to_device(tensors["text_ids"], self.device),
             image_ids=to_device(tensors["image_ids"], self.device),
+            grid=(int(tensors["image_ids"][:, 1].max()) + 1, int(tensors["image_ids"][:, 2].max()) + 1),
             guidance=float(meta["guidance"]))
         self._init_cache_mode(state, tensors, meta)
         self._init_adapters(state, meta)
@@ -92,7 +95,7 @@ class FluxRunner(BaseRunner):
 
     def latent_hw(self, st: FluxJobState) -> tuple[int, int]:
         """The job's token grid (packed 2x2 latents): the size the step-time predictor sees."""
-        return int(st.image_ids[:, 1].max()) + 1, int(st.image_ids[:, 2].max()) + 1
+        return st.grid  # from the host's ids: reading the device's would wait for the GPU's queue
 
     def _token_masks(self, st: JobState, tensors: dict[str, torch.Tensor]) -> Any:
         return self.maskaware.prepared(self.maskaware.token_mask(tensors["pixel_mask"].bool(), self.dilation),
@@ -123,17 +126,26 @@ class FluxRunner(BaseRunner):
                 for k, i in enumerate(idx):
                     outs[i] = out[k:k + 1]
             return outs, []
-        grid_h = max(int(s.image_ids[:, 1].max()) + 1 for s in states)
-        grid_w = max(int(s.image_ids[:, 2].max()) + 1 for s in states)
+        grid_h, grid_w = max(s.grid[0] for s in states), max(s.grid[1] for s in states)
         positions = [(s.image_ids[:, 1] * grid_w + s.image_ids[:, 2]).long() for s in states]
         channels = states[0].latents.shape[2] + states[0].masked_image_latents.shape[2]
         hidden = torch.zeros(len(states), grid_h * grid_w, channels, dtype=states[0].latents.dtype, device=self.device)
         for k, (s, pos) in enumerate(zip(states, positions)):
             hidden[k, pos] = torch.cat((s.latents, s.masked_image_latents), dim=2)[0]
-        ids = FluxPipeline._prepare_latent_image_ids(1, grid_h, grid_w, self.device, states[0].image_ids.dtype)
+        ids = self._grid_ids(grid_h, grid_w, states[0].image_ids.dtype)
         groups = [dataclasses.replace(g, positions=pos) for g, pos in zip(groups, positions)]
         out, recorded = self._call(states, hidden, times, ids, groups)
         return [out[k:k + 1, pos] for k, pos in enumerate(positions)], recorded
+
+    def _grid_ids(self, grid_h: int, grid_w: int, dtype: torch.dtype) -> torch.Tensor:
+        """The image ids of a whole grid on the device, made once per grid (diffusers builds them on
+        the host: copied every step, each copy would wait for the GPU's queue)."""
+        key = (grid_h, grid_w, dtype)
+        ids = self._grid_ids_memo.get(key)
+        if ids is None:
+            host = FluxPipeline._prepare_latent_image_ids(1, grid_h, grid_w, torch.device("cpu"), dtype)
+            ids = self._grid_ids_memo[key] = to_device(host, self.device)
+        return ids
 
     def _call(self, states: list[FluxJobState], hidden: torch.Tensor, times: torch.Tensor, img_ids: torch.Tensor,
               groups: list[Any] | None, horizon: int | None = None) -> tuple[torch.Tensor, list[Any]]:
