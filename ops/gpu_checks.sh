@@ -80,6 +80,7 @@ stage engine 110 bash -c "bench gpu_engine"
 stage e2e 200 bash -c "bench e2e_gpu --budget-s 178"
 # Only when named (GPU_CHECKS=addons): a 150 s budget (model save, loads, adapters and ControlNet made in it).
 stage addons 200 bash -c "bench addons_gpu"
+# Its raw points are written after each one: a stage cut at its limit leaves what `--refit` fits.
 stage profile 120 bash -c "exec python3 -m ops.bench.profile --device cuda --model sd15-inpaint --points 48 --max-jobs 16 \
   --out '$OUT/sd15-inpaint--cuda.json' --report '$OUT/profile.md' --raw '$work/sd15-inpaint--cuda.points.json' > '$work/profile.log' 2>&1"
 # The engine's configuration first (growth 1.25, widening 1.5); the report is rewritten after each run.

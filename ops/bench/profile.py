@@ -277,6 +277,9 @@ def profile_steps(mut: ModelUnderTest, args: argparse.Namespace, arch: UNetArch)
                      "cached": [bool(j.cached) for j in jobs], "tokens": [j.masked_tokens for j in jobs],
                      "latent_hw": [list(j.latent_hw) for j in jobs],
                      "features": [float(v) for v in feats], "seconds": med, "wall": wall, "cpu": cpu})
+        if args.raw:  # after every point: a run cut at its time limit leaves what --refit fits
+            Path(args.raw).write_text(json.dumps({"rows": rows, "maskaware": True, "partial": True},
+                                                 separators=(",", ":")))
         log.info("%d/%d: %d jobs, sizes %s, ratios %s, cached %s -> %.1f ms %s (wall %s) load %.1f", i + 1,
                  len(comps), len(jobs), [f"{w * 8}x{h * 8}" for h, w in (j.latent_hw for j in jobs)],
                  [f"{s.ratio:.2f}" for s in specs], [int(j.cached) for j in jobs], med * 1e3, args.clock,
