@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from app.storage.hostcache import to_device
 from workers.weights_format import read_header
 
 FORMAT = "stencil-lora-1"
@@ -50,7 +51,9 @@ class LoraModule:
         return out.view(self.up.shape[0], *self.down.shape[1:]) if self.conv else out
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> "LoraModule":
-        return LoraModule(self.down.to(device, dtype), self.up.to(device, dtype), self.scaling)
+        """On ``device`` in ``dtype``; to a GPU pinned, on a copy stream (a pageable copy would wait
+        for the GPU's queue in the middle of a step)."""
+        return LoraModule(to_device(self.down, device).to(dtype), to_device(self.up, device).to(dtype), self.scaling)
 
 
 @dataclass

@@ -49,7 +49,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from app.storage.hostcache import to_device
 from workers.adapters import layout
 from workers.adapters.lora import LoraModule, LoraWeights
 from workers.adapters.merge import MergedWeights
@@ -316,9 +315,7 @@ class LoraPatcher:
                 for path, m in weights.modules(self.component).items():
                     if path not in self.modules:
                         raise KeyError(f"adapter {lora_id}: {self.component} has no module {path}")
-                    # pinned, on a copy stream: a pageable copy would wait for the GPU's queue mid-step
-                    mods[path] = LoraModule(to_device(m.down, self.device).to(self.dtype),
-                                            to_device(m.up, self.device).to(self.dtype), m.scaling)
+                    mods[path] = m.to(self.device, self.dtype)
                 self._device_mods[lora_id] = mods
             return mods
 
@@ -334,11 +331,14 @@ class LoraPatcher:
     def _drop_evicted(self, used: set[str]) -> None:
         """Forget the device copies of adapters the host tier no longer holds and that neither this
         step nor a merge buffer uses (a later job that needs one reads it again, as a first use does)."""
-        resident = set(self.resident())  # type: ignore[misc]
-        held = self.weights.held()
-        for lora_id in [i for i in self._device_mods if i not in resident and i not in used and i not in held]:
-            self.forget(lora_id)
-            self.stats.device_copies_dropped += 1
+        unused = [i for i in self._device_mods if i not in used]
+        if not unused:  # the usual step: nothing on the device but what it uses
+            return
+        keep = set(self.resident()) | self.weights.held()  # type: ignore[misc]
+        for lora_id in unused:
+            if lora_id not in keep:
+                self.forget(lora_id)
+                self.stats.device_copies_dropped += 1
 
     def _units(self, lora_id: str) -> tuple[float, float]:
         """(term FLOPs per token row, merge FLOPs) of one adapter on this model."""
