@@ -11,8 +11,10 @@ returned as ``{"error": reason}``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -44,8 +46,6 @@ def _per_level(value: Any, levels: int) -> list[Any] | None:
 def check_controlnet(config: dict[str, Any], weights: bytes, unet_config: dict[str, Any],
                      latent_channels: int) -> int:
     """Raise ``InvalidControlNet`` unless it fits; returns the number of parameters."""
-    from diffusers import ControlNetModel
-
     header = check_weights(weights, name=CONTROL_WEIGHTS, instead=f"upload {CONTROL_WEIGHTS} as ControlNetModel."
                            "save_pretrained writes it (safe_serialization, the default)", error=InvalidControlNet)
     if config.get("_class_name") != "ControlNetModel":
@@ -65,11 +65,9 @@ def check_controlnet(config: dict[str, Any], weights: bytes, unet_config: dict[s
     if down != [t.replace("CrossAttn", "") for t in unet_config.get("down_block_types", [])]:
         raise InvalidControlNet("down_block_types do not match the model's UNet")
     try:
-        with torch.device("meta"):
-            model = ControlNetModel.from_config(config)
+        want = _tensor_shapes(json.dumps(config, sort_keys=True))
     except Exception as exc:
         raise InvalidControlNet(f"config.json does not build a ControlNetModel: {type(exc).__name__}: {exc}") from None
-    want = {k: list(v.shape) for k, v in model.state_dict().items()}
     have = {k: list(v.shape) for k, v in header.tensors.items()}
     missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
     if missing or extra:
@@ -78,7 +76,19 @@ def check_controlnet(config: dict[str, Any], weights: bytes, unet_config: dict[s
     wrong = [k for k in want if want[k] != have[k]]
     if wrong:
         raise InvalidControlNet(f"{wrong[0]} has shape {have[wrong[0]]}, the config needs {want[wrong[0]]}")
-    return sum(v.numel() for v in model.state_dict().values())
+    return sum(math.prod(shape) for shape in want.values())
+
+
+@functools.lru_cache(maxsize=8)
+def _tensor_shapes(config_json: str) -> dict[str, list[int]]:
+    """The tensors a ControlNet of this config has, by name, built on the meta device. Memoized:
+    uploads of one architecture (a family's ControlNets, the 256 padded files of a test) share it,
+    and building the skeleton costs more than the rest of the check."""
+    from diffusers import ControlNetModel
+
+    with torch.device("meta"):
+        model = ControlNetModel.from_config(json.loads(config_json))
+    return {k: list(v.shape) for k, v in model.state_dict().items()}
 
 
 @app.task(name="stencil.add_controlnet")
