@@ -5,6 +5,10 @@ of the mask-aware controllers' per-block token-wise computations, eager when com
 (ragged packs of masked tokens) and the full forward a different batch: one graph per module shape
 instead of one per token count. Modules are arguments (dynamo inlines them and takes their
 parameters as graph inputs), so same-shaped blocks share a graph and merged LoRA weights are seen.
+A module with an instance ``forward`` (a diffusers hook: the mask-aware controllers' capture hooks
+on K and V) is guarded by that function's identity, so each block would compile anew, and past
+dynamo's recompile limit run eagerly: projections whose fusion serves (``fused_projections``) go in
+as the fused weight and bias instead, one GEMM in one graph for every block of a shape.
 Compilation happens at the first call of each shape; a failure (no C++ compiler, an unsupported
 op) is logged once and that function runs eagerly from then on.
 
@@ -19,8 +23,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
+import torch.nn.functional as F
 
-from workers.fused_projections import project
+from workers.fused_projections import current, project
 
 log = logging.getLogger(__name__)
 
@@ -100,22 +105,71 @@ def text_kv_fused(attn: Any, src: torch.Tensor, passive: Sequence[str] = ()) -> 
     return project((attn.to_k, attn.to_v), src, passive)
 
 
+def norm_then_fused(norm: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    return F.linear(norm(x), weight, bias).split(sizes, dim=-1)
+
+
+def fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    return F.linear(x, weight, bias).split(sizes, dim=-1)
+
+
+class CompiledProjections:
+    """A block's projections of one input under ``torch.compile``: the fused weight as a graph
+    input where the modules' fusion serves (one graph for all blocks of a shape, whatever hooks
+    the modules carry), the modules themselves where it does not (an adapter's terms, a job-by-job
+    step)."""
+
+    def __init__(self, linears: Callable[[Any], tuple[Any, ...]], before: Callable[[Any], Any] | None,
+                 modules: Callable[..., tuple[torch.Tensor, ...]], name: str, mode: str,
+                 passive: Sequence[str]) -> None:
+        self.linears, self.before, self.passive = linears, before, tuple(passive)
+        self.fused = Compiled(fused if before is None else norm_then_fused, name, mode)
+        self.modules = Compiled(modules, name, mode)
+
+    @property
+    def active(self) -> bool:
+        return self.fused.active and self.modules.active
+
+    def __call__(self, owner: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        f = current(self.linears(owner), self.passive)
+        if f is None:
+            return self.modules(owner, x)
+        if self.before is None:
+            return self.fused(x, f.weight, f.bias, f.sizes)
+        return self.fused(self.before(owner), x, f.weight, f.bias, f.sizes)
+
+
 class BlockKernels:
-    """The packed path's token-wise computations, compiled together under one mode. Eager (mode
-    ``off``), a block's projections of one input run as one GEMM where the modules allow it
-    (``passive``: names of the caller's diffusers hooks on them that do nothing in the packed path);
-    compiled, inductor is given the stock modules."""
+    """The packed path's token-wise computations, compiled together under one mode. A block's
+    projections of one input run as one GEMM where the modules allow it (``passive``: names of the
+    caller's diffusers hooks on them that do nothing in the packed path), eager or compiled."""
 
     def __init__(self, mode: str = "off", passive: Sequence[str] = ()) -> None:
         self.mode = check_mode(mode)
-        eager = self.mode == "off"
-        qkv = functools.partial(self_qkv_fused, passive=tuple(passive)) if eager else self_qkv
-        kv = functools.partial(text_kv_fused, passive=tuple(passive)) if eager else text_kv
-        self.self_qkv = Compiled(qkv, "packed self-attention Q/K/V", self.mode)
+        self.self_qkv: Callable[..., tuple[torch.Tensor, ...]]
+        self.text_kv: Callable[..., tuple[torch.Tensor, ...]]
+        if self.mode == "off":
+            self.self_qkv = functools.partial(self_qkv_fused, passive=tuple(passive))
+            self.text_kv = functools.partial(text_kv_fused, passive=tuple(passive))
+        else:
+            self.self_qkv = CompiledProjections(lambda b: (b.attn1.to_q, b.attn1.to_k, b.attn1.to_v),
+                                                lambda b: b.norm1, self_qkv, "packed self-attention Q/K/V",
+                                                self.mode, passive)
+            self.text_kv = CompiledProjections(lambda a: (a.to_k, a.to_v), None, text_kv,
+                                               "packed cross-attention K/V", self.mode, passive)
         self.attn_out = Compiled(attn_out_residual, "packed attention output", self.mode)
         self.cross_q = Compiled(cross_q, "packed cross-attention Q", self.mode)
-        self.text_kv = Compiled(kv, "packed cross-attention K/V", self.mode)
         self.ff = Compiled(ff_residual, "packed feed-forward", self.mode)
 
+    def compiled(self) -> list[Compiled[Any]]:
+        """Every compiled function (to report which fell back to eager)."""
+        out: list[Compiled[Any]] = []
+        for part in vars(self).values():
+            out += [part.fused, part.modules] if isinstance(part, CompiledProjections) else \
+                [part] if isinstance(part, Compiled) else []
+        return out
 
-__all__ = ["BlockKernels", "COMPILE_MODES", "Compiled", "check_mode"]
+
+__all__ = ["BlockKernels", "COMPILE_MODES", "Compiled", "CompiledProjections", "check_mode"]

@@ -132,8 +132,8 @@ def unfuse(model: torch.nn.Module) -> None:
                         p.data = p.data.clone()
 
 
-def _current(linears: Sequence[torch.nn.Linear], passive: Sequence[str]) -> Fused | None:
-    """The fusion serving ``linears`` now, if any."""
+def current(linears: Sequence[torch.nn.Linear], passive: Sequence[str] = ()) -> Fused | None:
+    """The fusion serving ``linears`` now, if any (``passive``: as ``project``'s)."""
     if layout.wanted() or not all(_plain(m, passive) for m in linears):
         return None
     known = linears[0].__dict__.get(_ATTR)
@@ -144,10 +144,10 @@ def project(linears: Sequence[torch.nn.Linear], x: torch.Tensor,
             passive: Sequence[str] = ()) -> tuple[torch.Tensor, ...]:
     """Each module of ``linears`` applied to ``x``: one GEMM where their fusion serves, else one
     each (``passive``: names of the caller's diffusers hooks on them that do nothing in this call)."""
-    fused = _current(linears, passive)
+    fused = current(linears, passive)
     if fused is None:
         return tuple(m(x) for m in linears)
     return tuple(F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1))
 
 
-__all__ = ["Fused", "fuse", "project", "unfuse"]
+__all__ = ["Fused", "current", "fuse", "project", "unfuse"]

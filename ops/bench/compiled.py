@@ -43,7 +43,7 @@ def bench_model(hidden: tuple[int, ...], latent: int, args: Any) -> dict[str, An
     t = torch.tensor([500, 500])
     e = torch.randn(2, 77, unet.config.cross_attention_dim, generator=g)
     ctrl = MaskAwareUNet(unet)
-    eager_k, compiled_k = ctrl.kernels, BlockKernels(args.mode)
+    eager_k, compiled_k = ctrl.kernels, ctrl.block_kernels(args.mode)
     full_c = Compiled(unet, "UNet forward", args.mode)
     out: dict[str, Any] = {"hidden": hidden, "latent": latent,
                            "params_m": sum(p.numel() for p in unet.parameters()) / 1e6}
@@ -74,8 +74,7 @@ def bench_model(hidden: tuple[int, ...], latent: int, args: Any) -> dict[str, An
         masked(compiled_k, args.ratio2)  # another token count: dynamic shapes, no new graph expected
         out["other_ratio_first_call_s"] = time.perf_counter() - start
         out["diff_masked"] = float((got_masked - ref_masked).abs().max())
-        out["eager_fallbacks"] = [c.name for c in (full_c, *vars(compiled_k).values())
-                                  if isinstance(c, Compiled) and c.failed]
+        out["eager_fallbacks"] = [c.name for c in (full_c, *compiled_k.compiled()) if c.failed]
         runs = {"full-eager": lambda: unet(x, t, e, return_dict=False),
                 "full-compiled": lambda: full_c(x, t, e, return_dict=False),
                 "masked-eager": lambda: masked(eager_k, args.ratio),

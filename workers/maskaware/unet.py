@@ -387,7 +387,7 @@ class MaskAwareUNet:
         install_row_aware(unet)
         # STENCIL_COMPILE: the packed path's token-wise layers compiled (workers/compiled.py); eager
         # while per-row adapter layouts are in use (their Python bookkeeping is not graph material).
-        self.kernels = BlockKernels(compile, passive=(_CAPTURE_HOOK,))
+        self.kernels = self.block_kernels(compile)
         self._tls = threading.local()  # one batch context per thread: calls in lockstep run on threads
         cfg = unet.config
         self.num_levels = len(cfg.down_block_types)
@@ -685,6 +685,12 @@ class MaskAwareUNet:
 
         return self._index_memo.get(key, levels, torch.device(device), keep=[grp.token_mask for _g, grp in masked],
                                     ragged=ragged, targets=targets)
+
+    @staticmethod
+    def block_kernels(compile: str) -> BlockKernels:
+        """The packed path's computations under ``compile`` (a ``STENCIL_COMPILE`` mode), knowing
+        this controller's capture hooks do nothing there."""
+        return BlockKernels(compile, passive=(_CAPTURE_HOOK,))
 
     def remove(self) -> None:
         """Uninstall every hook this controller added."""
