@@ -20,7 +20,7 @@ from app.jobs import JobParams
 from app.maskgen import make_mask
 from tests.support.controlnets import save_controlnet
 from tests.support.loras import save_sd_lora
-from tests.support.pipes import controlnet_call, sd_pipe
+from tests.support.pipes import controlnet_call, cpu_bf16_convs, sd_pipe
 from tests.test_controlnet_engine import _control
 from tests.test_lora_engine import SD_DIR, SIZE, World, _image, run_engine
 from tests.test_mixed_sizes import _image as _sized_image
@@ -113,7 +113,12 @@ def test_bf16_mixed_controlnet_batch_equals_diffusers_controlnet_in_bf16(tmp_pat
     nets = {"edges": save_controlnet(fp32_unet, tmp_path / "edges", seed=1),
             "depth": save_controlnet(fp32_unet, tmp_path / "depth", seed=2)}
     cpu = sd_pipe(SD_DIR, BF16)
-    bank = ControlNetBank(lambda i: ControlNetModel.from_pretrained(nets[i], dtype=BF16).eval(), 1 << 30)
+    def load(i: str) -> ControlNetModel:
+        net = ControlNetModel.from_pretrained(nets[i], dtype=BF16).eval()
+        cpu_bf16_convs(net)  # as controlnet_call's (tests/support/pipes.py)
+        return net
+
+    bank = ControlNetBank(load, 1 << 30)
     runner = SDRunner(copy.deepcopy(cpu.unet).eval(), scheduler_config(SD_DIR), controlnets=bank)
     cases = [[("edges", _control(1), 0.8, 0.0, 1.0)],
              [("edges", _control(2), 1.0, 0.0, 0.6), ("depth", _control(3), 0.5, 0.2, 1.0)],
@@ -177,6 +182,7 @@ def test_bf16_flux_mixed_adapter_batch_equals_diffusers_lora_in_bf16(tmp_path: P
     def flux_pipe(dtype: torch.dtype) -> FluxFillPipeline:
         pipe = FluxFillPipeline.from_pretrained(FLUX_DIR, dtype=dtype)
         pipe.set_progress_bar_config(disable=True)
+        cpu_bf16_convs(pipe.vae)
         return pipe
 
     maker = flux_pipe(torch.float32)  # PEFT leaves its wrappers in a model it trained an adapter on

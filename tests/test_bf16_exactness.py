@@ -18,6 +18,7 @@ from PIL import Image
 
 from app.jobs import JobParams
 from app.maskgen import make_mask
+from tests.support.pipes import cpu_bf16_convs
 from tests.test_lora_engine import FLUX_DIR, SD_DIR, run_engine
 from workers.maskaware.activation_store import TemplateCacheKey
 from workers.models.loader import (
@@ -85,6 +86,7 @@ class Service:
             unet = load_unet(folder, device, dtype)
             self.runner = SDRunner(unet, scheduler_config(folder), device, maskaware=MaskAwareUNet(unet), **cache)
         self.model = self.runner.transformer if family == "flux" else self.runner.unet
+        cpu_bf16_convs(self.cpu.vae, self.model)
         assert self.model.dtype == dtype
 
     def prepare(self, params: JobParams, **meta: object) -> tuple[dict, dict]:
@@ -127,6 +129,7 @@ class Service:
                 dtype=self.dtype)
         pipe.set_progress_bar_config(disable=True)
         pipe.to(self.device)
+        cpu_bf16_convs(pipe.vae, pipe.transformer if self.family == "flux" else pipe.unet)
         out = pipe(prompt=params.prompt, image=_image(params.seed), mask_image=_mask(params.seed),
                    num_inference_steps=params.steps, guidance_scale=params.guidance, height=SIZE, width=SIZE,
                    generator=torch.Generator("cpu").manual_seed(params.seed), **kwargs).images[0]
