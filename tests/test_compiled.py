@@ -12,6 +12,7 @@ import torch
 
 from ops.bench.harness.models import build_flux, build_sd_unet, job_masks
 from workers.compiled import BlockKernels, Compiled, check_mode
+from workers.fused_projections import unfuse
 from workers.maskaware.flux import MaskAwareFlux
 from workers.maskaware.flux import RowGroup as FluxRowGroup
 from workers.maskaware.unet import MaskAwareUNet, RowGroup
@@ -48,6 +49,15 @@ def test_compiled_packed_unet_step_equals_eager() -> None:
     assert all(c.active for c in compiled.compiled()), "compilation fell back to eager"
     assert graphs > before, "the compiled kernels never ran"
     assert counters["stats"]["unique_graphs"] == graphs, "a new token count recompiled"
+    unfuse(unet)  # the fusion no longer serves: the projections run as the (hooked) modules, eagerly
+    with torch.no_grad():
+        outs = []
+        for kernels in (BlockKernels("off"), compiled):
+            ctrl.kernels = kernels
+            with ctrl.batch([RowGroup(2, "masked", token_mask=mask, cache=cache)]):
+                outs.append(unet(x, t, e, return_dict=False)[0])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == graphs, "the unfused projections were compiled"
     ctrl.remove()
 
 

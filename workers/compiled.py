@@ -118,19 +118,19 @@ def fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 class CompiledProjections:
     """A block's projections of one input under ``torch.compile``: the fused weight as a graph
     input where the modules' fusion serves (one graph for all blocks of a shape, whatever hooks
-    the modules carry), the modules themselves where it does not (an adapter's terms, a job-by-job
-    step)."""
+    the modules carry). Where it does not (an adapter's terms, a merged set's own weights), the
+    modules run eagerly: compiled, their hooks would make a graph per block."""
 
     def __init__(self, linears: Callable[[Any], tuple[Any, ...]], before: Callable[[Any], Any] | None,
                  modules: Callable[..., tuple[torch.Tensor, ...]], name: str, mode: str,
                  passive: Sequence[str]) -> None:
         self.linears, self.before, self.passive = linears, before, tuple(passive)
         self.fused = Compiled(fused if before is None else norm_then_fused, name, mode)
-        self.modules = Compiled(modules, name, mode)
+        self.modules = modules
 
     @property
     def active(self) -> bool:
-        return self.fused.active and self.modules.active
+        return self.fused.active
 
     def __call__(self, owner: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         f = current(self.linears(owner), self.passive)
@@ -167,7 +167,7 @@ class BlockKernels:
         """Every compiled function (to report which fell back to eager)."""
         out: list[Compiled[Any]] = []
         for part in vars(self).values():
-            out += [part.fused, part.modules] if isinstance(part, CompiledProjections) else \
+            out += [part.fused] if isinstance(part, CompiledProjections) else \
                 [part] if isinstance(part, Compiled) else []
         return out
 
