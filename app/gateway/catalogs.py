@@ -10,6 +10,7 @@ its own, so a feeder that dies between submitting a row and advancing past it su
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import UploadFile
+from redis.exceptions import LockError
 
 from app.catalog import Manifest
 from app.client_base import content_id
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 
 CATALOG_PREFIX = "stencil:catalog:"
 ACTIVE_KEY = "stencil:catalogs:active"
+FEED_LOCK_PREFIX = "stencil:catalogs:feeding:"
 MAX_ROWS = 100_000
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 TERMINAL = ("done", "failed", "cancelled", "expired")
@@ -152,7 +155,21 @@ def create(gw: Gateway, tenant: str, prepared: Prepared) -> str:
 
 
 def feed(gw: Gateway, catalog_id: str) -> int:
-    """Submit the catalog's next rows while its tenant's quota allows; returns how many."""
+    """Submit the catalog's next rows while its tenant's quota allows; returns how many. One feeder
+    per catalog at a time (the request that created it, every gateway's background loop): a lock in
+    Redis, so that what a request reports after its feed includes what another feeder submitted
+    meanwhile, and two feeders never take each other's quota for the same row."""
+    lock = gw.redis.lock(FEED_LOCK_PREFIX + catalog_id, timeout=120, blocking_timeout=10)
+    if not lock.acquire():
+        return 0  # another feeder is at it; the background loop comes back
+    try:
+        return _feed(gw, catalog_id)
+    finally:
+        with contextlib.suppress(LockError):  # held past its timeout: another feeder may have it now
+            lock.release()
+
+
+def _feed(gw: Gateway, catalog_id: str) -> int:
     k = keys(catalog_id)
     meta = {a.decode(): b.decode() for a, b in gw.redis.hgetall(k["meta"]).items()}
     if not meta:
