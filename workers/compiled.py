@@ -72,12 +72,6 @@ class Compiled(Generic[R]):
 # Same submodules and op order as diffusers' BasicTransformerBlock.forward (norm_type layer_norm).
 
 
-def self_qkv(blk: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n1 = blk.norm1(x)
-    a1 = blk.attn1
-    return a1.to_q(n1), a1.to_k(n1), a1.to_v(n1)
-
-
 def attn_out_residual(attn: Any, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return attn.to_out[1](attn.to_out[0](o)) / attn.rescale_output_factor + x
 
@@ -86,22 +80,19 @@ def cross_q(blk: Any, x: torch.Tensor) -> torch.Tensor:
     return blk.attn2.to_q(blk.norm2(x))
 
 
-def text_kv(attn: Any, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return attn.to_k(src), attn.to_v(src)
-
-
 def ff_residual(blk: Any, x: torch.Tensor) -> torch.Tensor:
     return blk.ff(blk.norm3(x)) + x
 
 
 def self_qkv_fused(blk: Any, x: torch.Tensor, passive: Sequence[str] = ()) -> tuple[torch.Tensor, ...]:
-    """``self_qkv`` as one GEMM (``workers/fused_projections.py``)."""
+    """Self-attention's Q, K and V of ``norm1(x)``, one GEMM where the fusion serves
+    (``workers/fused_projections.py``)."""
     a1 = blk.attn1
     return project((a1.to_q, a1.to_k, a1.to_v), blk.norm1(x), passive)
 
 
 def text_kv_fused(attn: Any, src: torch.Tensor, passive: Sequence[str] = ()) -> tuple[torch.Tensor, ...]:
-    """``text_kv`` as one GEMM (``workers/fused_projections.py``)."""
+    """Cross-attention's K and V of the text, one GEMM where the fusion serves."""
     return project((attn.to_k, attn.to_v), src, passive)
 
 
@@ -122,11 +113,10 @@ class CompiledProjections:
     modules run eagerly: compiled, their hooks would make a graph per block."""
 
     def __init__(self, linears: Callable[[Any], tuple[Any, ...]], before: Callable[[Any], Any] | None,
-                 modules: Callable[..., tuple[torch.Tensor, ...]], name: str, mode: str,
+                 eager: Callable[..., tuple[torch.Tensor, ...]], name: str, mode: str,
                  passive: Sequence[str]) -> None:
-        self.linears, self.before, self.passive = linears, before, tuple(passive)
+        self.linears, self.before, self.passive, self.eager = linears, before, tuple(passive), eager
         self.fused = Compiled(fused if before is None else norm_then_fused, name, mode)
-        self.modules = modules
 
     @property
     def active(self) -> bool:
@@ -135,7 +125,7 @@ class CompiledProjections:
     def __call__(self, owner: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         f = current(self.linears(owner), self.passive)
         if f is None:
-            return self.modules(owner, x)
+            return self.eager(owner, x)
         if self.before is None:
             return self.fused(x, f.weight, f.bias, f.sizes)
         return self.fused(self.before(owner), x, f.weight, f.bias, f.sizes)
@@ -150,14 +140,13 @@ class BlockKernels:
         self.mode = check_mode(mode)
         self.self_qkv: Callable[..., tuple[torch.Tensor, ...]]
         self.text_kv: Callable[..., tuple[torch.Tensor, ...]]
-        if self.mode == "off":
-            self.self_qkv = functools.partial(self_qkv_fused, passive=tuple(passive))
-            self.text_kv = functools.partial(text_kv_fused, passive=tuple(passive))
-        else:
+        self.self_qkv = functools.partial(self_qkv_fused, passive=tuple(passive))
+        self.text_kv = functools.partial(text_kv_fused, passive=tuple(passive))
+        if self.mode != "off":
             self.self_qkv = CompiledProjections(lambda b: (b.attn1.to_q, b.attn1.to_k, b.attn1.to_v),
-                                                lambda b: b.norm1, self_qkv, "packed self-attention Q/K/V",
+                                                lambda b: b.norm1, self.self_qkv, "packed self-attention Q/K/V",
                                                 self.mode, passive)
-            self.text_kv = CompiledProjections(lambda a: (a.to_k, a.to_v), None, text_kv,
+            self.text_kv = CompiledProjections(lambda a: (a.to_k, a.to_v), None, self.text_kv,
                                                "packed cross-attention K/V", self.mode, passive)
         self.attn_out = Compiled(attn_out_residual, "packed attention output", self.mode)
         self.cross_q = Compiled(cross_q, "packed cross-attention Q", self.mode)
