@@ -172,23 +172,28 @@ def counted_steps(runner, batch: list, steps: int) -> list[DispatchCounter]:  # 
     return counts
 
 
-def test_steady_masked_flux_forward_has_no_host_sync_and_few_operators() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_steady_masked_flux_forward_has_no_host_sync_and_few_operators(dtype: torch.dtype) -> None:
     """The trained Flux Fill at its default (roped) cache layout: a prepared mask at ratio 0.2 and a
-    staged cache (what the engine hands the model), zero sync operators, operators within 1.1x of
-    the same call in full."""
+    staged cache (what the engine hands the model), zero sync operators, operators (views included)
+    within 1.1x of the stock forward's. In half precision RoPE takes diffusers' real-table
+    arithmetic rather than the complex multiply (it must round as the stock forward does)."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
     from workers.maskaware.flux import MaskAwareFlux
     from workers.maskaware.flux import RowGroup as FluxGroup
 
-    tr = FluxTransformer2DModel.from_pretrained(TRAINED_DIR / "tiny-flux-fill-trained", subfolder="transformer").eval()
+    tr = FluxTransformer2DModel.from_pretrained(TRAINED_DIR / "tiny-flux-fill-trained", subfolder="transformer")
+    tr = tr.to(dtype).eval()
     ctrl = MaskAwareFlux(tr)
     cfg, h, w = tr.config, 16, 16
     g = torch.Generator().manual_seed(0)
-    kw = dict(hidden_states=torch.randn(1, h * w, cfg.in_channels, generator=g),
-              encoder_hidden_states=torch.randn(1, 8, cfg.joint_attention_dim, generator=g),
-              pooled_projections=torch.randn(1, cfg.pooled_projection_dim, generator=g), timestep=torch.tensor([0.5]),
-              img_ids=FluxPipeline._prepare_latent_image_ids(1, h, w, "cpu", torch.float32), txt_ids=torch.zeros(8, 3),
+    kw = dict(hidden_states=torch.randn(1, h * w, cfg.in_channels, generator=g).to(dtype),
+              encoder_hidden_states=torch.randn(1, 8, cfg.joint_attention_dim, generator=g).to(dtype),
+              pooled_projections=torch.randn(1, cfg.pooled_projection_dim, generator=g).to(dtype),
+              timestep=torch.tensor([0.5], dtype=dtype),
+              img_ids=FluxPipeline._prepare_latent_image_ids(1, h, w, "cpu", dtype),
+              txt_ids=torch.zeros(8, 3, dtype=dtype),
               guidance=torch.tensor([30.0]))
     with torch.no_grad():
         with ctrl.batch([FluxGroup(1, "record")]) as ctx:
@@ -196,14 +201,12 @@ def test_steady_masked_flux_forward_has_no_host_sync_and_few_operators() -> None
         cache = ctx.recorded[0]
         mask = ctrl.prepared(ctrl.token_mask(blob_mask(h * 16, w * 16, 0.2, seed=2)), "cpu")
         assert 0 < mask.m < h * w
-        counts = {}
-        for mode in ("full", "masked"):
-            counts[mode] = DispatchCounter()
-            staged = CacheStager("cpu").take("j", 0, cache)  # as the engine hands a step its cache
-            group = FluxGroup(1, "full") if mode == "full" else FluxGroup(1, "masked", token_mask=mask, cache=staged)
-            with counts[mode], ctrl.batch([group]):
-                tr(**kw)
-    full, masked = counts["full"], counts["masked"]
+        staged = CacheStager("cpu").take("j", 0, cache)  # as the engine hands a step its cache
+        full, masked = DispatchCounter(), DispatchCounter()
+        with full:  # the stock forward
+            tr(**kw)
+        with masked, ctrl.batch([FluxGroup(1, "masked", token_mask=mask, cache=staged)]):
+            tr(**kw)
     assert masked.syncs == {} and full.syncs == {}, masked.syncs
     assert masked.total <= OPS_BOUND * full.total, (masked.total, full.total)
     assert masked.kernels <= OPS_BOUND * full.kernels, (masked.kernels, full.kernels)

@@ -70,14 +70,15 @@ Design notes
   pitfall of naive batching, DESIGN 7).
 - ``kv_format="roped"`` (the default) caches K after qk-norm + RoPE (same bytes; the cache is keyed
   by model and resolution anyway), so no cached key is normed and rotated again at every block and
-  job: that was the main fixed cost at small ratios (docs/bench/maskaware_flux.md), and on the CPU
-  it adds 11 operators per block to a masked step against 4 with ``roped`` (a 57-block Flux step:
-  about 1.23x the full step's operators against 1.09x; ``tests/test_host_syncs.py``). ``raw``
-  (DESIGN 2's layout) stays available for comparison. ``cache_layout`` names it in the cache key.
-- RoPE is one complex multiply (Flux rotates (even, odd) channel pairs), one pass instead of
-  diffusers' five; the single blocks write attention output and MLP activations straight into
-  proj_out's input (no concatenation). These make the packed path at ratio 1 slightly cheaper
-  than the stock forward; docs/bench/maskaware_flux.md reports speedups against both.
+  job: that was the main fixed cost at small ratios (docs/bench/maskaware_flux.md), and ``raw`` adds
+  to each block of a masked step the norm and rotation of every key. ``raw`` (DESIGN 2's layout)
+  stays available for comparison. ``cache_layout`` names it in the cache key.
+- RoPE in float32 is one complex multiply (Flux rotates (even, odd) channel pairs), one pass instead
+  of diffusers' five; in half precision it is diffusers' arithmetic (it must round as the stock
+  forward does) on [S, H, hd] with tables shaped once per call (``_rope``). The single blocks write
+  attention output and MLP activations straight into proj_out's input (no concatenation). These
+  make the packed path at ratio 1 slightly cheaper than the stock forward;
+  docs/bench/maskaware_flux.md reports speedups against both.
   Masked-token outputs match full compute to ~1e-6 (float summation order), not bit for bit.
 """
 
@@ -94,7 +95,6 @@ import torch
 from diffusers import FluxTransformer2DModel
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
 from app.storage.hostcache import to_device
@@ -230,8 +230,10 @@ class _Row:
 
 @dataclass
 class _Rot:
-    """RoPE at one set of token positions: cos/sin [S, hd]; ``freqs`` complex64 [S, 1, hd/2] (the same
-    rotation as one complex multiply) or None when cos/sin are not pairwise repeated."""
+    """RoPE at one set of token positions: cos/sin [S, 1, hd] (broadcast over the heads of an
+    [S, H, hd] tensor, shaped once per call rather than at every rotation); ``freqs`` complex64
+    [S, 1, hd/2] (the same rotation as one complex multiply) or None when cos/sin are not pairwise
+    repeated."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -360,7 +362,7 @@ class _Plan:
             if isinstance(pos, torch.Tensor):
                 pos = pos.to(rope[0].device)
             freqs = None if self._rot_all is None else self._rot_all[pos]
-            r = self._rots[key] = _Rot(rope[0][pos], rope[1][pos], freqs)
+            r = self._rots[key] = _Rot(rope[0][pos][:, None], rope[1][pos][:, None], freqs)
         return r
 
     def row_rot(self, rope: tuple[torch.Tensor, torch.Tensor], row: _Row) -> _Rot:
@@ -532,12 +534,15 @@ def fuse_projections(model: torch.nn.Module) -> None:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """diffusers' Flux RoPE on x [..., S, H, hd] with per-token cos/sin [S, hd]."""
+    """diffusers' Flux RoPE (``apply_rotary_emb``, real tables, (even, odd) pairs) on x [S, H, hd] with
+    cos/sin [S, 1, hd]: the same operations in the same order, so it rounds as the stock forward does
+    in half precision, without the batch axis that diffusers' function takes and gives back (four
+    operators fewer per call, two calls per block; ``tests/test_flux_rope.py``)."""
     if x.numel() == 0:
         return x
-    if x.ndim == 3:
-        return apply_rotary_emb(x[None], (cos, sin), sequence_dim=1)[0]
-    return apply_rotary_emb(x, (cos, sin), sequence_dim=1)
+    x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(2)
+    return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, rot: _Rot) -> torch.Tensor:
