@@ -92,6 +92,49 @@ def test_a_packed_step_is_staged_from_one_buffer_and_equals_its_tensors() -> Non
     assert all(torch.equal(on_cpu[0][n], alone[0][n]) for n in alone[0])
 
 
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("with_delta", [False, True])
+@pytest.mark.parametrize("burst", [False, True])
+def test_packed_steps_of_several_jobs_decode_each_tensor_once_for_every_job(
+        shared: bool, with_delta: bool, burst: bool) -> None:
+    """Jobs at different steps, or all at one template step (``burst``; a GPU host's tier keeps
+    each step in one buffer, ``pack``): each different buffer goes to the device with one copy,
+    then one kernel decodes a tensor for every job (int8: dequantizing), not one per job; the
+    values equal decoding each job's step alone."""
+    jobs = 4
+    steps = [_step(0 if burst else s, shared) for s in range(jobs)]
+    packs = [pack(st.stored, pin=False) for st in steps[:1 if burst else jobs]]
+    packed = [cache_codec.DecodedStep(packs[0 if burst else i], torch.bfloat16, None, 2) for i in range(jobs)]
+    deltas = [{k: torch.randn(2, *cache_codec.decoded_shape(v, 2)[1:], dtype=torch.bfloat16,
+                              generator=torch.Generator().manual_seed(9 + i)) for k, v in st.stored.items()}
+              if with_delta and i % 2 else None for i, st in enumerate(steps)]
+    counter = DispatchCounter()
+    with counter:
+        CacheStager("meta").stage_batch(list(zip(packed, deltas)))  # another device: what a GPU host issues
+    tensors = len(steps[0].stored)
+    sixteen_bit = tensors - sum(1 for n in steps[0].stored if cache_codec.is_kv(n))  # decoded by a copy
+    assert counter.ops["aten.copy_.default"] == len(packs) + sixteen_bit, counter.ops  # + one copy per buffer
+    assert counter.kernels <= len(packs) + tensors + with_delta, (counter.kernels, len(packs) + tensors)
+    staged, _event = CacheStager("cpu").stage_batch(list(zip(packed, deltas)))
+    for out, st, d in zip(staged, steps, deltas):
+        for name, src in st.stored.items():
+            want = cache_codec.decode_tensor(src, torch.bfloat16, None, 2)
+            if d is not None:
+                want = d[name] + want.to(d[name])
+            assert torch.equal(out[name], want), name
+
+
+def test_packed_steps_with_one_step_read_twice_decode_job_by_job() -> None:
+    """A step read by two of the jobs (a burst beside other jobs) is decoded once and broadcast;
+    the others job by job: the values still equal staging each job alone."""
+    steps = [cache_codec.DecodedStep(pack(_step(s, True).stored, pin=False), torch.bfloat16, None, 2) for s in (0, 1)]
+    items = [(steps[0], None), (steps[0], None), (steps[1], None)]
+    staged, _event = CacheStager("cpu").stage_batch(items)
+    for got, (cache, _delta) in zip(staged, items):
+        alone = CacheStager("cpu").stage(cache)[0]
+        assert all(torch.equal(got[n], alone[n]) for n in alone)
+
+
 def test_a_step_staged_ahead_with_an_offset_a_refresh_replaced_is_staged_again() -> None:
     """A job's next step staged ahead with its offset, then a refresh made a new one: taking the
     step must add the new offset, not hand over the copy made with the old one (even where the

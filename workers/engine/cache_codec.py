@@ -194,6 +194,20 @@ def decode_into(out: torch.Tensor, t: torch.Tensor, rows: int = 0) -> torch.Tens
     return out.copy_(expand_rows(t, rows), non_blocking=True)
 
 
+def decode_jobs_into(out: torch.Tensor, t: torch.Tensor, rows: int = 0) -> torch.Tensor:
+    """``decode_into`` for several jobs' tensors of one layout at once: ``t`` ``[jobs, *stored]``
+    on ``out``'s device (a strided view across the jobs' step buffers), ``out`` ``[jobs,
+    *decoded]``; one kernel for every job (int8: dequantizing; 16 bits: a converting copy), the
+    values of decoding each job's tensor alone, bit for bit."""
+    shared = rows > 1 and t.shape[1] == 1
+    if t.dtype == torch.int8:
+        q, scale = _quantized_parts(t)
+        if shared:
+            q, scale = q.expand(-1, rows, *q.shape[2:]), scale.expand(-1, rows, *scale.shape[2:])
+        return torch.mul(q, scale, out=out)
+    return out.copy_(t.expand(-1, rows, *t.shape[2:]) if shared else t)
+
+
 def decoded_shape(t: torch.Tensor, rows: int = 0) -> tuple[int, ...]:
     """The shape ``decode_tensor`` gives a stored tensor (int8: without its scale rows; a shared
     row: ``rows`` rows)."""
@@ -274,6 +288,6 @@ def stored_nbytes(shape: tuple[int, ...], name: str, codec: str, shared: bool = 
     raise ValueError(f"unknown cache codec {codec!r}")
 
 
-__all__ = ["CODECS", "DecodedStep", "check_codec", "decode_tensor", "decoded", "decoded_shape", "dequantize", "encode",
-           "encode_tensor", "expand_rows", "is_kv", "is_shared", "needs_decode", "quantize", "rows_equal", "share_rows",
-           "stored_nbytes"]
+__all__ = ["CODECS", "DecodedStep", "check_codec", "decode_jobs_into", "decode_tensor", "decoded", "decoded_shape",
+           "dequantize", "encode", "encode_tensor", "expand_rows", "is_kv", "is_shared", "needs_decode", "quantize",
+           "rows_equal", "share_rows", "stored_nbytes"]

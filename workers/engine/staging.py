@@ -20,7 +20,10 @@ Batch-wide: the masked jobs of a step are staged together (``stage_batch``, ``ah
 ``take_batch``) into one buffer laid out name-major: for each cached tensor, the rows of every job
 one after another. A tensor of several adjacent jobs is then one ``[rows, N, C]`` slab, so the
 model writes every job's fresh tokens with one scatter and runs one attention call for jobs of
-equal token counts (``MaskAwareUNet``), instead of a few kernels per job and block.
+equal token counts (``MaskAwareUNet``), instead of a few kernels per job and block. Where the
+jobs' steps are packed buffers of one layout (a GPU host's tier, ``pack``), the buffers go side by
+side into one device buffer and each tensor is decoded for every job by one kernel (``_stacked``):
+a step's staging issues a copy per job and a kernel per cached tensor, not one per tensor and job.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 from workers.engine import cache_codec
 
 Layout = tuple[tuple[str, int, tuple[int, ...]], ...]
+Stored = tuple[Mapping[str, torch.Tensor], "torch.dtype | None", int]  # a step's stored tensors, dtype, rows
 _ALIGN = 64  # bytes: every packed tensor starts at a multiple (any dtype's view, vectorised copies)
 
 
@@ -249,29 +253,23 @@ class CacheStager:
             staged = [StagedCache.over(flat, tuple(layouts[k]), row0s[k]) for k in range(len(members))]
             for k, i in enumerate(members):
                 outs[i] = staged[k]
+            stacked = _stacked(self.device, [views[i][0] for i in members])
+            if stacked is not None:  # steps of one layout: each tensor of every job in one kernel
+                rows = views[members[0]][0][2]
+                for j, (name, shape) in enumerate(named):
+                    slab = flat.narrow(0, layouts[0][j][1], len(members) * _numel(shape)).view(len(members), *shape)
+                    cache_codec.decode_jobs_into(slab, stacked[name], rows)
+            else:
+                self._decode_each([views[i][0] for i in members], named, layouts, staged, flat)
             offset_views: list[torch.Tensor] = []
             offsets: list[torch.Tensor] = []
-            sources: dict[int, Mapping[str, torch.Tensor]] = {}  # each packed step on the device, once
-            for i in members:
-                stored = views[i][0][0]
-                if isinstance(stored, PackedStep) and stored.buffer.device != self.device and id(stored) not in sources:
-                    sources[id(stored)] = stored.on(self.device)
-            for j, (name, shape) in enumerate(named):
-                first = 0  # the run of adjacent jobs reading one stored tensor begins here
-                for k, i in enumerate(members):
-                    (stored, _dtype, rows), delta = views[i]
-                    src = stored[name]
-                    before = views[members[k - 1]][0] if k else None
-                    if before is None or before[0][name] is not src or before[2] != rows:
-                        _broadcast(flat, layouts[first][j][1], _numel(shape), k - first)
-                        first = k
-                        src = sources.get(id(stored), stored)[name]
-                        cache_codec.decode_into(staged[k][name], src, rows)  # int8: the copy and one kernel
-                    d = delta.get(name) if delta else None
+            for k, i in enumerate(members):
+                delta = views[i][1]
+                for name, _shape in named if delta else ():
+                    d = delta.get(name)  # type: ignore[union-attr]
                     if d is not None:
                         offset_views.append(staged[k][name])
                         offsets.append(d)
-                _broadcast(flat, layouts[first][j][1], _numel(shape), len(members) - first)
             same = [(v, d) for v, d in zip(offset_views, offsets) if d.dtype == v.dtype]
             if same:  # the jobs' offsets (``OffsetCache``'s d + t, bit for bit) in one multi-tensor op
                 torch._foreach_add_([v for v, _ in same], [d for _, d in same])
@@ -279,6 +277,27 @@ class CacheStager:
                 if d.dtype != view.dtype:
                     torch.add(d, view.to(d), out=view)
         return outs  # type: ignore[return-value]
+
+    def _decode_each(self, stored: list[Stored], named: tuple[tuple[str, tuple[int, ...]], ...],
+                     layouts: list[list[tuple[str, int, tuple[int, ...]]]], staged: list[StagedCache],
+                     flat: torch.Tensor) -> None:
+        """Each job's stored tensors into its slots, job by job; adjacent jobs reading one stored
+        tensor decode it once and broadcast it (``_writable_batch``)."""
+        sources: dict[int, Mapping[str, torch.Tensor]] = {}  # each packed step on the device, once
+        for step, _dtype, _rows in stored:
+            if isinstance(step, PackedStep) and step.buffer.device != self.device and id(step) not in sources:
+                sources[id(step)] = step.on(self.device)
+        for j, (name, shape) in enumerate(named):
+            first = 0  # the run of adjacent jobs reading one stored tensor begins here
+            for k, (step, _dtype, rows) in enumerate(stored):
+                src = step[name]
+                before = stored[k - 1] if k else None
+                if before is None or before[0][name] is not src or before[2] != rows:
+                    _broadcast(flat, layouts[first][j][1], _numel(shape), k - first)
+                    first = k
+                    src = sources.get(id(step), step)[name]
+                    cache_codec.decode_into(staged[k][name], src, rows)  # int8: the copy and one kernel
+            _broadcast(flat, layouts[first][j][1], _numel(shape), len(stored) - first)
 
     def ahead_batch(self, entries: Sequence[tuple[str, int, Mapping[str, torch.Tensor],
                                                   Mapping[str, torch.Tensor] | None]]) -> None:
@@ -329,6 +348,34 @@ class CacheStager:
     def reset(self) -> None:
         """Drop what was staged ahead and not taken (jobs that left the batch)."""
         self._ahead.clear()
+
+
+def _stacked(device: torch.device, stored: Sequence[Stored]) -> dict[str, torch.Tensor] | None:
+    """Several jobs' steps as one strided view per tensor, ``[jobs, *stored shape]``, so that one
+    kernel decodes a tensor for every job (``cache_codec.decode_jobs_into``): packed steps of one
+    layout, either all different (jobs at different steps, or of different templates of one model
+    and size: their buffers copied into one device buffer, a row per job) or all the same one (a
+    burst of edits of one template: its buffer copied once and read by every job). None where the
+    steps do not qualify (one job; some steps read by several jobs and some not, which are
+    decoded job by job; another layout or row count; tensors that are not one packed buffer)."""
+    if len(stored) < 2:
+        return None
+    first, _dtype, rows = stored[0]
+    if not isinstance(first, PackedStep):
+        return None
+    unique: dict[int, PackedStep] = {}
+    for step, _dtype, step_rows in stored:
+        if (not isinstance(step, PackedStep) or step_rows != rows or step.buffer.shape != first.buffer.shape
+                or step.places != first.places):
+            return None
+        unique.setdefault(id(step), step)
+    if len(unique) not in (1, len(stored)):
+        return None
+    raw = torch.empty((len(unique), first.buffer.shape[0]), dtype=torch.uint8, device=device)
+    for row, step in zip(raw, unique.values()):
+        row.copy_(step.buffer, non_blocking=True)  # asynchronous from pinned memory
+    return {name: raw[:, offset:offset + nbytes].view(dtype).view(len(unique), *shape).expand(len(stored), *shape)
+            for name, (offset, nbytes, dtype, shape) in first.places.items()}
 
 
 def _on_device(stored: Mapping[str, torch.Tensor]) -> bool:
