@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers.models.embeddings import FluxPosEmbed, apply_rotary_emb
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 
 from workers.maskaware.flux import _rope
 

@@ -146,8 +146,8 @@ def _quantized_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     packed = t[..., -SCALE_ROWS:, :].reshape(*t.shape[:-2], 1, SCALE_ROWS * c)
     try:
         scale = packed.view(torch.float32)
-    except RuntimeError:  # not 4-byte aligned or not contiguous along the channels
-        scale = packed.contiguous().view(torch.float32)
+    except RuntimeError:  # not 4-byte aligned or not contiguous along the channels: a fresh copy is
+        scale = packed.clone(memory_format=torch.contiguous_format).view(torch.float32)  # (contiguous() may not copy)
     return t[..., :-SCALE_ROWS, :], scale
 
 

@@ -253,14 +253,9 @@ class CacheStager:
             staged = [StagedCache.over(flat, tuple(layouts[k]), row0s[k]) for k in range(len(members))]
             for k, i in enumerate(members):
                 outs[i] = staged[k]
-            stacked = _stacked(self.device, [views[i][0] for i in members])
-            if stacked is not None:  # steps of one layout: each tensor of every job in one kernel
-                rows = views[members[0]][0][2]
-                for j, (name, shape) in enumerate(named):
-                    slab = flat.narrow(0, layouts[0][j][1], len(members) * _numel(shape)).view(len(members), *shape)
-                    cache_codec.decode_jobs_into(slab, stacked[name], rows)
-            else:
-                self._decode_each([views[i][0] for i in members], named, layouts, staged, flat)
+            stored = [views[i][0] for i in members]
+            if not self._decode_stacked(stored, named, layouts, flat):
+                self._decode_each(stored, named, layouts, staged, flat)
             offset_views: list[torch.Tensor] = []
             offsets: list[torch.Tensor] = []
             for k, i in enumerate(members):
@@ -277,6 +272,19 @@ class CacheStager:
                 if d.dtype != view.dtype:
                     torch.add(d, view.to(d), out=view)
         return outs  # type: ignore[return-value]
+
+    def _decode_stacked(self, stored: list[Stored], named: tuple[tuple[str, tuple[int, ...]], ...],
+                        layouts: list[list[tuple[str, int, tuple[int, ...]]]], flat: torch.Tensor) -> bool:
+        """Every job's stored tensors into their slots, a tensor for every job by one kernel, where
+        the steps allow it (``_stacked``); False where they do not. (A function of its own: the
+        jobs' device buffer is freed on return, before another layout's is allocated.)"""
+        stacked = _stacked(self.device, stored)
+        if stacked is None:
+            return False
+        for j, (name, shape) in enumerate(named):
+            slab = flat.narrow(0, layouts[0][j][1], len(stored) * _numel(shape)).view(len(stored), *shape)
+            cache_codec.decode_jobs_into(slab, stacked[name], stored[0][2])
+        return True
 
     def _decode_each(self, stored: list[Stored], named: tuple[tuple[str, tuple[int, ...]], ...],
                      layouts: list[list[tuple[str, int, tuple[int, ...]]]], staged: list[StagedCache],
