@@ -26,15 +26,30 @@ def _step(seed: int, shared: bool) -> cache_codec.DecodedStep:
     return cache_codec.DecodedStep(stored, torch.bfloat16, None, 2)
 
 
+def _offsets(step: cache_codec.DecodedStep, seed: int) -> dict[str, torch.Tensor]:
+    """A job's offset for every tensor of ``step`` (bfloat16, the decoded shapes)."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(2, *cache_codec.decoded_shape(v, 2)[1:], dtype=torch.bfloat16, generator=g)
+            for k, v in step.stored.items()}
+
+
+def _assert_decoded(staged: list, steps: list[cache_codec.DecodedStep], deltas: list) -> None:  # type: ignore[type-arg]
+    """Each job's staged tensors equal ``decode_tensor`` of its step plus its offset, bit for bit."""
+    for out, st, d in zip(staged, steps, deltas):
+        for name, src in st.stored.items():
+            want = cache_codec.decode_tensor(src, torch.bfloat16, None, 2)
+            if d is not None:
+                want = d[name] + want.to(d[name])
+            assert torch.equal(out[name], want), name
+
+
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("with_delta", [False, True])
 def test_staging_int8_caches_costs_a_copy_and_one_kernel_per_tensor_and_equals_decoding(
         shared: bool, with_delta: bool) -> None:
     jobs = 3
     steps = [_step(s, shared) for s in range(jobs)]
-    deltas = [{k: torch.randn(2, *cache_codec.decoded_shape(v, 2)[1:], dtype=torch.bfloat16,
-                              generator=torch.Generator().manual_seed(9 + i)) for k, v in st.stored.items()}
-              if with_delta else None for i, st in enumerate(steps)]
+    deltas = [_offsets(st, 9 + i) if with_delta else None for i, st in enumerate(steps)]
     counter = DispatchCounter()
     with counter:
         staged, _event = CacheStager("cpu").stage_batch(list(zip(steps, deltas)))
@@ -43,12 +58,7 @@ def test_staging_int8_caches_costs_a_copy_and_one_kernel_per_tensor_and_equals_d
     per_job = 2 * kv + other  # the copy, and dequantizing for int8
     # + one multi-tensor add of every job's offsets (the buffer's allocation launches no kernel)
     assert counter.kernels <= jobs * per_job + with_delta, (counter.kernels, jobs * per_job)
-    for out, st, d in zip(staged, steps, deltas):
-        for name, src in st.stored.items():
-            want = cache_codec.decode_tensor(src, torch.bfloat16, None, 2)
-            if d is not None:
-                want = d[name] + want.to(d[name])
-            assert torch.equal(out[name], want), name
+    _assert_decoded(staged, steps, deltas)
 
 
 def test_jobs_reading_one_template_step_decode_it_once() -> None:
@@ -105,9 +115,7 @@ def test_packed_steps_of_several_jobs_decode_each_tensor_once_for_every_job(
     steps = [_step(0 if burst else s, shared) for s in range(jobs)]
     packs = [pack(st.stored, pin=False) for st in steps[:1 if burst else jobs]]
     packed = [cache_codec.DecodedStep(packs[0 if burst else i], torch.bfloat16, None, 2) for i in range(jobs)]
-    deltas = [{k: torch.randn(2, *cache_codec.decoded_shape(v, 2)[1:], dtype=torch.bfloat16,
-                              generator=torch.Generator().manual_seed(9 + i)) for k, v in st.stored.items()}
-              if with_delta and i % 2 else None for i, st in enumerate(steps)]
+    deltas = [_offsets(st, 9 + i) if with_delta and i % 2 else None for i, st in enumerate(steps)]
     counter = DispatchCounter()
     with counter:
         CacheStager("meta").stage_batch(list(zip(packed, deltas)))  # another device: what a GPU host issues
@@ -116,12 +124,7 @@ def test_packed_steps_of_several_jobs_decode_each_tensor_once_for_every_job(
     assert counter.ops["aten.copy_.default"] == len(packs) + sixteen_bit, counter.ops  # + one copy per buffer
     assert counter.kernels <= len(packs) + tensors + with_delta, (counter.kernels, len(packs) + tensors)
     staged, _event = CacheStager("cpu").stage_batch(list(zip(packed, deltas)))
-    for out, st, d in zip(staged, steps, deltas):
-        for name, src in st.stored.items():
-            want = cache_codec.decode_tensor(src, torch.bfloat16, None, 2)
-            if d is not None:
-                want = d[name] + want.to(d[name])
-            assert torch.equal(out[name], want), name
+    _assert_decoded(staged, steps, deltas)
 
 
 def test_packed_steps_with_one_step_read_twice_decode_job_by_job() -> None:
