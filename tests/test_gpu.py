@@ -64,30 +64,36 @@ def warmed(tmp_path: Path):  # type: ignore[no-untyped-def]
         caches.close(wait=True)
 
 
-def test_a_packed_pinned_step_stages_on_cuda_as_decoding_each_tensor_does() -> None:
-    """A GPU host's tier keeps a step in one pinned buffer: staging it (one copy, then a kernel per
-    tensor, shared rows broadcast on the device, offsets in one multi-tensor add) gives what
-    decoding each tensor on the GPU gives, bit for bit."""
+@pytest.mark.parametrize("burst", [True, False], ids=["one-step", "two-steps"])
+def test_packed_pinned_steps_stage_on_cuda_as_decoding_each_tensor_does(burst: bool) -> None:
+    """A GPU host's tier keeps a step in one pinned buffer: staging two jobs' steps (one copy per
+    buffer, then one kernel per tensor for both jobs through a strided view, shared rows broadcast
+    on the device, offsets in one multi-tensor add) gives what decoding each tensor on the GPU
+    gives, bit for bit; both jobs at one template step (``burst``) or at two steps."""
     from workers.engine import cache_codec
     from workers.engine.staging import CacheStager, pack
 
     g = torch.Generator().manual_seed(0)
-    stored = {}
-    for b in range(4):
-        for kind in ("k", "v", "y"):
-            rows = 1 if b % 2 else 2  # shared and per-row tensors
-            stored[f"b{b}.{kind}"] = cache_codec.encode_tensor(f"b{b}.{kind}", torch.randn(rows, 64, 32, generator=g),
-                                                               "int8")
-    packed = pack(stored, pin=True)
-    assert packed.buffer.is_pinned()
-    delta = {k: torch.randn(2, 64, 32, generator=g).to(CUDA, torch.bfloat16) for k in stored}
-    steps = [cache_codec.DecodedStep(packed, torch.bfloat16, None, 2)] * 2
+    stored: list[dict[str, torch.Tensor]] = [{}, {}]
+    for step in stored:
+        for b in range(4):
+            for kind in ("k", "v", "y"):
+                rows = 1 if b % 2 else 2  # shared and per-row tensors
+                step[f"b{b}.{kind}"] = cache_codec.encode_tensor(f"b{b}.{kind}",
+                                                                 torch.randn(rows, 64, 32, generator=g), "int8")
+    if burst:
+        stored[1] = stored[0]
+    packed = [pack(step, pin=True) for step in stored]
+    assert all(p.buffer.is_pinned() for p in packed)
+    delta = {k: torch.randn(2, 64, 32, generator=g).to(CUDA, torch.bfloat16) for k in stored[0]}
+    steps = [cache_codec.DecodedStep(packed[0], torch.bfloat16, None, 2),
+             cache_codec.DecodedStep(packed[0] if burst else packed[1], torch.bfloat16, None, 2)]
     staged = CacheStager(CUDA).take_batch([("a", 0, steps[0], None), ("b", 0, steps[1], delta)])
     torch.cuda.synchronize()
-    for name, src in stored.items():
-        want = cache_codec.decode_tensor(src, torch.bfloat16, CUDA, 2)
-        assert torch.equal(staged[0][name], want), name
-        assert torch.equal(staged[1][name], delta[name] + want), name
+    for name in stored[0]:
+        want = [cache_codec.decode_tensor(step[name], torch.bfloat16, CUDA, 2) for step in stored]
+        assert torch.equal(staged[0][name], want[0]), name
+        assert torch.equal(staged[1][name], delta[name] + want[1]), name
 
 
 @pytest.mark.parametrize("kind", ["offset", "mapping"])
