@@ -75,10 +75,10 @@ Design notes
   stays available for comparison. ``cache_layout`` names it in the cache key.
 - RoPE in float32 is one complex multiply (Flux rotates (even, odd) channel pairs), one pass instead
   of diffusers' five; in half precision it is diffusers' arithmetic (it must round as the stock
-  forward does) on [S, H, hd] with tables shaped once per call (``_rope``). The single blocks write
-  attention output and MLP activations straight into proj_out's input (no concatenation). These
-  make the packed path at ratio 1 slightly cheaper than the stock forward;
-  docs/bench/maskaware_flux.md reports speedups against both.
+  forward does) on [S, H, hd] with tables shaped once per call (``_rope``). One row's pack is
+  computed with the stock forward's expressions (modulation, gated residuals, the single blocks'
+  concatenation of attention output and MLP activations for proj_out); docs/bench/maskaware_flux.md
+  reports the packed path's speed against the stock forward.
   Masked-token outputs match full compute to ~1e-6 (float summation order), not bit for bit.
 """
 
