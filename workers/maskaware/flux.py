@@ -560,13 +560,16 @@ def _rotate(x: torch.Tensor, rot: _Rot) -> torch.Tensor:
 
 def _attend(plan: _Plan, attn: Any, name: str, rope: tuple[torch.Tensor, torch.Tensor],
             q: torch.Tensor, k: torch.Tensor, k_raw: torch.Tensor, v: torch.Tensor,
-            tq: torch.Tensor, tk: torch.Tensor, tv: torch.Tensor) -> list[torch.Tensor]:
+            tq: torch.Tensor, tk: torch.Tensor, tv: torch.Tensor,
+            joint: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Joint attention per active row, as the stock forward computes it: queries are the row's text
     and computed tokens, keys and values its text and every token of the job in the job's own
     order; returns each row's output [T + m, H, hd] (its text, then its computed tokens).
 
     q, k: [M, H, hd] qk-normed image tokens (no RoPE yet), ``k_raw``: [M, H*hd] before the norm,
-    v: [M, H, hd]; tq, tk, tv: [Ba, T, H, hd] (tq, tk normed). A row that computes only some tokens
+    v: [M, H, hd]; tq, tk, tv: [Ba, T, H, hd] (tq, tk normed); ``joint``: the one active row's
+    queries and keys as [T + m, H, hd] (a single block's pack is that row's [text; image]), used
+    as they are instead of concatenating their text and image parts again. A row that computes only some tokens
     writes its fresh keys and values into its cache's tensors (``_Plan.staged``: in place when the
     cache is staged for it) and attends over them: ``roped`` caches hold keys after qk-norm and RoPE,
     so only the fresh ones are rotated; ``raw`` ones get the norm and RoPE over every key, as in the
@@ -579,16 +582,16 @@ def _attend(plan: _Plan, attn: Any, name: str, rope: tuple[torch.Tensor, torch.T
     for row in plan.active:
         a, seg = row.active, slice(row.off, row.off + row.m)
         rot = plan.row_rot(rope, row)
-        query = _rotate(torch.cat([tq[a], q[seg]]), rot)
+        query = _rotate(torch.cat([tq[a], q[seg]]) if joint is None else joint[0], rot)
         if row.fresh:
-            key = _rotate(torch.cat([tk[a], k[seg]]), rot)
+            key = _rotate(torch.cat([tk[a], k[seg]]) if joint is None else joint[1], rot)
             value = torch.cat([tv[a], v[seg]])
             if plan.kv_format == "roped":
                 plan.record_row(row, name, K_SUFFIX["roped"], key[T:])
         else:
             unit = plan.unit_reuse.get(row.row)  # temporal reuse: reused tokens from the recent offset
             if plan.kv_format == "roped":
-                fresh = _rotate(torch.cat([tk[a], k[seg]]), rot)
+                fresh = _rotate(torch.cat([tk[a], k[seg]]) if joint is None else joint[1], rot)
                 cached = _write_fresh(plan.staged(row, f"{name}.{plan.k_key}", k_raw), row, unit, plan.k_key,
                                       fresh[T:].flatten(1))
                 key = torch.cat([fresh[:T], cached.unflatten(-1, (heads, hd))])
@@ -712,7 +715,8 @@ def single_block_forward(block: FluxSingleTransformerBlock, name: str, plan: _Pl
     vh = v.unflatten(-1, (-1, hd))
     heads = qn.shape[1]
     outs = _attend(plan, attn, name, rope, qn[nt:], kn[nt:], k[nt:], vh[nt:],
-                   qn[:nt].view(ba, T, heads, hd), kn[:nt].view(ba, T, heads, hd), vh[:nt].reshape(ba, T, heads, hd))
+                   qn[:nt].view(ba, T, heads, hd), kn[:nt].view(ba, T, heads, hd), vh[:nt].reshape(ba, T, heads, hd),
+                   joint=None if one is None else (qn, kn))
     if len(outs) == 1:  # one row: [text; image], the pack's order
         attention = outs[0].flatten(1)
     else:  # the pack's order: every row's text, then every row's image tokens
