@@ -29,6 +29,10 @@
 # minutes more: spend them, with the machine still warm, on the stage that decides the most next,
 #   device run (carry .gpu):  source .gpu/setup.sh && GPU_CHECKS=resnets bash ops/gpu_checks.sh
 # (whether SDXL's mask-aware step reaches 2.5x once its ResNets compute around the mask).
+# Stage `compiled` (only when named; compilation takes minutes: a command of its own) times SD 1.5's
+# full and mask-aware steps replayed as the engine's CUDA graphs with the eager kernels, with
+# STENCIL_COMPILE=default's compiled kernels inside them, and under reduce-overhead (gpu_compiled.md):
+#   device run (carry .gpu):  source .gpu/setup.sh && GPU_CHECKS=compiled bash ops/gpu_checks.sh
 set -uo pipefail
 # Each process of a stack would otherwise compile diffusers and the project anew where the
 # environment forbids caching bytecode (device time is scarce).
@@ -89,5 +93,8 @@ stage arrivals 170 bash -c "exec python3 -m ops.bench.gpu_engine --systems stenc
 # SDXL first: whether it reaches 2.5x is what this stage decides (a stage cut at its limit keeps the JSON so far).
 stage resnets 80 bash -c "exec python3 -m ops.bench.gpu_step --parts resnets --models sdxl,sd15 --ratios 0.1,0.2 \
   --rounds 4 --out '$OUT/gpu_resnets.md' --json '$work/gpu_resnets.json' > '$work/gpu_resnets.log' 2>&1"
+# Compilations first (their times logged as they finish), then interleaved rounds.
+stage compiled 290 bash -c "exec python3 -m ops.bench.gpu_step --parts compiled --models sd15 --ratios 0.2 \
+  --rounds 4 --out '$OUT/gpu_compiled.md' --json '$work/gpu_compiled.json' > '$work/gpu_compiled.log' 2>&1"
 rm -rf "$work"
 cat "$summary"

@@ -29,6 +29,10 @@ service pools them). Parts:
 - ``reuse``: temporal reuse (``turbo``, ``workers/maskaware/reuse.py``) per step at ratio 0.2: a
   step reusing a share of every unit's patches (eager: steps with reuse are not graph-captured)
   against the mask-aware step, eager and graph, and its kernels and wall / kernel time.
+- ``compiled``: full and mask-aware steps replayed as the engine's CUDA graphs with the eager
+  kernels, with ``STENCIL_COMPILE=default``'s compiled kernels inside those graphs, and under
+  ``reduce-overhead`` (torch.compile's own CUDA graphs instead), each compilation timed apart:
+  issue 37's "CUDA graphs or torch.compile, whichever measures better" (``CompiledSteps``).
 
 ``--quick``: the shrunk models (``true_size.shrunk``) at small sizes, one round, on whatever device
 there is: the test suite's smoke run on the CPU (graphs then replay eagerly). Writes Markdown
@@ -78,13 +82,15 @@ class Case:
     calls: dict[str, Callable[[], Any]] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)
     graphs: list[Any] = field(default_factory=list)  # the ``StepGraphs`` its graph calls replay from
+    compiled: "CompiledSteps | None" = None  # its steps under ``STENCIL_COMPILE`` (``compiled=True``)
 
 
 def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: Sequence[float] = (),
-              turbo: bool = False, resnets: str = "full") -> Case:
+              turbo: bool = False, resnets: str = "full", compiled: bool = False) -> Case:
     """Full and mask-aware calls of a true-size UNet (``jobs`` CFG jobs, one template cache each),
     and ``stage int8``: staging every job's step from the int8 codec. ``resnets="masked"``: a model
-    of its own whose ResNets are mask-aware too (``workers/maskaware/resnets.py``)."""
+    of its own whose ResNets are mask-aware too (``workers/maskaware/resnets.py``). ``compiled``:
+    also the same steps under ``STENCIL_COMPILE`` (``CompiledSteps``)."""
     from workers.engine import cache_codec
     from workers.engine.staging import pack
     from workers.maskaware.unet import MaskAwareUNet, RowGroup
@@ -150,6 +156,12 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
         return lambda: unet_call(graphs, unet, ctrl, (x, t), kwargs, groups, device)[0]
 
     case.calls["full eager"], case.calls["full graph"] = eager(None), graphed(full_groups)
+    steps = CompiledSteps(device, unet, ctrl, ctrl.block_kernels) if compiled else None
+    if steps is not None:
+        case.compiled = steps
+        case.graphs.append(steps.graphs)
+        steps.add_full(case, lambda fn: fn(x, t, **kwargs)[0],
+                       lambda fn: unet_call(steps.graphs, fn, ctrl, (x, t), kwargs, full_groups, device)[0])
     for r in ratios:
         masks = [ctrl.token_masks(pixel_mask(latent * 8, r, ("blob", "rect")[j % 2], args.seed + j),
                                   (latent, latent)) for j in range(jobs)]
@@ -160,6 +172,9 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
         buckets = groups if ctrl.ragged_on(device) else [
             RowGroup(2, "masked", token_mask=m.with_buckets().prepare(device), cache=s) for m, s in zip(masks, staged)]
         case.calls[f"masked {r:g} eager"], case.calls[f"masked {r:g} graph"] = eager(groups), graphed(buckets)
+        if steps is not None:
+            steps.add_masked(case, r, eager(groups),
+                             lambda bs=buckets: unet_call(steps.graphs, unet, ctrl, (x, t), kwargs, bs, device)[0])
         if jobs in RUNS_AT and ctrl.ragged_on(device):  # the ablation: the same steps with runs (part_batch)
             runs = [RowGroup(2, "masked", token_mask=m.with_buckets().prepare(device), cache=s)
                     for m, s in zip(masks, staged)]
@@ -173,6 +188,57 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
         if turbo:
             with_turbo(case, ctrl, groups, lambda gs: eager(gs)())
     return case
+
+
+COMPILE_VARIANTS = ("graph compiled", "reduce-overhead")  # ``CompiledSteps``' calls, after "graph"
+
+
+class CompiledSteps:
+    """A case's steps under ``STENCIL_COMPILE`` (``workers/compiled.py``), what issue 37 asks to
+    weigh against the engine's CUDA graphs: ``graph compiled`` = mode ``default`` (Inductor's fused
+    kernels: the full forward compiled, the mask-aware path's packed computations compiled) captured
+    in the engine's step graphs, as the engine runs them with both on; ``reduce-overhead`` = that
+    mode's own CUDA graphs, without the engine's (``graphs.step_graphs`` turns those off under it).
+    ``make_kernels(mode)``: the controller's compiled kernels under a mode."""
+
+    MODES = ("default", "reduce-overhead")
+
+    def __init__(self, device: torch.device, model: torch.nn.Module, ctrl: Any,
+                 make_kernels: Callable[[str], Any]) -> None:
+        from workers.compiled import Compiled
+
+        self.ctrl = ctrl
+        self.graphs = StepGraphs(device, repeats=1)  # its own pool: the eager kernels' graphs have the same keys
+        self.forward = {mode: Compiled(model, f"{type(model).__name__} forward ({mode})", mode) for mode in self.MODES}
+        self.kernels = {mode: make_kernels(mode) for mode in self.MODES}
+
+    def add_full(self, case: Case, call: Callable[[Callable[..., Any]], Any],
+                 graphed: Callable[[Callable[..., Any]], Any]) -> None:
+        """``full graph compiled`` (``graphed(compiled forward)``) and ``full reduce-overhead``."""
+        case.calls["full graph compiled"] = lambda: graphed(self.forward["default"])
+        case.calls["full reduce-overhead"] = lambda: call(self.forward["reduce-overhead"])
+
+    def add_masked(self, case: Case, ratio: float, eager: Callable[[], Any], graphed: Callable[[], Any]) -> None:
+        """The masked step at ``ratio`` with the compiled kernels: in the step graphs, and eager
+        calls under ``reduce-overhead``."""
+        case.calls[f"masked {ratio:g} graph compiled"] = self._with("default", graphed)
+        case.calls[f"masked {ratio:g} reduce-overhead"] = self._with("reduce-overhead", eager)
+
+    def _with(self, mode: str, call: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            saved, self.ctrl.kernels = self.ctrl.kernels, self.kernels[mode]
+            try:
+                return call()
+            finally:
+                self.ctrl.kernels = saved
+        return run
+
+    def fallbacks(self) -> list[str]:
+        """The compiled functions that run eagerly (their compilation failed)."""
+        functions = list(self.forward.values())
+        for kernels in self.kernels.values():
+            functions += kernels.compiled() if hasattr(kernels, "compiled") else [kernels.ff]
+        return sorted({f.name for f in functions if not f.active})
 
 
 RUNS_AT = (8,)  # jobs at which ``part_batch`` also times the runs layout where the device is ragged
@@ -207,11 +273,13 @@ def padding(ctrl: Any, groups: list[Any], device: torch.device) -> float:
     return round(used / real, 4) if real else 1.0
 
 
-def flux_case(args: Any, device: torch.device, ratios: Sequence[float], turbo: bool = False) -> Case:
-    """Full and mask-aware calls of FLUX.1 Fill's transformer (one row, T5 text of 512 tokens)."""
+def flux_case(args: Any, device: torch.device, ratios: Sequence[float], turbo: bool = False,
+              compiled: bool = False) -> Case:
+    """Full and mask-aware calls of FLUX.1 Fill's transformer (one row, T5 text of 512 tokens);
+    ``compiled``: also under ``STENCIL_COMPILE`` (``CompiledSteps``)."""
     from diffusers import FluxPipeline
 
-    from workers.maskaware.flux import MaskAwareFlux, RowGroup
+    from workers.maskaware.flux import FluxKernels, MaskAwareFlux, RowGroup
     from workers.maskaware.flux_tokens import synthetic_token_grid
 
     dtype = DTYPES[args.dtype]
@@ -257,11 +325,20 @@ def flux_case(args: Any, device: torch.device, ratios: Sequence[float], turbo: b
         return lambda: flux_call(graphs, model, ctrl, kwargs, groups)
 
     case.calls["full eager"], case.calls["full graph"] = eager(None), graphed([RowGroup(1, "full")])
+    steps = CompiledSteps(device, model, ctrl, FluxKernels) if compiled else None
+    if steps is not None:
+        case.compiled = steps
+        case.graphs.append(steps.graphs)
+        steps.add_full(case, lambda fn: fn(**kwargs)[0],
+                       lambda fn: flux_call(steps.graphs, fn, ctrl, kwargs, [RowGroup(1, "full")]))
     for r in ratios:
         grid = synthetic_token_grid(side, side, r, shape="blob", seed=args.seed).flatten()
         groups = [RowGroup(1, "masked", token_mask=ctrl.prepared(grid, device), cache=staged)]
         buckets = [RowGroup(1, "masked", token_mask=ctrl.prepared(grid, device, bucketed=True), cache=staged)]
         case.calls[f"masked {r:g} eager"], case.calls[f"masked {r:g} graph"] = eager(groups), graphed(buckets)
+        if steps is not None:
+            steps.add_masked(case, r, eager(groups),
+                             lambda bs=buckets: flux_call(steps.graphs, model, ctrl, kwargs, bs))
         if turbo:
             with_turbo(case, ctrl, groups, lambda gs: eager(gs)())
     return case
@@ -624,8 +701,52 @@ def part_reuse(args: Any, device: torch.device) -> list[str]:
     return lines + [""]
 
 
+def part_compiled(args: Any, device: torch.device) -> list[str]:
+    """Graph-replayed steps with the eager kernels against ``STENCIL_COMPILE``'s (``CompiledSteps``):
+    the first call of each compiled step (its compilation) timed apart, then interleaved rounds."""
+    lines = ["## Compiled steps: CUDA graphs with eager or compiled kernels, and `reduce-overhead` (one job)", "",
+             "Speedups are against the full step replayed as a CUDA graph with the eager kernels (the "
+             "engine's default). *graph compiled*: `STENCIL_COMPILE=default` (Inductor's kernels) inside the "
+             "engine's step graphs; *reduce-overhead*: that mode's own CUDA graphs instead of the engine's.", "",
+             "| model | step | graph ms | graph compiled ms | reduce-overhead ms | vs full graph: graph / "
+             "graph compiled / reduce-overhead | first call (compilation) s: graph compiled / reduce-overhead |",
+             "|---|---|---|---|---|---|---|"]
+    fallbacks: list[str] = []
+    # The compiled functions are shared by the models and modes of a run: room for their shapes,
+    # and a function past the limit fails (reported below) rather than silently running eagerly.
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    for key in args.models:
+        case = (flux_case(args, device, args.ratios, compiled=True) if key == "flux"
+                else unet_case(key, args, device, ratios=args.ratios, compiled=True))
+        names = ["full", *(f"masked {r:g}" for r in args.ratios)]
+        case.calls = {f"{n} {v}": case.calls[f"{n} {v}"] for n in names for v in ("graph", *COMPILE_VARIANTS)}
+        first = {}
+        with torch.no_grad():
+            for name, call in case.calls.items():
+                if name.endswith(COMPILE_VARIANTS):
+                    t0 = time.perf_counter()
+                    call()
+                    sync(device)
+                    first[name] = time.perf_counter() - t0
+                    log.info("%s %s: first call (compilation) %.1f s", case.label, name, first[name])
+        t = measure(case, args, device)
+        fell = case.compiled.fallbacks() if case.compiled is not None else []
+        fallbacks += [f"{case.label}: {name}" for name in fell]
+        args.results.setdefault("compiled", {})[key] = {"ms": {k: v * 1e3 for k, v in t.items()}, "first_s": first,
+                                                        "fell_back": fell}
+        full = t["full graph"]
+        for n in names:
+            row = [t[f"{n} {v}"] for v in ("graph", *COMPILE_VARIANTS)]
+            lines.append(f"| {case.label} | {n} | " + " | ".join(f"{x * 1e3:.1f}" for x in row) + " | "
+                         + " / ".join(f"{full / x:.2f}x" for x in row) + " | "
+                         + " / ".join(f"{first[f'{n} {v}']:.1f}" for v in COMPILE_VARIANTS) + " |")
+        log.info("%s compiled: %s", case.label, {k: round(v * 1e3, 2) for k, v in t.items()})
+    return lines + [""] + ([f"Fell back to eager: {', '.join(fallbacks)}.", ""] if fallbacks else [])
+
+
 PARTS = {"step": part_step, "batch": part_batch, "profile": part_profile, "dispatch": part_dispatch,
-         "flops": part_flops, "resnets": part_resnets, "reuse": part_reuse}
+         "flops": part_flops, "resnets": part_resnets, "reuse": part_reuse, "compiled": part_compiled}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
