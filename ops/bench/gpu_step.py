@@ -405,19 +405,53 @@ def profile_call(call: Callable[[], Any], device: torch.device) -> dict[str, flo
             sync(device)
     kernels = copies = syncs = 0
     kernel_us = 0.0
+    by_name: dict[str, list[float]] = {}  # kernel -> [launches, device us]
     for ev in prof.events():
         name = ev.name
         on_device = getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type)
         if on_device and not name.startswith("Memcpy") and not name.startswith("Memset"):
             kernels += 1
-            kernel_us += ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+            us = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+            kernel_us += us
+            tally = by_name.setdefault(name, [0, 0.0])
+            tally[0] += 1
+            tally[1] += us
         if name.startswith("cudaMemcpy") or (on_device and name.startswith("Memcpy")):
             copies += 1 if name.startswith("cudaMemcpy") else 0
         if (name.startswith(CUDA_SYNC_EVENTS) if device.type == "cuda" else name in CPU_SYNC_OPERATORS):
             syncs += 1
     syncs -= 1 if device.type == "cuda" else 0  # ours, closing the profiled region
+    classes: dict[str, float] = dict.fromkeys(KERNEL_CLASSES, 0.0)
+    for name, (_n, us) in by_name.items():
+        classes[kernel_class(name)] += us / 1e3
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
     return {"kernels": kernels, "copies": copies, "syncs": max(syncs, 0), "kernel_ms": kernel_us / 1e3,
-            "wall_ms": wall * 1e3}
+            "wall_ms": wall * 1e3, "class_ms": classes,
+            "top": [{"kernel": name[:160], "launches": int(n), "ms": us / 1e3} for name, (n, us) in top]}
+
+
+# Where a step's kernel time goes, by kernel name (cuBLAS/CUTLASS, cuDNN and PyTorch's own kernel
+# names; a name matching none of these is "other"). First match wins: cuDNN's convolutions are
+# implicit GEMMs, so convolution is tested before GEMM.
+KERNEL_CLASSES: dict[str, tuple[str, ...]] = {
+    "attention": ("flash", "fmha", "attention", "attn", "softmax"),
+    "convolution": ("conv", "fprop", "dgrad", "implicit_gemm", "winograd"),
+    "gemm": ("gemm", "gemv", "cutlass", "xmma", "matmul", "splitk", "cublas", "triton_tem"),
+    "norm, reduction": ("norm", "welford", "moments", "reduce", "triton_red", "triton_per"),
+    "copy, layout": ("copy", "cat", "index", "scatter", "gather", "fill", "nchw", "nhwc", "transpose"),
+    "elementwise": ("elementwise", "vectorized", "unrolled", "activation", "silu", "gelu", "triton_poi"),
+    "other": (),
+}
+TOP_KERNELS = 10  # kernels kept by name per profiled step (JSON)
+
+
+def kernel_class(name: str) -> str:
+    """The class of a device kernel by its name (``KERNEL_CLASSES``)."""
+    low = name.lower()
+    for cls, marks in KERNEL_CLASSES.items():
+        if any(m in low for m in marks):
+            return cls
+    return "other"
 
 
 def part_step(args: Any, device: torch.device) -> list[str]:
@@ -476,6 +510,12 @@ def part_profile(args: Any, device: torch.device) -> list[str]:
             ratio = p["wall_ms"] / p["kernel_ms"] if p["kernel_ms"] else math.nan
             lines.append(f"| {case.label} | {name} | {p['kernels']} | {p['copies']} | {p['syncs']} | "
                          f"{p['kernel_ms']:.1f} | {p['wall_ms']:.1f} | {ratio:.2f} |")
+    lines += ["", "Kernel time by kind (ms; by kernel name, `kernel_class`; the ten longest kernels by name "
+              "are in the JSON):", "",
+              "| model | step | " + " | ".join(KERNEL_CLASSES) + " |", "|---|---|" + "---|" * len(KERNEL_CLASSES)]
+    for key, steps in args.results.get("profile", {}).items():
+        for name, p in steps.items():
+            lines.append(f"| {key} | {name} | " + " | ".join(f"{p['class_ms'][c]:.2f}" for c in KERNEL_CLASSES) + " |")
     return lines + [""]
 
 
