@@ -33,6 +33,7 @@ def _cases() -> list:  # type: ignore[type-arg]
     cases = [(name, []) for name in BENCHMARKS] + [("bubble", ["--mode", "steady"]), ("bubble", ["--mode", "replay"]),
                                                    ("gpu_step", ["--parts", "reuse", "--models", "sd15,flux"]),
                                                    ("gpu_step", ["--parts", "resnets,flops", "--models", "sd15"]),
+                                                   ("gpu_step", ["--parts", "dispatch", "--models", "sd15,flux"]),
                                                    ("maskaware_unet", ["--resnets", "full,masked"])]
     return [pytest.param(name, extra, id=" ".join([name, *extra]),
                          marks=[pytest.mark.integration] if name in STARTS_PROCESSES else [])

@@ -122,3 +122,24 @@ def test_a_failed_compilation_runs_eagerly_with_a_log_line(monkeypatch: pytest.M
     assert not Compiled(layer, "off", "off").active
     with pytest.raises(ValueError, match="STENCIL_COMPILE"):
         check_mode("fast")
+
+
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_attention_output_is_divided_only_by_a_factor_other_than_one(factor: float) -> None:
+    """diffusers divides attention's output by ``rescale_output_factor`` (1 in SD and SDXL): the
+    packed path skips a division by 1 (it changes no bit: a kernel per block saved) and keeps any other."""
+    from diffusers.models.attention_processor import Attention
+
+    from ops.bench.harness.dispatch import DispatchCounter
+    from workers.compiled import attn_out_residual
+
+    attn = Attention(16, heads=2, dim_head=8, rescale_output_factor=factor).eval().to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    o, x = (torch.randn(5, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        counter = DispatchCounter()
+        with counter:
+            got = attn_out_residual(attn, o, x)
+        want = attn.to_out[1](attn.to_out[0](o)) / factor + x  # the stock processor's expression
+    assert torch.equal(got, want)
+    assert ("aten.div.Tensor" in counter.ops) == (factor != 1.0), counter.ops

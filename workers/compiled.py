@@ -73,7 +73,10 @@ class Compiled(Generic[R]):
 
 
 def attn_out_residual(attn: Any, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return attn.to_out[1](attn.to_out[0](o)) / attn.rescale_output_factor + x
+    y = attn.to_out[1](attn.to_out[0](o))
+    if attn.rescale_output_factor != 1.0:  # dividing by 1 changes no bit: a kernel per call saved
+        y = y / attn.rescale_output_factor
+    return y + x
 
 
 def cross_q(blk: Any, x: torch.Tensor) -> torch.Tensor:

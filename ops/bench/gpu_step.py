@@ -156,12 +156,12 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
         return lambda: unet_call(graphs, unet, ctrl, (x, t), kwargs, groups, device)[0]
 
     case.calls["full eager"], case.calls["full graph"] = eager(None), graphed(full_groups)
-    steps = CompiledSteps(device, unet, ctrl, ctrl.block_kernels) if compiled else None
-    if steps is not None:
-        case.compiled = steps
-        case.graphs.append(steps.graphs)
-        steps.add_full(case, lambda fn: fn(x, t, **kwargs)[0],
-                       lambda fn: unet_call(steps.graphs, fn, ctrl, (x, t), kwargs, full_groups, device)[0])
+    variants = CompiledSteps(device, unet, ctrl, ctrl.block_kernels) if compiled else None
+    if variants is not None:
+        case.compiled = variants
+        case.graphs.append(variants.graphs)
+        variants.add_full(case, lambda fn: fn(x, t, **kwargs)[0],
+                          lambda fn: unet_call(variants.graphs, fn, ctrl, (x, t), kwargs, full_groups, device)[0])
     for r in ratios:
         masks = [ctrl.token_masks(pixel_mask(latent * 8, r, ("blob", "rect")[j % 2], args.seed + j),
                                   (latent, latent)) for j in range(jobs)]
@@ -172,9 +172,10 @@ def unet_case(key: str, args: Any, device: torch.device, jobs: int = 1, ratios: 
         buckets = groups if ctrl.ragged_on(device) else [
             RowGroup(2, "masked", token_mask=m.with_buckets().prepare(device), cache=s) for m, s in zip(masks, staged)]
         case.calls[f"masked {r:g} eager"], case.calls[f"masked {r:g} graph"] = eager(groups), graphed(buckets)
-        if steps is not None:
-            steps.add_masked(case, r, eager(groups),
-                             lambda bs=buckets: unet_call(steps.graphs, unet, ctrl, (x, t), kwargs, bs, device)[0])
+        if variants is not None:
+            graphs_c = variants.graphs
+            variants.add_masked(case, r, eager(groups),
+                                lambda bs=buckets: unet_call(graphs_c, unet, ctrl, (x, t), kwargs, bs, device)[0])
         if jobs in RUNS_AT and ctrl.ragged_on(device):  # the ablation: the same steps with runs (part_batch)
             runs = [RowGroup(2, "masked", token_mask=m.with_buckets().prepare(device), cache=s)
                     for m, s in zip(masks, staged)]
@@ -325,20 +326,20 @@ def flux_case(args: Any, device: torch.device, ratios: Sequence[float], turbo: b
         return lambda: flux_call(graphs, model, ctrl, kwargs, groups)
 
     case.calls["full eager"], case.calls["full graph"] = eager(None), graphed([RowGroup(1, "full")])
-    steps = CompiledSteps(device, model, ctrl, FluxKernels) if compiled else None
-    if steps is not None:
-        case.compiled = steps
-        case.graphs.append(steps.graphs)
-        steps.add_full(case, lambda fn: fn(**kwargs)[0],
-                       lambda fn: flux_call(steps.graphs, fn, ctrl, kwargs, [RowGroup(1, "full")]))
+    variants = CompiledSteps(device, model, ctrl, FluxKernels) if compiled else None
+    if variants is not None:
+        case.compiled = variants
+        case.graphs.append(variants.graphs)
+        variants.add_full(case, lambda fn: fn(**kwargs)[0],
+                       lambda fn: flux_call(variants.graphs, fn, ctrl, kwargs, [RowGroup(1, "full")]))
     for r in ratios:
         grid = synthetic_token_grid(side, side, r, shape="blob", seed=args.seed).flatten()
         groups = [RowGroup(1, "masked", token_mask=ctrl.prepared(grid, device), cache=staged)]
         buckets = [RowGroup(1, "masked", token_mask=ctrl.prepared(grid, device, bucketed=True), cache=staged)]
         case.calls[f"masked {r:g} eager"], case.calls[f"masked {r:g} graph"] = eager(groups), graphed(buckets)
-        if steps is not None:
-            steps.add_masked(case, r, eager(groups),
-                             lambda bs=buckets: flux_call(steps.graphs, model, ctrl, kwargs, bs))
+        if variants is not None:
+            variants.add_masked(case, r, eager(groups),
+                                lambda bs=buckets: flux_call(variants.graphs, model, ctrl, kwargs, bs))
         if turbo:
             with_turbo(case, ctrl, groups, lambda gs: eager(gs)())
     return case
