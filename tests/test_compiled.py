@@ -143,3 +143,31 @@ def test_attention_output_is_divided_only_by_a_factor_other_than_one(factor: flo
         want = attn.to_out[1](attn.to_out[0](o)) / factor + x  # the stock processor's expression
     assert torch.equal(got, want)
     assert ("aten.div.Tensor" in counter.ops) == (factor != 1.0), counter.ops
+
+
+def test_packed_computations_never_take_torch_compiles_own_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a mode with CUDA graphs of its own, every call of a compiled function starts a new
+    graph generation and frees the previous call's outputs: the packed blocks, whose outputs feed
+    the next block's compiled call, compile without them; a whole forward keeps the mode."""
+    from workers.maskaware.flux import FluxKernels
+
+    modes: dict[str, object] = {}
+
+    def record(fn: object, **kwargs: object) -> object:  # torch.compile, noting the mode asked for
+        modes[getattr(fn, "__name__", "?")] = kwargs["mode"]
+        return fn
+
+    def whole_forward(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    monkeypatch.setattr(torch, "compile", record)
+    for mode, packed in (("reduce-overhead", None), ("max-autotune", "max-autotune-no-cudagraphs"), ("default", None)):
+        modes.clear()
+        kernels = BlockKernels(mode)
+        FluxKernels(mode)
+        Compiled(whole_forward, "whole forward", mode)
+        assert modes.pop("whole_forward") == (None if mode == "default" else mode)
+        assert {n for n in ("attn_out_residual", "cross_q", "ff_residual", "fused", "norm_then_fused",
+                            "_call_module")} <= set(modes), modes
+        assert set(modes.values()) == {packed}, (mode, modes)
+        assert all(c.active for c in kernels.compiled())

@@ -23,6 +23,7 @@ from ops.bench.gpu_step import KERNEL_CLASSES, kernel_class
     ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::OpaqueType<2u>>", "copy, layout"),
     ("triton_poi_fused_add_mul_silu_0", "elementwise"),
     ("triton_red_fused_native_group_norm_1", "norm, reduction"),
+    ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_TNT", "gemm"),
     ("some_unknown_kernel", "other"),
 ])
 def test_kernels_are_sorted_by_kind_from_their_names(name: str, kind: str) -> None:

@@ -40,17 +40,27 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+# The torch.compile mode of a function whose outputs feed the next compiled call before the step
+# is over (the packed blocks' computations, block after block), for each STENCIL_COMPILE mode: no
+# CUDA graphs of torch.compile's own there. Under them each call of a compiled function starts a
+# new graph generation and frees the previous call's outputs, which the next call still reads
+# (pytorch/pytorch#160281, #152887).
+WITHOUT_OWN_GRAPHS = {"default": None, "reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
+
+
 class Compiled(Generic[R]):
     """``fn`` through ``torch.compile(dynamic=True)`` under ``mode``, or as is with mode ``off``.
     The first failure of the compiled function logs and switches it to eager for good (eager then
-    raises whatever error the inputs themselves cause)."""
+    raises whatever error the inputs themselves cause). ``own_graphs=False``: never torch.compile's
+    own CUDA graphs (``WITHOUT_OWN_GRAPHS``), for functions called several times within a step."""
 
-    def __init__(self, fn: Callable[..., R], name: str, mode: str = "off") -> None:
+    def __init__(self, fn: Callable[..., R], name: str, mode: str = "off", own_graphs: bool = True) -> None:
         self.fn, self.name, self.mode = fn, name, check_mode(mode)
         self.failed = False
         self._compiled: Callable[..., R] | None = None
         if self.mode != "off":
-            self._compiled = torch.compile(fn, dynamic=True, mode=None if self.mode == "default" else self.mode)
+            own = None if self.mode == "default" else self.mode
+            self._compiled = torch.compile(fn, dynamic=True, mode=own if own_graphs else WITHOUT_OWN_GRAPHS[self.mode])
 
     @property
     def active(self) -> bool:
@@ -119,7 +129,7 @@ class CompiledProjections:
                  eager: Callable[..., tuple[torch.Tensor, ...]], name: str, mode: str,
                  passive: Sequence[str]) -> None:
         self.linears, self.before, self.passive, self.eager = linears, before, tuple(passive), eager
-        self.fused = Compiled(fused if before is None else norm_then_fused, name, mode)
+        self.fused = Compiled(fused if before is None else norm_then_fused, name, mode, own_graphs=False)
 
     @property
     def active(self) -> bool:
@@ -135,9 +145,10 @@ class CompiledProjections:
 
 
 class BlockKernels:
-    """The packed path's token-wise computations, compiled together under one mode. A block's
-    projections of one input run as one GEMM where the modules allow it (``passive``: names of the
-    caller's diffusers hooks on them that do nothing in the packed path), eager or compiled."""
+    """The packed path's token-wise computations, compiled together under one mode (never with
+    torch.compile's own CUDA graphs: ``WITHOUT_OWN_GRAPHS``). A block's projections of one input
+    run as one GEMM where the modules allow it (``passive``: names of the caller's diffusers hooks
+    on them that do nothing in the packed path), eager or compiled."""
 
     def __init__(self, mode: str = "off", passive: Sequence[str] = ()) -> None:
         self.mode = check_mode(mode)
@@ -151,9 +162,9 @@ class BlockKernels:
                                                 self.mode, passive)
             self.text_kv = CompiledProjections(lambda a: (a.to_k, a.to_v), None, self.text_kv,
                                                "packed cross-attention K/V", self.mode, passive)
-        self.attn_out = Compiled(attn_out_residual, "packed attention output", self.mode)
-        self.cross_q = Compiled(cross_q, "packed cross-attention Q", self.mode)
-        self.ff = Compiled(ff_residual, "packed feed-forward", self.mode)
+        self.attn_out = Compiled(attn_out_residual, "packed attention output", self.mode, own_graphs=False)
+        self.cross_q = Compiled(cross_q, "packed cross-attention Q", self.mode, own_graphs=False)
+        self.ff = Compiled(ff_residual, "packed feed-forward", self.mode, own_graphs=False)
 
     def compiled(self) -> list[Compiled[Any]]:
         """Every compiled function (to report which fell back to eager)."""

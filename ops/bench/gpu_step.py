@@ -199,7 +199,9 @@ class CompiledSteps:
     weigh against the engine's CUDA graphs: ``graph compiled`` = mode ``default`` (Inductor's fused
     kernels: the full forward compiled, the mask-aware path's packed computations compiled) captured
     in the engine's step graphs, as the engine runs them with both on; ``reduce-overhead`` = that
-    mode's own CUDA graphs, without the engine's (``graphs.step_graphs`` turns those off under it).
+    mode as the engine runs it, without the engine's graphs (``graphs.step_graphs`` turns them off
+    under it): the full forward in torch.compile's own graphs, the packed computations compiled
+    without them (``workers.compiled.WITHOUT_OWN_GRAPHS``).
     ``make_kernels(mode)``: the controller's compiled kernels under a mode."""
 
     MODES = ("default", "reduce-overhead")
@@ -387,7 +389,7 @@ def measure(case: Case, args: Any, device: torch.device) -> dict[str, float]:
     return {name: median(v) for name, v in samples.items()}
 
 
-def profile_call(call: Callable[[], Any], device: torch.device) -> dict[str, float]:
+def profile_call(call: Callable[[], Any], device: torch.device) -> dict[str, Any]:
     """Kernels, copies and host syncs of one call, its kernel time, and its wall time (synchronised)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -437,7 +439,7 @@ def profile_call(call: Callable[[], Any], device: torch.device) -> dict[str, flo
 KERNEL_CLASSES: dict[str, tuple[str, ...]] = {
     "attention": ("flash", "fmha", "attention", "attn", "softmax"),
     "convolution": ("conv", "fprop", "dgrad", "implicit_gemm", "winograd"),
-    "gemm": ("gemm", "gemv", "cutlass", "xmma", "matmul", "splitk", "cublas", "triton_tem"),
+    "gemm": ("gemm", "gemv", "cutlass", "xmma", "matmul", "splitk", "cublas", "nvjet", "triton_tem"),
     "norm, reduction": ("norm", "welford", "moments", "reduce", "triton_red", "triton_per"),
     "copy, layout": ("copy", "cat", "index", "scatter", "gather", "fill", "nchw", "nhwc", "transpose"),
     "elementwise": ("elementwise", "vectorized", "unrolled", "activation", "silu", "gelu", "triton_poi"),
@@ -744,46 +746,59 @@ def part_reuse(args: Any, device: torch.device) -> list[str]:
 
 def part_compiled(args: Any, device: torch.device) -> list[str]:
     """Graph-replayed steps with the eager kernels against ``STENCIL_COMPILE``'s (``CompiledSteps``):
-    the first call of each compiled step (its compilation) timed apart, then interleaved rounds."""
+    the first call of each compiled step (its compilation) timed apart, then interleaved rounds. A
+    variant whose first call raises is reported with its error and left out of the rounds."""
+    from torch._dynamo.utils import counters
+
     lines = ["## Compiled steps: CUDA graphs with eager or compiled kernels, and `reduce-overhead` (one job)", "",
              "Speedups are against the full step replayed as a CUDA graph with the eager kernels (the "
              "engine's default). *graph compiled*: `STENCIL_COMPILE=default` (Inductor's kernels) inside the "
-             "engine's step graphs; *reduce-overhead*: that mode's own CUDA graphs instead of the engine's.", "",
+             "engine's step graphs; *reduce-overhead*: that mode as the engine runs it, without the engine's "
+             "graphs: a full step's whole forward in torch.compile's own CUDA graphs, a mask-aware step eager "
+             "around its compiled block computations (which never take those graphs, `WITHOUT_OWN_GRAPHS`).", "",
              "| model | step | graph ms | graph compiled ms | reduce-overhead ms | vs full graph: graph / "
              "graph compiled / reduce-overhead | first call (compilation) s: graph compiled / reduce-overhead |",
              "|---|---|---|---|---|---|---|"]
-    fallbacks: list[str] = []
+    notes: list[str] = []
     # The compiled functions are shared by the models and modes of a run: room for their shapes,
-    # and a function past the limit fails (reported below) rather than silently running eagerly.
-    torch._dynamo.config.recompile_limit = 64
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
-    for key in args.models:
-        case = (flux_case(args, device, args.ratios, compiled=True) if key == "flux"
-                else unet_case(key, args, device, ratios=args.ratios, compiled=True))
-        names = ["full", *(f"masked {r:g}" for r in args.ratios)]
-        case.calls = {f"{n} {v}": case.calls[f"{n} {v}"] for n in names for v in ("graph", *COMPILE_VARIANTS)}
-        first = {}
-        with torch.no_grad():
-            for name, call in case.calls.items():
-                if name.endswith(COMPILE_VARIANTS):
+    # and a function past the limit fails (reported) rather than silently running eagerly.
+    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+        for key in args.models:
+            case = (flux_case(args, device, args.ratios, compiled=True) if key == "flux"
+                    else unet_case(key, args, device, ratios=args.ratios, compiled=True))
+            names = ["full", *(f"masked {r:g}" for r in args.ratios)]
+            case.calls = {f"{n} {v}": case.calls[f"{n} {v}"] for n in names for v in ("graph", *COMPILE_VARIANTS)}
+            result = args.results.setdefault("compiled", {}).setdefault(key, {"first_s": {}, "errors": {}})
+            with torch.no_grad():
+                for name in [n for n in case.calls if n.endswith(COMPILE_VARIANTS)]:
                     t0 = time.perf_counter()
-                    call()
-                    sync(device)
-                    first[name] = time.perf_counter() - t0
-                    log.info("%s %s: first call (compilation) %.1f s", case.label, name, first[name])
-        t = measure(case, args, device)
-        fell = case.compiled.fallbacks() if case.compiled is not None else []
-        fallbacks += [f"{case.label}: {name}" for name in fell]
-        args.results.setdefault("compiled", {})[key] = {"ms": {k: v * 1e3 for k, v in t.items()}, "first_s": first,
-                                                        "fell_back": fell}
-        full = t["full graph"]
-        for n in names:
-            row = [t[f"{n} {v}"] for v in ("graph", *COMPILE_VARIANTS)]
-            lines.append(f"| {case.label} | {n} | " + " | ".join(f"{x * 1e3:.1f}" for x in row) + " | "
-                         + " / ".join(f"{full / x:.2f}x" for x in row) + " | "
-                         + " / ".join(f"{first[f'{n} {v}']:.1f}" for v in COMPILE_VARIANTS) + " |")
-        log.info("%s compiled: %s", case.label, {k: round(v * 1e3, 2) for k, v in t.items()})
-    return lines + [""] + ([f"Fell back to eager: {', '.join(fallbacks)}.", ""] if fallbacks else [])
+                    try:
+                        case.calls[name]()
+                        sync(device)
+                    except Exception as exc:  # reported; the other variants still run
+                        log.exception("%s %s: first call failed", case.label, name)
+                        result["errors"][name] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+                        del case.calls[name]
+                        continue
+                    result["first_s"][name] = time.perf_counter() - t0  # kept as they come: a stage cut short
+                    log.info("%s %s: first call (compilation) %.1f s", case.label, name, result["first_s"][name])
+            t = measure(case, args, device)
+            fell = case.compiled.fallbacks() if case.compiled is not None else []
+            # graphs torch.compile's own mode skipped (its reasons are logged): they run eagerly
+            result.update(ms={k: v * 1e3 for k, v in t.items()}, fell_back=fell,
+                          cudagraph_skips=counters["inductor"]["cudagraph_skips"])
+            notes += [f"- {case.label}: {name} runs eagerly (its compilation failed)" for name in fell]
+            notes += [f"- {case.label}: {name} failed: `{err}`" for name, err in result["errors"].items()]
+            full = t["full graph"]
+            for n in names:
+                cells = [t.get(f"{n} {v}") for v in ("graph", *COMPILE_VARIANTS)]
+                firsts = [result["first_s"].get(f"{n} {v}") for v in COMPILE_VARIANTS]
+                lines.append(f"| {case.label} | {n} | "
+                             + " | ".join("failed" if x is None else f"{x * 1e3:.1f}" for x in cells) + " | "
+                             + " / ".join("-" if x is None else f"{full / x:.2f}x" for x in cells) + " | "
+                             + " / ".join("-" if x is None else f"{x:.1f}" for x in firsts) + " |")
+            log.info("%s compiled: %s", case.label, {k: round(v * 1e3, 2) for k, v in t.items()})
+    return lines + [""] + (notes + [""] if notes else [])
 
 
 PARTS = {"step": part_step, "batch": part_batch, "profile": part_profile, "dispatch": part_dispatch,

@@ -623,7 +623,7 @@ class FluxKernels:
     ``STENCIL_COMPILE`` (workers/compiled.py); eager while per-row adapter layouts are in use."""
 
     def __init__(self, mode: str = "off") -> None:
-        self.ff = Compiled(_call_module, "packed Flux feed-forward", mode)
+        self.ff = Compiled(_call_module, "packed Flux feed-forward", mode, own_graphs=False)  # called per block
 
     def pick(self) -> "FluxKernels":
         return _EAGER_FLUX if layout.wanted() else self
