@@ -167,7 +167,7 @@ def test_packed_computations_never_take_torch_compiles_own_cuda_graphs(monkeypat
         FluxKernels(mode)
         Compiled(whole_forward, "whole forward", mode)
         assert modes.pop("whole_forward") == (None if mode == "default" else mode)
-        assert {n for n in ("attn_out_residual", "cross_q", "ff_residual", "fused", "norm_then_fused",
+        assert {n for n in ("attn_out_residual", "cross_q", "ff_residual", "fused_linear", "norm_then_fused",
                             "_call_module")} <= set(modes), modes
         assert set(modes.values()) == {packed}, (mode, modes)
         assert all(c.active for c in kernels.compiled())

@@ -23,9 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
-import torch.nn.functional as F
 
-from workers.fused_projections import current, project
+from workers.fused_projections import current, fused_linear, project
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +110,7 @@ def text_kv_fused(attn: Any, src: torch.Tensor, passive: Sequence[str] = ()) -> 
 
 def norm_then_fused(norm: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    return F.linear(norm(x), weight, bias).split(sizes, dim=-1)
-
-
-def fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-          sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    return F.linear(x, weight, bias).split(sizes, dim=-1)
+    return fused_linear(norm(x), weight, bias, sizes)
 
 
 class CompiledProjections:
@@ -129,7 +123,7 @@ class CompiledProjections:
                  eager: Callable[..., tuple[torch.Tensor, ...]], name: str, mode: str,
                  passive: Sequence[str]) -> None:
         self.linears, self.before, self.passive, self.eager = linears, before, tuple(passive), eager
-        self.fused = Compiled(fused if before is None else norm_then_fused, name, mode, own_graphs=False)
+        self.fused = Compiled(fused_linear if before is None else norm_then_fused, name, mode, own_graphs=False)
 
     @property
     def active(self) -> bool:

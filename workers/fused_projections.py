@@ -147,7 +147,13 @@ def project(linears: Sequence[torch.nn.Linear], x: torch.Tensor,
     fused = current(linears, passive)
     if fused is None:
         return tuple(m(x) for m in linears)
-    return tuple(F.linear(x, fused.weight, fused.bias).split(fused.sizes, dim=-1))
+    return fused_linear(x, fused.weight, fused.bias, fused.sizes)
 
 
-__all__ = ["Fused", "current", "fuse", "project", "unfuse"]
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """One GEMM of ``x`` with a fused weight, split back into each module's output."""
+    return F.linear(x, weight, bias).split(sizes, dim=-1)
+
+
+__all__ = ["Fused", "current", "fuse", "fused_linear", "project", "unfuse"]

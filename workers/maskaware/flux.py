@@ -569,11 +569,11 @@ def _attend(plan: _Plan, attn: Any, name: str, rope: tuple[torch.Tensor, torch.T
     q, k: [M, H, hd] qk-normed image tokens (no RoPE yet), ``k_raw``: [M, H*hd] before the norm,
     v: [M, H, hd]; tq, tk, tv: [Ba, T, H, hd] (tq, tk normed); ``joint``: the one active row's
     queries and keys as [T + m, H, hd] (a single block's pack is that row's [text; image]), used
-    as they are instead of concatenating their text and image parts again. A row that computes only some tokens
-    writes its fresh keys and values into its cache's tensors (``_Plan.staged``: in place when the
-    cache is staged for it) and attends over them: ``roped`` caches hold keys after qk-norm and RoPE,
-    so only the fresh ones are rotated; ``raw`` ones get the norm and RoPE over every key, as in the
-    stock forward.
+    as they are instead of concatenating their text and image parts again. A row that computes
+    only some tokens writes its fresh keys and values into its cache's tensors (``_Plan.staged``:
+    in place when the cache is staged for it) and attends over them: ``roped`` caches hold keys
+    after qk-norm and RoPE, so only the fresh ones are rotated; ``raw`` ones get the norm and RoPE
+    over every key, as in the stock forward.
     """
     T = plan.T
     heads, hd = q.shape[1], q.shape[2]
@@ -582,6 +582,7 @@ def _attend(plan: _Plan, attn: Any, name: str, rope: tuple[torch.Tensor, torch.T
     for row in plan.active:
         a, seg = row.active, slice(row.off, row.off + row.m)
         rot = plan.row_rot(rope, row)
+        # ``joint``: no slicing of the parts at all (each slice is an operator the host issues)
         query = _rotate(torch.cat([tq[a], q[seg]]) if joint is None else joint[0], rot)
         if row.fresh:
             key = _rotate(torch.cat([tk[a], k[seg]]) if joint is None else joint[1], rot)
